@@ -1,0 +1,3 @@
+from rtp.cli import main
+
+raise SystemExit(main())

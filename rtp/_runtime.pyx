@@ -1,0 +1,1611 @@
+# cython: language_level=3
+"""rtp's tier-2 runtime: the parts that run every engine step, compiled to C.
+
+Three structures, all state in C arrays, nothing allocated per step:
+
+    BlockAllocator  paged KV blocks with reference counts and one intrusive free list
+    RadixCache      block-granular radix tree over token ids (prefix reuse)
+    Scheduler       continuous batching under a token budget, writing each step's
+                    plan into the numpy buffers of a StepPlan
+
+No torch here: the runtime speaks numpy, so the model runner aliases the plan's
+arrays as tensors and the FlexLB master can reuse RadixCache without a model.
+
+The one invariant that ties allocator and cache together
+---------------------------------------------------------
+A holder (a request, or a caller of RadixCache.lock) that holds a block of the
+tree also holds every ancestor block of it (the blocks before it on its root
+path). Holders take refs root-first and release tail-first, so an ancestor's
+refcount drops to zero no earlier than any descendant's. Released cached blocks
+join the free list at the tail, so in the free list every cached block stands
+before its ancestors: popping the head evicts a leaf's last block, never a
+block that something in the tree still hangs from. Truly free (uncached) blocks
+join at the head and are used before any cached block is evicted.
+
+    free list:  sentinel -> [truly free ...] -> [cached, least recently used first ...] -> sentinel
+"""
+
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcmp, memcpy, memmove, memset
+
+import numpy as np
+
+# Finish reasons written into update()'s events (and the Python constants below).
+cdef enum:
+    _FINISH_NONE = 0
+    _FINISH_STOP = 1      # an eos id or one of the request's stop token ids
+    _FINISH_LENGTH = 2    # max_tokens or max_model_len reached
+    _FINISH_ABORT = 3
+    _FINISH_REMOTE = 4    # prefill-only request: decoding continues elsewhere, blocks held
+
+FINISH_NONE = _FINISH_NONE
+FINISH_STOP = _FINISH_STOP
+FINISH_LENGTH = _FINISH_LENGTH
+FINISH_ABORT = _FINISH_ABORT
+FINISH_REMOTE = _FINISH_REMOTE
+FINISH_REASONS = {_FINISH_NONE: None, _FINISH_STOP: "stop", _FINISH_LENGTH: "length",
+                  _FINISH_ABORT: "abort", _FINISH_REMOTE: "remote"}
+
+# Request states.
+cdef enum:
+    _FREE = 0        # slot unused
+    _WAITING = 1     # queued; holds no blocks
+    _RUNNING = 2     # admitted; holds blocks for its computed tokens
+    _HELD = 3        # prefill-only and done: holds its blocks until release()
+
+STATE_NAMES = {_FREE: "free", _WAITING: "waiting", _RUNNING: "running", _HELD: "held"}
+
+POLICY_FCFS = 0
+POLICY_LPM = 1
+
+
+cdef inline int _cdiv(int64_t a, int64_t b) noexcept nogil:
+    return <int>((a + b - 1) // b)
+
+
+cdef inline int32_t* _as_int32_ptr(object array) except NULL:
+    cdef int32_t[::1] view = array
+    return &view[0]
+
+
+cdef inline int64_t* _as_int64_ptr(object array) except NULL:
+    cdef int64_t[::1] view = array
+    return &view[0]
+
+
+def _int32_array(object values, str what):
+    """A contiguous int32 copy of `values`, refusing values that do not fit."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must hold integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > 2147483647):
+        raise ValueError(f"{what} must hold values in [0, 2**31), got [{arr.min()}, {arr.max()}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# BlockAllocator
+# ---------------------------------------------------------------------------------------
+
+cdef class RadixCache
+
+
+cdef class BlockAllocator:
+    """Fixed-size KV blocks with reference counts, handed out in O(1).
+
+    Block 0 is the null block: never handed out, it is what padded rows of a step
+    plan point at. Blocks 1..num_blocks-1 are usable. A block is in exactly one of:
+    used (refcount > 0), truly free, or evictable (refcount 0 but its tokens still
+    cached in the RadixCache). Free and evictable blocks share one doubly linked
+    list kept in C arrays (see the module docstring for its order).
+    """
+
+    cdef readonly int num_blocks
+    cdef readonly int block_size
+    cdef int32_t* ref
+    cdef int32_t* prev
+    cdef int32_t* next
+    cdef uint8_t* in_list
+    cdef uint8_t* cached          # the block's tokens live in the attached RadixCache
+    cdef int32_t sentinel         # index num_blocks: head is next[sentinel], tail prev[sentinel]
+    cdef int32_t first_cached     # first cached block in the list, or sentinel
+    cdef int n_list               # blocks in the list (free + evictable)
+    cdef int n_cached_in_list     # evictable blocks
+    cdef int n_cached             # blocks held by the cache, used or not
+    cdef int n_cached_used        # cached blocks with refcount > 0 ("protected")
+    cdef readonly int64_t num_evictions
+    cdef RadixCache cache
+
+    def __cinit__(self, int num_blocks, int block_size):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = <int32_t*>calloc(num_blocks, sizeof(int32_t))
+        self.prev = <int32_t*>malloc((num_blocks + 1) * sizeof(int32_t))
+        self.next = <int32_t*>malloc((num_blocks + 1) * sizeof(int32_t))
+        self.in_list = <uint8_t*>calloc(num_blocks, sizeof(uint8_t))
+        self.cached = <uint8_t*>calloc(num_blocks, sizeof(uint8_t))
+        if not (self.ref and self.prev and self.next and self.in_list and self.cached):
+            raise MemoryError()
+        self.sentinel = num_blocks
+        self.prev[self.sentinel] = self.sentinel
+        self.next[self.sentinel] = self.sentinel
+        self.first_cached = self.sentinel
+        self.ref[0] = 1  # the null block is permanently "used" and never listed
+        cdef int b
+        for b in range(num_blocks - 1, 0, -1):
+            self._push_head(b)  # so block 1 is handed out first
+
+    def __dealloc__(self):
+        free(self.ref); free(self.prev); free(self.next); free(self.in_list); free(self.cached)
+
+    # -- list primitives ------------------------------------------------------------------
+
+    cdef inline void _link_after(self, int32_t at, int32_t b) noexcept nogil:
+        cdef int32_t nx = self.next[at]
+        self.prev[b] = at
+        self.next[b] = nx
+        self.prev[nx] = b
+        self.next[at] = b
+        self.in_list[b] = 1
+        self.n_list += 1
+
+    cdef inline void _push_head(self, int32_t b) noexcept nogil:
+        self._link_after(self.sentinel, b)
+
+    cdef inline void _push_tail(self, int32_t b) noexcept nogil:
+        self._link_after(self.prev[self.sentinel], b)
+        self.n_cached_in_list += 1
+        if self.first_cached == self.sentinel:
+            self.first_cached = b
+
+    cdef inline void _unlink(self, int32_t b) noexcept nogil:
+        if b == self.first_cached:
+            self.first_cached = self.next[b]  # the list is [free..., cached...]: next is cached or the end
+        if self.cached[b]:
+            self.n_cached_in_list -= 1
+        self.next[self.prev[b]] = self.next[b]
+        self.prev[self.next[b]] = self.prev[b]
+        self.in_list[b] = 0
+        self.n_list -= 1
+
+    # -- hot-path operations (C callers) -------------------------------------------------
+
+    cdef int _alloc(self, int n, int32_t* out) except -1:
+        """Pop n blocks off the head (evicting cached ones) with refcount 1 into out."""
+        cdef int i
+        cdef int32_t b
+        if n > self.n_list:
+            raise MemoryError(f"cannot allocate {n} blocks: {self.n_list} free or evictable")
+        for i in range(n):
+            b = self.next[self.sentinel]
+            self._unlink(b)
+            if self.cached[b]:
+                self.cache._evict_block(b)
+                self.num_evictions += 1
+            self.ref[b] = 1
+            out[i] = b
+        return 0
+
+    cdef inline void _incref(self, int32_t b) noexcept nogil:
+        if self.ref[b] == 0:
+            self._unlink(b)  # a cache hit takes the block back out of the list in O(1)
+            if self.cached[b]:
+                self.n_cached_used += 1
+        self.ref[b] += 1
+
+    cdef inline void _decref(self, int32_t b) noexcept nogil:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            if self.cached[b]:
+                self.n_cached_used -= 1
+                self._push_tail(b)
+            else:
+                self._push_head(b)
+
+    cdef void _release_path(self, const int32_t* blocks, int n) noexcept nogil:
+        """Drop one ref on each of a holder's blocks, tail first (see module docstring)."""
+        cdef int i
+        for i in range(n - 1, -1, -1):
+            self._decref(blocks[i])
+
+    cdef void _acquire_path(self, const int32_t* blocks, int n) noexcept nogil:
+        cdef int i
+        for i in range(n):
+            self._incref(blocks[i])
+
+    cdef inline int _evictable_in(self, const int32_t* blocks, int n) noexcept nogil:
+        """How many of these blocks sit in the free list (acquiring them shrinks it)."""
+        cdef int i, k = 0
+        for i in range(n):
+            k += self.ref[blocks[i]] == 0
+        return k
+
+    # -- Python surface ------------------------------------------------------------------
+
+    @property
+    def num_free(self):
+        """Blocks that allocate() can hand out now: truly free plus evictable."""
+        return self.n_list
+
+    @property
+    def num_truly_free(self):
+        return self.n_list - self.n_cached_in_list
+
+    @property
+    def num_evictable(self):
+        """Cached blocks that nothing holds (evicted least recently used first)."""
+        return self.n_cached_in_list
+
+    @property
+    def num_cached(self):
+        """Blocks whose tokens the RadixCache holds, used or evictable."""
+        return self.n_cached
+
+    @property
+    def num_protected(self):
+        """Cached blocks that some holder uses (cannot be evicted)."""
+        return self.n_cached_used
+
+    @property
+    def num_used(self):
+        """Usable blocks with refcount > 0 (block 0 excluded)."""
+        return self.num_blocks - 1 - self.n_list
+
+    @property
+    def usage(self):
+        """Fraction of usable blocks in use, 0..1 (evictable cached blocks count as free)."""
+        return <double>self.num_used / (self.num_blocks - 1)
+
+    def can_allocate(self, int n):
+        return 0 <= n <= self.n_list
+
+    def allocate(self, int n):
+        """n blocks with refcount 1, as an int32 array. Raises MemoryError if fewer remain."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        out = np.empty(n, dtype=np.int32)
+        if n:
+            self._alloc(n, _as_int32_ptr(out))
+        return out
+
+    def acquire(self, blocks):
+        """Take one more ref on each block, in order (a holder's root path, root first)."""
+        arr = self._checked(blocks, allow_free=True)
+        if arr.size:
+            self._acquire_path(_as_int32_ptr(arr), arr.size)
+
+    def free(self, blocks):
+        """Drop one ref on each block, last block first, so a path's tail is evicted first."""
+        arr = self._checked(blocks, allow_free=False)
+        if arr.size:
+            self._release_path(_as_int32_ptr(arr), arr.size)
+
+    def ref_count(self, int block):
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} out of range [0, {self.num_blocks})")
+        return self.ref[block]
+
+    def evict(self, int n):
+        """Evict up to n evictable cached blocks now (least recently used first); returns how many."""
+        cdef int done = 0
+        cdef int32_t b
+        while done < n and self.first_cached != self.sentinel:
+            b = self.first_cached
+            self._unlink(b)
+            self.cache._evict_block(b)
+            self.num_evictions += 1
+            self._push_head(b)
+            done += 1
+        return done
+
+    def _checked(self, blocks, bint allow_free):
+        arr = _int32_array(blocks, "blocks")
+        cdef int32_t[::1] view = arr
+        cdef Py_ssize_t i
+        cdef int32_t b
+        for i in range(view.shape[0]):
+            b = view[i]
+            if b <= 0 or b >= self.num_blocks:
+                raise ValueError(f"block {b} is not a usable block id (1..{self.num_blocks - 1})")
+            if not allow_free and self.ref[b] <= 0:
+                raise ValueError(f"block {b} is not allocated")
+            if allow_free and self.ref[b] == 0 and not self.cached[b]:
+                raise ValueError(f"block {b} is free: allocate it instead of acquiring it")
+        return arr
+
+    def check_integrity(self):
+        """Assert every invariant of the allocator; O(num_blocks)."""
+        cdef int32_t b = self.next[self.sentinel], p = self.sentinel
+        cdef int count = 0, cached_seen = 0, used = 0, cached_used = 0, cached_total = 0
+        cdef bint in_cached_segment = False
+        seen_first_cached = self.sentinel
+        while b != self.sentinel:
+            assert 0 < b < self.num_blocks, f"list holds invalid block {b}"
+            assert self.prev[b] == p, f"broken back link at block {b}"
+            assert self.in_list[b], f"block {b} in list but not flagged"
+            assert self.ref[b] == 0, f"listed block {b} has refcount {self.ref[b]}"
+            if self.cached[b]:
+                if not in_cached_segment:
+                    seen_first_cached = b
+                in_cached_segment = True
+                cached_seen += 1
+            else:
+                assert not in_cached_segment, f"free block {b} after a cached block in the list"
+            count += 1
+            assert count <= self.num_blocks, "cycle in free list"
+            p = b
+            b = self.next[b]
+        assert self.prev[self.sentinel] == p, "broken tail link"
+        assert count == self.n_list, f"list length {count} != counter {self.n_list}"
+        assert cached_seen == self.n_cached_in_list, "evictable counter drifted"
+        assert seen_first_cached == self.first_cached, "first_cached pointer drifted"
+        assert self.ref[0] == 1 and not self.in_list[0] and not self.cached[0], "null block touched"
+        for b in range(1, self.num_blocks):
+            assert self.ref[b] >= 0, f"negative refcount on block {b}"
+            assert (self.ref[b] == 0) == bool(self.in_list[b]), f"block {b}: refcount vs list"
+            used += self.ref[b] > 0
+            cached_total += self.cached[b]
+            cached_used += self.cached[b] and self.ref[b] > 0
+        assert used + count == self.num_blocks - 1, "used + free + evictable != total"
+        assert cached_total == self.n_cached, "cached counter drifted"
+        assert cached_used == self.n_cached_used, "protected counter drifted"
+        if self.cache is None:
+            assert cached_total == 0
+
+
+# ---------------------------------------------------------------------------------------
+# RadixCache
+# ---------------------------------------------------------------------------------------
+
+cdef inline uint64_t _mix64(uint64_t x) noexcept nogil:
+    # splitmix64 finaliser: a cheap, well-spread 64-bit mix
+    x ^= x >> 30
+    x *= <uint64_t>0xbf58476d1ce4e5b9
+    x ^= x >> 27
+    x *= <uint64_t>0x94d049bb133111eb
+    x ^= x >> 31
+    return x
+
+
+cdef class RadixCache:
+    """Block-granular radix tree over token ids, whose values are KV block ids.
+
+    Each node holds a chain of one or more full blocks (block_size tokens each);
+    a child is found from its parent and its first block's tokens through a hash
+    table, and every candidate is confirmed by comparing the tokens (memcmp) — a
+    hash alone is never trusted. Splitting a node happens only at block
+    boundaries. Eviction is driven by the allocator: when it hands out an
+    evictable block, the tree gives up that block (always the last block of a
+    leaf, by the invariant in the module docstring).
+
+    Used two ways: by the Scheduler over real KV blocks, and standalone (with an
+    allocator of its own, no KV at all) as the FlexLB master's approximate view of
+    a worker's cache, through record() and match_prefix().
+    """
+
+    cdef readonly BlockAllocator allocator
+    cdef readonly int block_size
+    cdef int capacity                # node slots: one per usable block, plus the root
+    cdef int32_t* block_tokens       # [num_blocks * block_size] tokens of each cached block
+    cdef int32_t* block_node         # node owning the block, -1 when uncached
+    cdef int32_t* block_next         # chain of blocks inside a node
+    cdef int32_t* block_prev
+    cdef int32_t* n_parent
+    cdef int32_t* n_first
+    cdef int32_t* n_last
+    cdef int32_t* n_nblocks
+    cdef int32_t* n_nchildren
+    cdef int32_t* n_hnext            # next node in the same hash bucket
+    cdef uint64_t* n_key             # hash of (parent, first block tokens)
+    cdef int32_t* free_nodes
+    cdef int n_free_nodes
+    cdef int32_t* buckets
+    cdef uint64_t bucket_mask
+    cdef readonly int num_nodes      # including the root
+    cdef readonly int64_t num_queries
+    cdef readonly int64_t query_tokens
+    cdef readonly int64_t hit_tokens
+    cdef readonly int64_t num_splits
+
+    def __cinit__(self, BlockAllocator allocator not None):
+        if allocator.cache is not None:
+            raise ValueError("this allocator already backs a RadixCache")
+        if allocator.n_list != allocator.num_blocks - 1:
+            raise ValueError("attach the RadixCache before allocating any block")
+        cdef int nb = allocator.num_blocks, bs = allocator.block_size, i
+        self.allocator = allocator
+        self.block_size = bs
+        self.capacity = nb
+        self.block_tokens = <int32_t*>malloc(<size_t>nb * bs * sizeof(int32_t))
+        self.block_node = <int32_t*>malloc(nb * sizeof(int32_t))
+        self.block_next = <int32_t*>malloc(nb * sizeof(int32_t))
+        self.block_prev = <int32_t*>malloc(nb * sizeof(int32_t))
+        self.n_parent = <int32_t*>malloc(nb * sizeof(int32_t))
+        self.n_first = <int32_t*>malloc(nb * sizeof(int32_t))
+        self.n_last = <int32_t*>malloc(nb * sizeof(int32_t))
+        self.n_nblocks = <int32_t*>calloc(nb, sizeof(int32_t))
+        self.n_nchildren = <int32_t*>calloc(nb, sizeof(int32_t))
+        self.n_hnext = <int32_t*>malloc(nb * sizeof(int32_t))
+        self.n_key = <uint64_t*>calloc(nb, sizeof(uint64_t))
+        self.free_nodes = <int32_t*>malloc(nb * sizeof(int32_t))
+        cdef uint64_t nbuckets = 16
+        while nbuckets < <uint64_t>(2 * nb):
+            nbuckets <<= 1
+        self.buckets = <int32_t*>malloc(nbuckets * sizeof(int32_t))
+        if not (self.block_tokens and self.block_node and self.block_next and self.block_prev
+                and self.n_parent and self.n_first and self.n_last and self.n_nblocks
+                and self.n_nchildren and self.n_hnext and self.n_key and self.free_nodes
+                and self.buckets):
+            raise MemoryError()
+        self.bucket_mask = nbuckets - 1
+        for i in range(<int>nbuckets):
+            self.buckets[i] = -1
+        for i in range(nb):
+            self.block_node[i] = -1
+            self.block_next[i] = -1
+            self.block_prev[i] = -1
+        # node 0 is the root; free node ids are handed out lowest first
+        self.n_parent[0] = -1
+        self.n_first[0] = -1
+        self.n_last[0] = -1
+        self.n_free_nodes = 0
+        for i in range(nb - 1, 0, -1):
+            self.free_nodes[self.n_free_nodes] = i
+            self.n_free_nodes += 1
+        self.num_nodes = 1
+        allocator.cache = self
+
+    def __dealloc__(self):
+        free(self.block_tokens); free(self.block_node); free(self.block_next); free(self.block_prev)
+        free(self.n_parent); free(self.n_first); free(self.n_last); free(self.n_nblocks)
+        free(self.n_nchildren); free(self.n_hnext); free(self.n_key); free(self.free_nodes)
+        free(self.buckets)
+
+    # -- hashing --------------------------------------------------------------------------
+
+    cdef inline uint64_t _key(self, int32_t parent, const int32_t* toks) noexcept nogil:
+        cdef uint64_t h = _mix64(<uint64_t>(parent + 1) * <uint64_t>0x9e3779b97f4a7c15)
+        cdef int i
+        for i in range(self.block_size):
+            h = (h ^ <uint64_t><uint32_t>toks[i]) * <uint64_t>0x100000001b3
+        return _mix64(h)
+
+    cdef inline void _hash_add(self, int32_t node) noexcept nogil:
+        cdef uint64_t slot = self.n_key[node] & self.bucket_mask
+        self.n_hnext[node] = self.buckets[slot]
+        self.buckets[slot] = node
+
+    cdef inline void _hash_remove(self, int32_t node) noexcept nogil:
+        cdef uint64_t slot = self.n_key[node] & self.bucket_mask
+        cdef int32_t c = self.buckets[slot]
+        if c == node:
+            self.buckets[slot] = self.n_hnext[node]
+            return
+        while self.n_hnext[c] != node:
+            c = self.n_hnext[c]
+        self.n_hnext[c] = self.n_hnext[node]
+
+    cdef inline int32_t _find_child(self, int32_t parent, const int32_t* toks) noexcept nogil:
+        cdef uint64_t key = self._key(parent, toks)
+        cdef int32_t c = self.buckets[key & self.bucket_mask]
+        cdef size_t nbytes = self.block_size * sizeof(int32_t)
+        while c >= 0:
+            if (self.n_key[c] == key and self.n_parent[c] == parent and
+                    memcmp(self.block_tokens + <int64_t>self.n_first[c] * self.block_size, toks, nbytes) == 0):
+                return c
+            c = self.n_hnext[c]
+        return -1
+
+    cdef inline bint _block_equals(self, int32_t b, const int32_t* toks) noexcept nogil:
+        return memcmp(self.block_tokens + <int64_t>b * self.block_size, toks,
+                      self.block_size * sizeof(int32_t)) == 0
+
+    # -- core operations (C callers) ------------------------------------------------------
+
+    cdef int _match(self, const int32_t* toks, int max_blocks, int32_t* out) noexcept nogil:
+        """Write the cached block ids of the longest cached prefix (at most max_blocks
+        blocks) into out (may be NULL to only count); return how many."""
+        cdef int32_t node = 0, child, b
+        cdef int n = 0, bs = self.block_size
+        while n < max_blocks:
+            child = self._find_child(node, toks + <int64_t>n * bs)
+            if child < 0:
+                break
+            b = self.n_first[child]
+            if out != NULL:
+                out[n] = b
+            n += 1
+            b = self.block_next[b]
+            while b >= 0 and n < max_blocks and self._block_equals(b, toks + <int64_t>n * bs):
+                if out != NULL:
+                    out[n] = b
+                n += 1
+                b = self.block_next[b]
+            if b >= 0:
+                break  # stopped inside this node
+            node = child
+        return n
+
+    cdef int32_t _new_node(self, int32_t parent, const int32_t* blocks, int nblocks,
+                           const int32_t* toks) noexcept nogil:
+        cdef int32_t node = self.free_nodes[self.n_free_nodes - 1]
+        cdef int i, bs = self.block_size
+        cdef int32_t b, prev = -1
+        self.n_free_nodes -= 1
+        self.num_nodes += 1
+        self.n_parent[node] = parent
+        self.n_nblocks[node] = nblocks
+        self.n_nchildren[node] = 0
+        self.n_nchildren[parent] += 1
+        for i in range(nblocks):
+            b = blocks[i]
+            memcpy(self.block_tokens + <int64_t>b * bs, toks + <int64_t>i * bs, bs * sizeof(int32_t))
+            self.block_node[b] = node
+            self.block_prev[b] = prev
+            self.block_next[b] = -1
+            if prev >= 0:
+                self.block_next[prev] = b
+            prev = b
+            self.allocator.cached[b] = 1
+            # the inserting holder has a ref, so the block is protected
+            self.allocator.n_cached_used += self.allocator.ref[b] > 0
+        self.allocator.n_cached += nblocks
+        self.n_first[node] = blocks[0]
+        self.n_last[node] = prev
+        self.n_key[node] = self._key(parent, toks)
+        self._hash_add(node)
+        return node
+
+    cdef int32_t _split(self, int32_t node, int k) noexcept nogil:
+        """Split node after its first k blocks; returns the new upper node."""
+        cdef int32_t top = self.free_nodes[self.n_free_nodes - 1]
+        cdef int32_t b = self.n_first[node]
+        cdef int i
+        self.n_free_nodes -= 1
+        self.num_nodes += 1
+        self.num_splits += 1
+        # the upper part takes the node's place under its parent (same key)
+        self._hash_remove(node)
+        self.n_parent[top] = self.n_parent[node]
+        self.n_key[top] = self.n_key[node]
+        self.n_first[top] = b
+        for i in range(k):
+            self.block_node[b] = top
+            if i == k - 1:
+                break
+            b = self.block_next[b]
+        self.n_last[top] = b
+        self.n_nblocks[top] = k
+        self.n_nchildren[top] = 1
+        self._hash_add(top)
+        # the lower part keeps its id (its children stay keyed by it) and hangs under top
+        cdef int32_t rest = self.block_next[b]
+        self.block_next[b] = -1
+        self.block_prev[rest] = -1
+        self.n_first[node] = rest
+        self.n_nblocks[node] -= k
+        self.n_parent[node] = top
+        self.n_key[node] = self._key(top, self.block_tokens + <int64_t>rest * self.block_size)
+        self._hash_add(node)
+        return top
+
+    cdef int _insert(self, const int32_t* toks, int nblocks, int32_t* blocks) except -1:
+        """Insert a holder's path of nblocks full blocks. Where the tree already caches a
+        block for the same tokens, the holder's duplicate is swapped for the tree's (ref
+        taken on the tree block, the duplicate released) so the holder keeps holding its
+        whole root path. Returns the number of blocks that were already cached."""
+        cdef int32_t node = 0, child, b
+        cdef int i = 0, j, bs = self.block_size, shared = 0
+        cdef BlockAllocator alloc = self.allocator
+        while i < nblocks:
+            child = self._find_child(node, toks + <int64_t>i * bs)
+            if child < 0:
+                self._new_node(node, blocks + i, nblocks - i, toks + <int64_t>i * bs)
+                return shared
+            b = self.n_first[child]
+            j = 0
+            while b >= 0 and i < nblocks:
+                if j > 0 and not self._block_equals(b, toks + <int64_t>i * bs):
+                    break
+                if blocks[i] != b:
+                    if alloc.cached[blocks[i]]:
+                        raise ValueError(f"block {blocks[i]} is cached under other tokens")
+                    alloc._incref(b)
+                    alloc._decref(blocks[i])
+                    blocks[i] = b
+                shared += 1
+                i += 1
+                j += 1
+                b = self.block_next[b]
+            if b < 0:
+                node = child
+            elif i < nblocks:
+                node = self._split(child, j)  # diverged inside child: new branch under its top
+        return shared
+
+    cdef int _evict_block(self, int32_t b) except -1:
+        """Called by the allocator when it hands out cached block b."""
+        cdef int32_t node = self.block_node[b], parent, p
+        if node < 0 or self.n_last[node] != b or self.n_nchildren[node] != 0:
+            raise AssertionError(f"evicting block {b} that is not the last block of a leaf")
+        if self.n_nblocks[node] == 1:
+            parent = self.n_parent[node]
+            self._hash_remove(node)
+            self.n_nchildren[parent] -= 1
+            self.n_nblocks[node] = 0
+            self.free_nodes[self.n_free_nodes] = node
+            self.n_free_nodes += 1
+            self.num_nodes -= 1
+        else:
+            p = self.block_prev[b]
+            self.block_next[p] = -1
+            self.n_last[node] = p
+            self.n_nblocks[node] -= 1
+        self.block_node[b] = -1
+        self.block_prev[b] = -1
+        self.block_next[b] = -1
+        self.allocator.cached[b] = 0
+        self.allocator.n_cached -= 1
+        return 0
+
+    cdef inline int _match_cap(self, int ntoks, bint leave_last) noexcept nogil:
+        if leave_last:
+            return (ntoks - 1) // self.block_size if ntoks > 0 else 0
+        return ntoks // self.block_size
+
+    cdef inline void _count_query(self, int ntoks, int nblocks) noexcept nogil:
+        self.num_queries += 1
+        self.query_tokens += ntoks
+        self.hit_tokens += <int64_t>nblocks * self.block_size
+
+    # -- Python surface ------------------------------------------------------------------
+
+    def match_prefix(self, tokens, bint leave_last=True):
+        """Longest cached prefix of tokens, as (block ids, number of tokens matched).
+
+        With leave_last (the default, for a request about to be computed) the match
+        stops before the last token, rounded down to a block boundary, so at least
+        one token is left to compute and produce logits. Does not take refs: call
+        lock(blocks) to keep the matched blocks from eviction.
+        """
+        arr = _int32_array(tokens, "tokens")
+        cdef int n = arr.size
+        out = np.empty(self._match_cap(n, leave_last), dtype=np.int32)
+        cdef int m = 0
+        if out.size:
+            m = self._match(_as_int32_ptr(arr), out.size, _as_int32_ptr(out))
+        self._count_query(n, m)
+        return out[:m].copy(), m * self.block_size
+
+    def insert(self, tokens, blocks):
+        """Insert the full blocks of tokens whose KV lies in blocks (which the caller holds).
+
+        Where the tree already caches some of these tokens under other blocks, the
+        caller's duplicates are released and swapped, in place in `blocks` when it is
+        a contiguous int32 array, for the tree's blocks (now held by the caller).
+        Returns (the blocks the caller now holds, number of blocks already cached).
+        """
+        tok = _int32_array(tokens, "tokens")
+        if isinstance(blocks, np.ndarray) and blocks.dtype == np.int32 and blocks.flags.c_contiguous:
+            blk = blocks
+        else:
+            blk = _int32_array(blocks, "blocks")
+        cdef int nfull = tok.size // self.block_size
+        if blk.size < nfull:
+            raise ValueError(f"{tok.size} tokens need {nfull} full blocks, got {blk.size}")
+        self.allocator._checked(blk[:nfull], False)
+        if nfull == 0:
+            return blk, 0
+        # a block already cached must sit where the tree has it: refuse before changing anything
+        tree = np.empty(nfull, dtype=np.int32)
+        cdef int m = self._match(_as_int32_ptr(tok), nfull, _as_int32_ptr(tree))
+        cdef int i
+        for i in range(nfull):
+            if self.allocator.cached[blk[i]] and (i >= m or tree[i] != blk[i]):
+                raise ValueError(f"block {blk[i]} is cached under other tokens")
+        shared = self._insert(_as_int32_ptr(tok), nfull, _as_int32_ptr(blk))
+        return blk, shared
+
+    def lock(self, blocks):
+        """Protect a matched path from eviction while something uses it (one ref each)."""
+        self.allocator.acquire(blocks)
+
+    def unlock(self, blocks):
+        """Undo lock(); the path becomes evictable once nothing else holds it."""
+        self.allocator.free(blocks)
+
+    def evict(self, int num_blocks):
+        """Evict up to num_blocks least recently used unlocked blocks; returns how many."""
+        return self.allocator.evict(num_blocks)
+
+    def record(self, tokens):
+        """Standalone use (no KV): note that a worker has now cached tokens' full blocks.
+
+        Matches, allocates blocks for the rest from this cache's own allocator
+        (evicting least recently used entries when it is full, as the worker would),
+        inserts, and leaves the whole path evictable, most recently used. Returns the
+        number of tokens that were already cached.
+        """
+        tok = _int32_array(tokens, "tokens")
+        cdef int nfull = tok.size // self.block_size
+        if nfull == 0:
+            return 0
+        blk = np.empty(nfull, dtype=np.int32)
+        cdef int32_t* t = _as_int32_ptr(tok)
+        cdef int32_t* p = _as_int32_ptr(blk)
+        cdef BlockAllocator alloc = self.allocator
+        cdef int m = self._match(t, nfull, p)
+        self._count_query(tok.size, m)
+        alloc._acquire_path(p, m)
+        cdef int n = nfull
+        if n - m > alloc.n_list:
+            n = m + alloc.n_list  # bigger than the whole cache: keep what fits
+        if n > m:
+            alloc._alloc(n - m, p + m)
+            self._insert(t, n, p)
+        alloc._release_path(p, n)
+        return m * self.block_size
+
+    @property
+    def num_cached_blocks(self):
+        return self.allocator.n_cached
+
+    @property
+    def num_evictable_blocks(self):
+        return self.allocator.n_cached_in_list
+
+    @property
+    def num_protected_blocks(self):
+        return self.allocator.n_cached_used
+
+    @property
+    def num_cached_tokens(self):
+        return self.allocator.n_cached * self.block_size
+
+    def reset_stats(self):
+        self.num_queries = self.query_tokens = self.hit_tokens = 0
+
+    def check_integrity(self):
+        """Assert the tree's invariants and its agreement with the allocator; O(blocks)."""
+        cdef BlockAllocator alloc = self.allocator
+        cdef int nb = alloc.num_blocks, bs = self.block_size
+        cdef int node, b, count, parent, total_blocks = 0, nodes = 1, p, listed, last
+        alloc.check_integrity()
+        children = [0] * nb
+        is_free = [False] * nb
+        for p in range(self.n_free_nodes):
+            is_free[self.free_nodes[p]] = True
+        assert not is_free[0], "root on the free node list"
+        # position of each listed block, for the eviction-order invariant
+        position = {}
+        b = alloc.next[alloc.sentinel]
+        listed = 0
+        while b != alloc.sentinel:
+            position[b] = listed
+            listed += 1
+            b = alloc.next[b]
+        for node in range(1, nb):
+            if is_free[node]:
+                continue
+            nodes += 1
+            parent = self.n_parent[node]
+            assert 0 <= parent < nb and not is_free[parent], f"node {node} has bad parent {parent}"
+            children[parent] += 1
+            assert self.n_nblocks[node] >= 1, f"node {node} is empty"
+            assert self._find_child(parent, self.block_tokens + <int64_t>self.n_first[node] * bs) == node, \
+                f"node {node} not found from its parent by its first block"
+            count = 0
+            b = self.n_first[node]
+            p = -1
+            while b >= 0:
+                assert self.block_node[b] == node, f"block {b} claims node {self.block_node[b]}, not {node}"
+                assert self.block_prev[b] == p, f"broken chain at block {b}"
+                assert alloc.cached[b], f"tree block {b} not flagged cached"
+                # the block before b on its root path
+                if p >= 0:
+                    last = p
+                elif parent != 0:
+                    last = self.n_last[parent]
+                else:
+                    last = -1
+                if last >= 0:
+                    if alloc.ref[b] > 0:
+                        assert alloc.ref[last] > 0, f"block {b} held but its ancestor {last} is not"
+                    elif alloc.ref[last] == 0:
+                        assert position[b] < position[last], \
+                            f"ancestor {last} would be evicted before its descendant {b}"
+                count += 1
+                p = b
+                b = self.block_next[b]
+            assert p == self.n_last[node], f"node {node} last block mismatch"
+            assert count == self.n_nblocks[node], f"node {node} block count mismatch"
+            total_blocks += count
+        for node in range(nb):
+            if not is_free[node]:
+                assert children[node] == self.n_nchildren[node], f"node {node} child count drifted"
+        assert nodes == self.num_nodes, "node count drifted"
+        assert nodes + self.n_free_nodes == nb, "node slots leaked"
+        assert total_blocks == alloc.n_cached, "cached block counter drifted"
+        for b in range(nb):
+            assert (self.block_node[b] >= 0) == bool(alloc.cached[b]), f"block {b} cached flag mismatch"
+
+
+# ---------------------------------------------------------------------------------------
+# StepPlan and Scheduler
+# ---------------------------------------------------------------------------------------
+
+cdef class StepPlan:
+    """The numpy buffers one engine step is described by, allocated once.
+
+    The scheduler writes into them in place; the model runner aliases them as
+    tensors (torch.from_numpy on CPU, pinned staging on CUDA). Tokens are packed
+    row after row; decode rows (one query token) come first.
+
+    | array            | shape                          | holds                                        |
+    |------------------|--------------------------------|----------------------------------------------|
+    | input_ids        | [max_num_tokens] int32         | token ids to compute                         |
+    | positions        | [max_num_tokens] int32         | their positions in their sequences           |
+    | slot_mapping     | [max_num_tokens] int64         | KV slot = block * block_size + offset        |
+    | block_tables     | [max_num_seqs, width] int32    | each row's block ids, zero past its length   |
+    | seq_lens         | [max_num_seqs] int32           | context length after this step              |
+    | query_start_loc  | [max_num_seqs + 1] int32       | row r's tokens: [qsl[r], qsl[r+1])           |
+    | logits_indices   | [max_num_seqs] int32           | token index of each row that samples         |
+    | sample_slots     | [max_num_seqs] int32           | scheduler slot of each sampling row          |
+    | sample_req_ids   | [max_num_seqs] int64           | request id of each sampling row              |
+
+    Everything past num_tokens / num_rows / num_samples is zero (slot 0 is the null
+    block), so a captured graph padded to a bucket reads harmless values.
+    """
+
+    cdef readonly object input_ids, positions, slot_mapping, block_tables, seq_lens
+    cdef readonly object query_start_loc, logits_indices, sample_slots, sample_req_ids
+    cdef readonly int max_num_tokens, max_num_seqs, width
+    cdef readonly int num_tokens, num_rows, num_decode_rows, num_samples
+    cdef int32_t* p_input_ids
+    cdef int32_t* p_positions
+    cdef int64_t* p_slot_mapping
+    cdef int32_t* p_block_tables
+    cdef int32_t* p_seq_lens
+    cdef int32_t* p_qsl
+    cdef int32_t* p_logits_indices
+    cdef int32_t* p_sample_slots
+    cdef int64_t* p_sample_req_ids
+    cdef int32_t* row_width          # columns written in each row last time (to clear stale ones)
+
+    def __cinit__(self, int max_num_tokens, int max_num_seqs, int width, **arrays):
+        if max_num_tokens < 1 or max_num_seqs < 1 or width < 1:
+            raise ValueError("StepPlan sizes must be positive")
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.width = width
+        shapes = {
+            "input_ids": ((max_num_tokens,), np.int32),
+            "positions": ((max_num_tokens,), np.int32),
+            "slot_mapping": ((max_num_tokens,), np.int64),
+            "block_tables": ((max_num_seqs, width), np.int32),
+            "seq_lens": ((max_num_seqs,), np.int32),
+            "query_start_loc": ((max_num_seqs + 1,), np.int32),
+            "logits_indices": ((max_num_seqs,), np.int32),
+            "sample_slots": ((max_num_seqs,), np.int32),
+            "sample_req_ids": ((max_num_seqs,), np.int64),
+        }
+        unknown = set(arrays) - set(shapes)
+        if unknown:
+            raise TypeError(f"unknown StepPlan arrays: {sorted(unknown)}")
+        made = {}
+        for name, (shape, dtype) in shapes.items():
+            arr = arrays.get(name)
+            if arr is None:
+                arr = np.zeros(shape, dtype=dtype)
+            elif (not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != dtype
+                  or not arr.flags.c_contiguous or not arr.flags.writeable):
+                raise ValueError(f"StepPlan.{name} must be a writable contiguous {np.dtype(dtype)} "
+                                 f"array of shape {shape}")
+            else:
+                arr[...] = 0
+            made[name] = arr
+        self.input_ids = made["input_ids"]
+        self.positions = made["positions"]
+        self.slot_mapping = made["slot_mapping"]
+        self.block_tables = made["block_tables"]
+        self.seq_lens = made["seq_lens"]
+        self.query_start_loc = made["query_start_loc"]
+        self.logits_indices = made["logits_indices"]
+        self.sample_slots = made["sample_slots"]
+        self.sample_req_ids = made["sample_req_ids"]
+        self.p_input_ids = _as_int32_ptr(self.input_ids)
+        self.p_positions = _as_int32_ptr(self.positions)
+        self.p_slot_mapping = _as_int64_ptr(self.slot_mapping)
+        self.p_block_tables = _as_int32_ptr(self.block_tables.reshape(-1))
+        self.p_seq_lens = _as_int32_ptr(self.seq_lens)
+        self.p_qsl = _as_int32_ptr(self.query_start_loc)
+        self.p_logits_indices = _as_int32_ptr(self.logits_indices)
+        self.p_sample_slots = _as_int32_ptr(self.sample_slots)
+        self.p_sample_req_ids = _as_int64_ptr(self.sample_req_ids)
+        self.row_width = <int32_t*>calloc(max_num_seqs, sizeof(int32_t))
+        if not self.row_width:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.row_width)
+
+    cdef void _clear_tail(self, int num_tokens, int num_rows, int num_samples) noexcept nogil:
+        """Zero what the previous step wrote past this step's extent."""
+        cdef int r
+        if self.num_tokens > num_tokens:
+            memset(self.p_input_ids + num_tokens, 0, (self.num_tokens - num_tokens) * sizeof(int32_t))
+            memset(self.p_positions + num_tokens, 0, (self.num_tokens - num_tokens) * sizeof(int32_t))
+            memset(self.p_slot_mapping + num_tokens, 0, (self.num_tokens - num_tokens) * sizeof(int64_t))
+        for r in range(num_rows, self.num_rows):
+            if self.row_width[r]:
+                memset(self.p_block_tables + <int64_t>r * self.width, 0, self.row_width[r] * sizeof(int32_t))
+                self.row_width[r] = 0
+            self.p_seq_lens[r] = 0
+            self.p_qsl[r + 1] = 0
+        if self.num_samples > num_samples:
+            r = self.num_samples - num_samples
+            memset(self.p_logits_indices + num_samples, 0, r * sizeof(int32_t))
+            memset(self.p_sample_slots + num_samples, 0, r * sizeof(int32_t))
+            memset(self.p_sample_req_ids + num_samples, 0, r * sizeof(int64_t))
+        self.num_tokens = num_tokens
+        self.num_rows = num_rows
+        self.num_samples = num_samples
+
+    @property
+    def query_lens(self):
+        qsl = self.query_start_loc
+        return np.diff(qsl[: self.num_rows + 1])
+
+
+cdef class Scheduler:
+    """Continuous batching with one token budget per step (no prefill/decode phases).
+
+    Every request has num_tokens (prompt + generated) and num_computed_tokens (whose
+    KV is in the cache). A step gives each running request the tokens it still
+    needs — one for a decode, a chunk for a prompt — running requests first, in
+    admission order, so decodes are never starved by a long prompt; what budget
+    remains admits waiting requests (radix match first, blocks only for the rest).
+    When blocks run out, the newest running request is preempted by recompute.
+
+    Usage, once per step:  plan_rows = schedule(); ...forward, sample...; update(tokens)
+    """
+
+    cdef readonly BlockAllocator allocator
+    cdef readonly RadixCache cache         # None: prefix caching off
+    cdef readonly StepPlan plan
+    cdef readonly int block_size, max_num_seqs, max_num_batched_tokens, max_model_len
+    cdef readonly int max_requests, vocab_size, policy, lpm_window
+    cdef readonly double lpm_aging
+    cdef readonly bint chunked_prefill
+    cdef int32_t* eos_ids
+    cdef int n_eos
+    # per-request state, indexed by slot
+    cdef int64_t* r_id
+    cdef uint8_t* r_state
+    cdef uint8_t* r_aborted          # aborted while in flight: freed at update()
+    cdef uint8_t* r_ignore_eos
+    cdef uint8_t* r_prefill_only
+    cdef int32_t** r_tokens
+    cdef int32_t** r_blocks
+    cdef int32_t** r_stop_ids
+    cdef int32_t* r_nstop
+    cdef int32_t* r_capacity         # most tokens the request can ever hold
+    cdef int32_t* r_num_tokens
+    cdef int32_t* r_prompt_len
+    cdef int32_t* r_num_computed
+    cdef int32_t* r_nblocks
+    cdef int32_t* r_max_tokens
+    cdef int32_t* r_min_tokens
+    cdef int32_t* r_cached_tokens    # prompt tokens found in the cache at first admission
+    cdef int32_t* r_inserted         # full blocks already inserted into the cache
+    cdef int32_t* r_preemptions
+    cdef int64_t* r_arrival_step
+    cdef int32_t* free_slots
+    cdef int n_free_slots
+    # queues
+    cdef int32_t* running            # admission order; the last one is preempted first
+    cdef readonly int num_running
+    cdef int32_t* waiting            # front first
+    cdef readonly int num_waiting
+    cdef readonly int num_held
+    cdef dict slot_of
+    # this step
+    cdef int32_t* sched_slot
+    cdef int32_t* sched_n
+    cdef int n_sched
+    cdef readonly bint in_flight
+    # events from update()
+    cdef readonly object event_req_ids, event_tokens, event_finish
+    cdef int64_t* e_req_ids
+    cdef int32_t* e_tokens
+    cdef int8_t* e_finish
+    # stats
+    cdef readonly int64_t step_count
+    cdef readonly int64_t num_preemptions
+    cdef readonly int64_t queued_prompt_tokens
+
+    def __cinit__(self, BlockAllocator allocator not None, StepPlan plan not None, *,
+                  RadixCache cache=None, int max_num_seqs=64, int max_num_batched_tokens=2048,
+                  int max_model_len=4096, eos_token_ids=(), int max_requests=16384,
+                  int vocab_size=0, str policy="fcfs", bint chunked_prefill=True,
+                  double lpm_aging=8.0, int lpm_window=64):
+        if cache is not None and cache.allocator is not allocator:
+            raise ValueError("the RadixCache must be built on the same allocator")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1 or max_requests < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens, max_model_len and max_requests must be positive")
+        if plan.max_num_seqs < max_num_seqs:
+            raise ValueError(f"plan has {plan.max_num_seqs} rows, scheduler needs {max_num_seqs}")
+        if plan.max_num_tokens < max_num_batched_tokens:
+            raise ValueError(f"plan has {plan.max_num_tokens} token slots, scheduler needs {max_num_batched_tokens}")
+        cdef int width = _cdiv(max_model_len, allocator.block_size)
+        if plan.width < width:
+            raise ValueError(f"plan block tables are {plan.width} wide; max_model_len {max_model_len} "
+                             f"with block_size {allocator.block_size} needs {width}")
+        if policy not in ("fcfs", "lpm"):
+            raise ValueError(f"policy must be 'fcfs' or 'lpm', got {policy!r}")
+        if policy == "lpm" and cache is None:
+            raise ValueError("policy 'lpm' needs a RadixCache")
+        self.allocator = allocator
+        self.cache = cache
+        self.plan = plan
+        self.block_size = allocator.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_requests = max_requests
+        self.vocab_size = vocab_size
+        self.policy = POLICY_LPM if policy == "lpm" else POLICY_FCFS
+        self.chunked_prefill = chunked_prefill
+        self.lpm_aging = lpm_aging
+        self.lpm_window = max(1, lpm_window)
+        eos = _int32_array(list(eos_token_ids), "eos_token_ids")
+        self.n_eos = eos.size
+        self.eos_ids = <int32_t*>malloc(max(1, eos.size) * sizeof(int32_t))
+        cdef int i
+        for i in range(eos.size):
+            self.eos_ids[i] = eos[i]
+        cdef int n = max_requests
+        self.r_id = <int64_t*>calloc(n, sizeof(int64_t))
+        self.r_state = <uint8_t*>calloc(n, sizeof(uint8_t))
+        self.r_aborted = <uint8_t*>calloc(n, sizeof(uint8_t))
+        self.r_ignore_eos = <uint8_t*>calloc(n, sizeof(uint8_t))
+        self.r_prefill_only = <uint8_t*>calloc(n, sizeof(uint8_t))
+        self.r_tokens = <int32_t**>calloc(n, sizeof(int32_t*))
+        self.r_blocks = <int32_t**>calloc(n, sizeof(int32_t*))
+        self.r_stop_ids = <int32_t**>calloc(n, sizeof(int32_t*))
+        self.r_nstop = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_capacity = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_num_tokens = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_prompt_len = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_num_computed = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_nblocks = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_max_tokens = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_min_tokens = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_cached_tokens = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_inserted = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_preemptions = <int32_t*>calloc(n, sizeof(int32_t))
+        self.r_arrival_step = <int64_t*>calloc(n, sizeof(int64_t))
+        self.free_slots = <int32_t*>malloc(n * sizeof(int32_t))
+        self.running = <int32_t*>malloc(max_num_seqs * sizeof(int32_t))
+        self.waiting = <int32_t*>malloc(n * sizeof(int32_t))
+        self.sched_slot = <int32_t*>malloc(max_num_seqs * sizeof(int32_t))
+        self.sched_n = <int32_t*>malloc(max_num_seqs * sizeof(int32_t))
+        if not (self.eos_ids and self.r_id and self.r_state and self.r_aborted and self.r_ignore_eos
+                and self.r_prefill_only and self.r_tokens and self.r_blocks and self.r_stop_ids
+                and self.r_nstop and self.r_capacity and self.r_num_tokens and self.r_prompt_len
+                and self.r_num_computed and self.r_nblocks and self.r_max_tokens and self.r_min_tokens
+                and self.r_cached_tokens and self.r_inserted and self.r_preemptions
+                and self.r_arrival_step and self.free_slots and self.running and self.waiting
+                and self.sched_slot and self.sched_n):
+            raise MemoryError()
+        for i in range(n):
+            self.free_slots[i] = n - 1 - i  # slot 0 handed out first
+        self.n_free_slots = n
+        self.slot_of = {}
+        self.event_req_ids = np.zeros(max_num_seqs, dtype=np.int64)
+        self.event_tokens = np.zeros(max_num_seqs, dtype=np.int32)
+        self.event_finish = np.zeros(max_num_seqs, dtype=np.int8)
+        self.e_req_ids = _as_int64_ptr(self.event_req_ids)
+        self.e_tokens = _as_int32_ptr(self.event_tokens)
+        cdef int8_t[::1] fin = self.event_finish
+        self.e_finish = &fin[0]
+
+    def __dealloc__(self):
+        cdef int i
+        if self.r_tokens != NULL:
+            for i in range(self.max_requests):
+                free(self.r_tokens[i]); free(self.r_blocks[i]); free(self.r_stop_ids[i])
+        free(self.eos_ids); free(self.r_id); free(self.r_state); free(self.r_aborted)
+        free(self.r_ignore_eos); free(self.r_prefill_only); free(self.r_tokens); free(self.r_blocks)
+        free(self.r_stop_ids); free(self.r_nstop); free(self.r_capacity); free(self.r_num_tokens)
+        free(self.r_prompt_len); free(self.r_num_computed); free(self.r_nblocks); free(self.r_max_tokens)
+        free(self.r_min_tokens); free(self.r_cached_tokens); free(self.r_inserted)
+        free(self.r_preemptions); free(self.r_arrival_step); free(self.free_slots); free(self.running)
+        free(self.waiting); free(self.sched_slot); free(self.sched_n)
+
+    # -- requests in and out (Python callers, once per request) ---------------------------
+
+    def add_request(self, int64_t req_id, prompt_token_ids, *, int max_tokens=16, int min_tokens=0,
+                    stop_token_ids=(), bint ignore_eos=False, bint prefill_only=False):
+        """Queue a request (at the back). max_tokens counts generated tokens."""
+        if req_id in self.slot_of:
+            raise ValueError(f"request {req_id} already exists")
+        prompt = _int32_array(prompt_token_ids, "prompt_token_ids")
+        stops = _int32_array(list(stop_token_ids), "stop_token_ids")
+        cdef int plen = prompt.size
+        if plen == 0:
+            raise ValueError("the prompt is empty")
+        if plen > self.max_model_len:
+            raise ValueError(f"the prompt has {plen} tokens, more than max_model_len {self.max_model_len}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if min_tokens < 0 or min_tokens > max_tokens:
+            raise ValueError(f"min_tokens must lie in [0, max_tokens], got {min_tokens}")
+        if self.vocab_size > 0:
+            bad = prompt[prompt >= self.vocab_size]
+            if bad.size:
+                raise ValueError(f"token id {int(bad[0])} is outside the vocabulary (size {self.vocab_size})")
+        # the request never holds more than max_model_len tokens of KV; one sampled past
+        # a prompt of exactly max_model_len tokens is the only exception
+        cdef int64_t capacity = min(<int64_t>plen + max_tokens, max(self.max_model_len, plen + 1))
+        cdef int max_blocks = _cdiv(capacity - 1, self.block_size)
+        if max_blocks > self.allocator.num_blocks - 1:
+            raise ValueError(f"the request may need {max_blocks} KV blocks, the cache has only "
+                             f"{self.allocator.num_blocks - 1}")
+        if self.n_free_slots == 0:
+            raise OverflowError(f"the scheduler already holds {self.max_requests} requests")
+        cdef int s = self.free_slots[self.n_free_slots - 1]
+        cdef int32_t* toks = <int32_t*>malloc(capacity * sizeof(int32_t))
+        cdef int32_t* blks = <int32_t*>malloc(max(1, max_blocks) * sizeof(int32_t))
+        cdef int32_t* stop_buf = <int32_t*>malloc(max(1, stops.size) * sizeof(int32_t))
+        if not (toks and blks and stop_buf):
+            free(toks); free(blks); free(stop_buf)
+            raise MemoryError()
+        self.n_free_slots -= 1
+        memcpy(toks, _as_int32_ptr(prompt), plen * sizeof(int32_t))
+        cdef int i
+        for i in range(stops.size):
+            stop_buf[i] = stops[i]
+        self.r_id[s] = req_id
+        self.r_tokens[s] = toks
+        self.r_blocks[s] = blks
+        self.r_stop_ids[s] = stop_buf
+        self.r_nstop[s] = stops.size
+        self.r_capacity[s] = <int32_t>capacity
+        self.r_num_tokens[s] = plen
+        self.r_prompt_len[s] = plen
+        self.r_num_computed[s] = 0
+        self.r_nblocks[s] = 0
+        self.r_max_tokens[s] = max_tokens
+        self.r_min_tokens[s] = min_tokens
+        self.r_ignore_eos[s] = ignore_eos
+        self.r_prefill_only[s] = prefill_only
+        self.r_aborted[s] = 0
+        self.r_cached_tokens[s] = 0
+        self.r_inserted[s] = 0
+        self.r_preemptions[s] = 0
+        self.r_arrival_step[s] = self.step_count
+        self.slot_of[req_id] = s
+        self._enqueue(s, False)
+        return s
+
+    def abort(self, int64_t req_id):
+        """Drop a request wherever it is; its blocks are freed now, or at update() when the
+        step in flight still reads them. Returns False for an unknown or finished id."""
+        slot = self.slot_of.get(req_id)
+        if slot is None:
+            return False
+        cdef int s = slot
+        if self.r_aborted[s]:
+            return False
+        if self.in_flight and self._in_step(s):
+            self.r_aborted[s] = 1
+            return True
+        self._drop(s)
+        return True
+
+    def release(self, int64_t req_id):
+        """Free the blocks of a prefill-only request once its KV has been sent elsewhere."""
+        slot = self.slot_of.get(req_id)
+        if slot is None or self.r_state[<int>slot] != _HELD:
+            raise KeyError(f"request {req_id} is not held")
+        self._drop(<int>slot)
+
+    # -- the step (hot path) ---------------------------------------------------------------
+
+    def schedule(self):
+        """Fill the plan for one step and return the number of rows scheduled."""
+        if self.in_flight:
+            raise RuntimeError("schedule() called again before update() for the step in flight")
+        self._schedule()
+        return self.plan.num_rows
+
+    def update(self, sampled_token_ids):
+        """Append one sampled token per sampling row (in plan.logits_indices order), apply
+        stop conditions, free finished requests and cache their prefixes. Returns the
+        number of events written to event_req_ids / event_tokens / event_finish."""
+        if not self.in_flight:
+            raise RuntimeError("update() without a step in flight")
+        cdef int64_t[::1] sampled = np.ascontiguousarray(sampled_token_ids, dtype=np.int64).reshape(-1)
+        if sampled.shape[0] < self.plan.num_samples:
+            raise ValueError(f"{self.plan.num_samples} rows sample, got {sampled.shape[0]} tokens")
+        if self.plan.num_samples:
+            return self._update(&sampled[0])
+        return self._update(NULL)
+
+    cdef bint _in_step(self, int s) noexcept nogil:
+        cdef int k
+        for k in range(self.n_sched):
+            if self.sched_slot[k] == s:
+                return True
+        return False
+
+    cdef void _enqueue(self, int s, bint front) noexcept nogil:
+        if front:
+            memmove(self.waiting + 1, self.waiting, self.num_waiting * sizeof(int32_t))
+            self.waiting[0] = s
+        else:
+            self.waiting[self.num_waiting] = s
+        self.num_waiting += 1
+        self.r_state[s] = _WAITING
+        self.queued_prompt_tokens += self.r_num_tokens[s]
+
+    cdef void _remove_waiting(self, int idx) noexcept nogil:
+        cdef int s = self.waiting[idx]
+        memmove(self.waiting + idx, self.waiting + idx + 1, (self.num_waiting - idx - 1) * sizeof(int32_t))
+        self.num_waiting -= 1
+        self.queued_prompt_tokens -= self.r_num_tokens[s]
+
+    cdef void _remove_running(self, int s) noexcept nogil:
+        cdef int i = self.num_running - 1
+        while self.running[i] != s:
+            i -= 1
+        memmove(self.running + i, self.running + i + 1, (self.num_running - i - 1) * sizeof(int32_t))
+        self.num_running -= 1
+
+    cdef int _cache_blocks(self, int s) except -1:
+        """Insert s's fully computed blocks into the cache (swapping duplicates)."""
+        cdef int nfull = self.r_num_computed[s] // self.block_size
+        if self.cache is not None and nfull > self.r_inserted[s]:
+            self.cache._insert(self.r_tokens[s], nfull, self.r_blocks[s])
+            self.r_inserted[s] = nfull
+        return 0
+
+    cdef int _free_blocks(self, int s) except -1:
+        self._cache_blocks(s)
+        self.allocator._release_path(self.r_blocks[s], self.r_nblocks[s])
+        self.r_nblocks[s] = 0
+        self.r_inserted[s] = 0
+        return 0
+
+    cdef int _drop(self, int s) except -1:
+        """Remove a request entirely (finished, aborted or released): blocks, slot, id."""
+        cdef uint8_t state = self.r_state[s]
+        cdef int i
+        if state == _WAITING:
+            for i in range(self.num_waiting):
+                if self.waiting[i] == s:
+                    self._remove_waiting(i)
+                    break
+        elif state == _RUNNING:
+            self._remove_running(s)
+        elif state == _HELD:
+            self.num_held -= 1
+        if state == _RUNNING or state == _HELD:
+            self._free_blocks(s)
+        free(self.r_tokens[s]); free(self.r_blocks[s]); free(self.r_stop_ids[s])
+        self.r_tokens[s] = NULL
+        self.r_blocks[s] = NULL
+        self.r_stop_ids[s] = NULL
+        self.r_state[s] = _FREE
+        self.r_aborted[s] = 0
+        del self.slot_of[self.r_id[s]]
+        self.free_slots[self.n_free_slots] = s
+        self.n_free_slots += 1
+        return 0
+
+    cdef int _preempt(self, int s) except -1:
+        """Recompute-style preemption: cache what was computed, free it all, requeue first."""
+        self._remove_running(s)
+        self._free_blocks(s)
+        self.r_num_computed[s] = 0
+        self.r_preemptions[s] += 1
+        self.num_preemptions += 1
+        self._enqueue(s, True)
+        return 0
+
+    cdef int _pick_waiting(self) except -1:
+        """Index in the waiting queue of the request to admit next."""
+        if self.policy == POLICY_FCFS or self.num_waiting == 1:
+            return 0
+        cdef int i, s, best = 0, m, n = min(self.num_waiting, self.lpm_window)
+        cdef double score, best_score = -1.0
+        for i in range(n):
+            s = self.waiting[i]
+            m = self.cache._match(self.r_tokens[s], self.cache._match_cap(self.r_num_tokens[s], True), NULL)
+            # aging: every step waited counts as lpm_aging matched tokens, so a cold
+            # request overtakes hot ones after a bounded wait
+            score = <double>m * self.block_size + self.lpm_aging * <double>(self.step_count - self.r_arrival_step[s])
+            if score > best_score:
+                best_score = score
+                best = i
+        return best
+
+    cdef int _schedule(self) except -1:
+        cdef int budget = self.max_num_batched_tokens
+        cdef int i = 0, s, n, need, bs = self.block_size, m, idx
+        cdef bint preempted = False
+        cdef BlockAllocator alloc = self.allocator
+        self.n_sched = 0
+        # 1. running requests, oldest first: a decode needs 1 token, a prompt its next chunk
+        while i < self.num_running and budget > 0:
+            s = self.running[i]
+            n = min(self.r_num_tokens[s] - self.r_num_computed[s], budget)
+            need = _cdiv(self.r_num_computed[s] + n, bs) - self.r_nblocks[s]
+            while need > alloc.n_list:
+                preempted = True
+                self._preempt(self.running[self.num_running - 1])
+                if self.r_state[s] != _RUNNING:
+                    break
+            if self.r_state[s] != _RUNNING:
+                break  # s itself was the newest: it waits for blocks
+            if need > 0:
+                alloc._alloc(need, self.r_blocks[s] + self.r_nblocks[s])
+                self.r_nblocks[s] += need
+            self.sched_slot[self.n_sched] = s
+            self.sched_n[self.n_sched] = n
+            self.n_sched += 1
+            budget -= n
+            i += 1
+        # 2. admit waiting requests while budget, rows and blocks allow (not after a preemption)
+        while (not preempted and budget > 0 and self.num_waiting > 0
+               and self.num_running < self.max_num_seqs):
+            idx = self._pick_waiting()
+            s = self.waiting[idx]
+            m = 0
+            if self.cache is not None:
+                m = self.cache._match(self.r_tokens[s], self.cache._match_cap(self.r_num_tokens[s], True),
+                                      self.r_blocks[s])
+            n = self.r_num_tokens[s] - m * bs
+            if n > budget:
+                if not self.chunked_prefill:
+                    break
+                n = budget
+            need = _cdiv(m * bs + n, bs) - m
+            if need + alloc._evictable_in(self.r_blocks[s], m) > alloc.n_list:
+                break  # not enough blocks: keep the queue order, try next step
+            # commit: hold the matched path, then allocate the rest
+            alloc._acquire_path(self.r_blocks[s], m)
+            alloc._alloc(need, self.r_blocks[s] + m)
+            self.r_nblocks[s] = m + need
+            self.r_num_computed[s] = m * bs  # recomputed on every admission (preempted requests too)
+            self.r_inserted[s] = m
+            if self.r_preemptions[s] == 0:
+                self.r_cached_tokens[s] = m * bs
+            if self.cache is not None:
+                self.cache._count_query(self.r_num_tokens[s], m)
+            self._remove_waiting(idx)
+            self.running[self.num_running] = s
+            self.num_running += 1
+            self.r_state[s] = _RUNNING
+            self.sched_slot[self.n_sched] = s
+            self.sched_n[self.n_sched] = n
+            self.n_sched += 1
+            budget -= n
+        self._write_plan()
+        self.in_flight = True
+        self.step_count += 1
+        return 0
+
+    cdef void _write_plan(self) noexcept:
+        cdef StepPlan plan = self.plan
+        cdef int k, s, n, j, pos, c, nb, row = 0, t = 0, samples = 0, pass_
+        cdef int bs = self.block_size, width = plan.width
+        cdef int32_t* toks
+        cdef int32_t* blocks
+        cdef int32_t* bt_row
+        plan.p_qsl[0] = 0
+        for pass_ in range(2):  # decode rows (one token) first, then prompt chunks
+            for k in range(self.n_sched):
+                n = self.sched_n[k]
+                if (n == 1) != (pass_ == 0):
+                    continue
+                s = self.sched_slot[k]
+                c = self.r_num_computed[s]
+                toks = self.r_tokens[s]
+                blocks = self.r_blocks[s]
+                for j in range(n):
+                    pos = c + j
+                    plan.p_input_ids[t] = toks[pos]
+                    plan.p_positions[t] = pos
+                    plan.p_slot_mapping[t] = <int64_t>blocks[pos // bs] * bs + pos % bs
+                    t += 1
+                nb = self.r_nblocks[s]
+                bt_row = plan.p_block_tables + <int64_t>row * width
+                memcpy(bt_row, blocks, nb * sizeof(int32_t))
+                if plan.row_width[row] > nb:  # stale columns from a longer request
+                    memset(bt_row + nb, 0, (plan.row_width[row] - nb) * sizeof(int32_t))
+                plan.row_width[row] = nb
+                plan.p_seq_lens[row] = c + n
+                plan.p_qsl[row + 1] = t
+                if c + n == self.r_num_tokens[s]:
+                    plan.p_logits_indices[samples] = t - 1
+                    plan.p_sample_slots[samples] = s
+                    plan.p_sample_req_ids[samples] = self.r_id[s]
+                    samples += 1
+                self.r_num_computed[s] = c + n
+                row += 1
+            if pass_ == 0:
+                plan.num_decode_rows = row
+        plan._clear_tail(t, row, samples)
+
+    cdef int _stop_reason(self, int s, int32_t tok) noexcept nogil:
+        cdef int i, out = self.r_num_tokens[s] - self.r_prompt_len[s]
+        if out >= self.r_min_tokens[s]:
+            if not self.r_ignore_eos[s]:
+                for i in range(self.n_eos):
+                    if tok == self.eos_ids[i]:
+                        return _FINISH_STOP
+            for i in range(self.r_nstop[s]):
+                if tok == self.r_stop_ids[s][i]:
+                    return _FINISH_STOP
+        if out >= self.r_max_tokens[s] or self.r_num_tokens[s] >= self.max_model_len:
+            return _FINISH_LENGTH
+        return _FINISH_NONE
+
+    cdef int _update(self, const int64_t* sampled) except -1:
+        cdef StepPlan plan = self.plan
+        cdef int k, s, reason, events = 0
+        cdef int64_t tok, limit = self.vocab_size if self.vocab_size > 0 else 2147483648
+        for k in range(plan.num_samples):
+            tok = sampled[k]
+            if tok < 0 or tok >= limit:
+                # checked before anything changes, so the step can be retried with good tokens
+                raise ValueError(f"sampled token id {tok} (row {k}) is outside [0, {limit})")
+        for k in range(plan.num_samples):
+            s = plan.p_sample_slots[k]
+            if self.r_aborted[s]:
+                continue
+            tok = sampled[k]
+            self.r_tokens[s][self.r_num_tokens[s]] = <int32_t>tok
+            self.r_num_tokens[s] += 1
+            reason = self._stop_reason(s, <int32_t>tok)
+            if reason == _FINISH_NONE and self.r_prefill_only[s]:
+                reason = _FINISH_REMOTE
+            self.e_req_ids[events] = self.r_id[s]
+            self.e_tokens[events] = <int32_t>tok
+            self.e_finish[events] = reason
+            events += 1
+            if reason == _FINISH_REMOTE:
+                # keep the blocks for the KV transfer; what was computed is cached now
+                self._cache_blocks(s)
+                self._remove_running(s)
+                self.r_state[s] = _HELD
+                self.num_held += 1
+            elif reason != _FINISH_NONE:
+                self._drop(s)
+        for k in range(self.n_sched):
+            s = self.sched_slot[k]
+            if self.r_aborted[s]:
+                self._drop(s)
+            elif self.r_state[s] == _RUNNING and self.r_num_computed[s] >= self.r_prompt_len[s]:
+                # prompt done: cache it now so concurrent requests with the same prefix share it
+                self._cache_blocks(s)
+        self.in_flight = False
+        return events
+
+    # -- inspection --------------------------------------------------------------------------
+
+    cdef int _slot(self, int64_t req_id) except -1:
+        slot = self.slot_of.get(req_id)
+        if slot is None:
+            raise KeyError(f"unknown request {req_id}")
+        return slot
+
+    def slot_of_request(self, int64_t req_id):
+        return self._slot(req_id)
+
+    def has_request(self, int64_t req_id):
+        return req_id in self.slot_of
+
+    def request_state(self, int64_t req_id):
+        """A dict describing one live request (for tests, debugging and the RPC layer)."""
+        cdef int s = self._slot(req_id)
+        cdef int n = self.r_num_tokens[s]
+        tokens = np.empty(n, dtype=np.int32)
+        memcpy(_as_int32_ptr(tokens), self.r_tokens[s], n * sizeof(int32_t))
+        blocks = np.empty(self.r_nblocks[s], dtype=np.int32)
+        if blocks.size:
+            memcpy(_as_int32_ptr(blocks), self.r_blocks[s], blocks.size * sizeof(int32_t))
+        return {
+            "state": STATE_NAMES[self.r_state[s]],
+            "slot": s,
+            "token_ids": tokens,
+            "prompt_len": self.r_prompt_len[s],
+            "num_tokens": n,
+            "num_computed_tokens": self.r_num_computed[s],
+            "block_ids": blocks,
+            "cached_prompt_tokens": self.r_cached_tokens[s],
+            "num_preemptions": self.r_preemptions[s],
+            "aborted": bool(self.r_aborted[s]),
+        }
+
+    def waiting_request_ids(self):
+        return [self.r_id[self.waiting[i]] for i in range(self.num_waiting)]
+
+    def running_request_ids(self):
+        return [self.r_id[self.running[i]] for i in range(self.num_running)]
+
+    def stats(self):
+        """Counters for the server's metrics and the master's routing; O(1)."""
+        cdef BlockAllocator a = self.allocator
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_held": self.num_held,
+            "queued_prompt_tokens": self.queued_prompt_tokens,
+            "num_blocks": a.num_blocks - 1,
+            "free_blocks": a.n_list - a.n_cached_in_list,
+            "evictable_blocks": a.n_cached_in_list,
+            "used_blocks": a.num_blocks - 1 - a.n_list,
+            "cached_blocks": a.n_cached,
+            "kv_cache_usage": <double>(a.num_blocks - 1 - a.n_list) / (a.num_blocks - 1),
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": self.cache.num_queries if self.cache is not None else 0,
+            "prefix_cache_query_tokens": self.cache.query_tokens if self.cache is not None else 0,
+            "prefix_cache_hit_tokens": self.cache.hit_tokens if self.cache is not None else 0,
+            "num_steps": self.step_count,
+        }
+
+    @property
+    def has_unfinished(self):
+        return self.num_running > 0 or self.num_waiting > 0
+
+    def check_integrity(self):
+        """Assert the scheduler's invariants and those of the allocator and cache below it."""
+        cdef int s, i, b, n_live = 0
+        cdef BlockAllocator alloc = self.allocator
+        if self.cache is not None:
+            self.cache.check_integrity()
+        else:
+            alloc.check_integrity()
+        holders = np.zeros(alloc.num_blocks, dtype=np.int64)
+        counted = {"running": 0, "waiting": 0, "held": 0}
+        queued = 0
+        for s in range(self.max_requests):
+            if self.r_state[s] == _FREE:
+                continue
+            n_live += 1
+            assert self.slot_of.get(self.r_id[s]) == s, f"slot {s} not in the id map"
+            assert 0 < self.r_prompt_len[s] <= self.r_num_tokens[s] <= self.r_capacity[s]
+            assert 0 <= self.r_num_computed[s] <= self.r_num_tokens[s]
+            if self.r_state[s] == _WAITING:
+                counted["waiting"] += 1
+                queued += self.r_num_tokens[s]
+                assert self.r_nblocks[s] == 0, f"waiting slot {s} holds blocks"
+                assert self.r_num_computed[s] == 0, f"waiting slot {s} keeps a stale computed count"
+            else:
+                counted["running" if self.r_state[s] == _RUNNING else "held"] += 1
+                assert self.r_nblocks[s] == _cdiv(self.r_num_computed[s], self.block_size), \
+                    f"slot {s}: {self.r_nblocks[s]} blocks for {self.r_num_computed[s]} computed tokens"
+                for i in range(self.r_nblocks[s]):
+                    b = self.r_blocks[s][i]
+                    assert 0 < b < alloc.num_blocks, f"slot {s} holds invalid block {b}"
+                    holders[b] += 1
+        assert counted["running"] == self.num_running, "running count drifted"
+        assert counted["waiting"] == self.num_waiting, "waiting count drifted"
+        assert counted["held"] == self.num_held, "held count drifted"
+        assert queued == self.queued_prompt_tokens, "queued prompt tokens drifted"
+        assert n_live == len(self.slot_of) == self.max_requests - self.n_free_slots, "slots leaked"
+        assert self.num_running <= self.max_num_seqs
+        assert len(set(self.running_request_ids())) == self.num_running, "request twice in running"
+        assert len(set(self.waiting_request_ids())) == self.num_waiting, "request twice in waiting"
+        for b in range(1, alloc.num_blocks):
+            assert alloc.ref[b] == holders[b], f"block {b}: refcount {alloc.ref[b]} but {holders[b]} holders"

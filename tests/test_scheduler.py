@@ -1,0 +1,342 @@
+import numpy as np
+import pytest
+
+from rtp._runtime import FINISH_LENGTH, FINISH_NONE, FINISH_REMOTE, FINISH_STOP, StepPlan, Scheduler
+from runtime_sim import ToyRunner, make_scheduler, oracle, run_to_completion
+
+VOCAB = 50
+
+
+def expected(prompt, max_tokens, max_model_len, stop_ids=()):
+    budget = min(max_tokens, max(max_model_len - len(prompt), 1))
+    return oracle(prompt, budget, VOCAB, stop_ids)
+
+
+def test_generates_what_the_oracle_generates():
+    s = make_scheduler(eos_token_ids=[0])
+    r = ToyRunner(s, VOCAB)
+    rng = np.random.default_rng(0)
+    prompts = {i: rng.integers(1, VOCAB, size=int(rng.integers(1, 40))).tolist() for i in range(12)}
+    for i, p in prompts.items():
+        s.add_request(i, p, max_tokens=10)
+    out = run_to_completion(r)
+    for i, p in prompts.items():
+        assert out[i] == expected(p, 10, 64, stop_ids=(0,))
+    assert s.allocator.num_used == 0
+
+
+def test_full_prompt_cache_hit_leaves_a_token_to_compute():
+    s = make_scheduler(max_num_batched_tokens=64)
+    r = ToyRunner(s, VOCAB)
+    prompt = list(range(1, 17))  # exactly 4 blocks
+    s.add_request(1, prompt, max_tokens=1)
+    assert run_to_completion(r)[1] == expected(prompt, 1, 64)
+    assert s.allocator.num_cached == 4
+    s.add_request(2, prompt, max_tokens=3)
+    s.schedule()
+    st = s.request_state(2)
+    assert st["cached_prompt_tokens"] == 12  # capped at len-1, rounded down to a block
+    assert s.plan.num_tokens == 4 and s.plan.num_samples == 1
+    assert s.update(r.forward()) == 1 and s.event_tokens[0] == expected(prompt, 3, 64)[0]
+    s.check_integrity()
+    assert run_to_completion(r)[2] == expected(prompt, 3, 64)[1:]
+
+
+def test_preempted_request_that_hits_the_cache_recounts_computed_tokens():
+    # 9 usable blocks of 4 tokens: two growing requests cannot both fit
+    s = make_scheduler(num_blocks=10, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=36)
+    r = ToyRunner(s, VOCAB)
+    a, b = list(range(1, 13)), list(range(20, 32))
+    s.add_request(1, a, max_tokens=20)
+    s.add_request(2, b, max_tokens=20)
+    out = run_to_completion(r)
+    assert s.num_preemptions >= 1
+    assert out[1] == expected(a, 20, 36) and out[2] == expected(b, 20, 36)
+    assert len(out[1]) == len(out[2]) == 20
+    assert s.allocator.num_used == 0
+
+
+def test_preempted_request_resumes_from_its_cached_prefix():
+    s = make_scheduler(num_blocks=10, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=36)
+    r = ToyRunner(s, VOCAB)
+    s.add_request(1, list(range(1, 13)), max_tokens=20)
+    s.add_request(2, list(range(20, 32)), max_tokens=20)
+    while s.num_preemptions == 0:
+        r.step()
+        s.check_integrity()
+    (victim,) = s.waiting_request_ids()
+    assert victim == 2  # the newest running request goes first
+    st = s.request_state(victim)
+    assert st["num_computed_tokens"] == 0 and st["block_ids"].size == 0
+    assert st["num_tokens"] > st["prompt_len"]  # it had generated tokens: they are recomputed
+
+
+def test_block_table_width_at_max_model_len():
+    # a prompt of exactly max_model_len tokens needs cdiv(max_model_len, block_size) columns
+    s = make_scheduler(num_blocks=40, block_size=4, max_model_len=30, max_num_batched_tokens=32)
+    assert s.plan.width == 8
+    r = ToyRunner(s, VOCAB)
+    prompt = list(range(1, 31))
+    s.add_request(1, prompt, max_tokens=5)
+    s.schedule()
+    assert (s.plan.block_tables[0] > 0).all()  # all 8 columns used
+    n = s.update(r.forward())
+    assert n == 1 and s.event_finish[0] == FINISH_LENGTH
+    assert s.event_tokens[0] == expected(prompt, 5, 30)[0]
+    s.check_integrity()
+    # a plan one column short is refused up front
+    from rtp._runtime import BlockAllocator
+    with pytest.raises(ValueError, match="wide"):
+        Scheduler(BlockAllocator(40, 4), StepPlan(32, 8, 7), max_model_len=30, max_num_seqs=8,
+                  max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add_request(2, list(range(1, 32)))
+
+
+def test_no_stale_rows_or_columns_after_a_longer_batch():
+    s = make_scheduler(max_num_batched_tokens=64)
+    r = ToyRunner(s, VOCAB)
+    s.add_request(1, list(range(1, 40)), max_tokens=1)  # one long row that finishes at once
+    s.add_request(2, [2, 3], max_tokens=2)
+    s.schedule()
+    assert s.plan.num_rows == 2 and (s.plan.block_tables[0, :10] > 0).all()
+    s.update(r.forward())
+    for i in range(3, 6):
+        s.add_request(i, [i], max_tokens=3)
+    s.schedule()  # row 0 now holds a one-block request: the long row's columns must be cleared
+    assert s.plan.num_rows == 4
+    assert not s.plan.block_tables[:, 1:].any()
+    s.update(r.forward())
+    s.schedule()  # fewer rows again: the rows past the end must be cleared too
+    assert s.plan.num_rows == 3 and not s.plan.block_tables[3:].any()
+    assert not s.plan.seq_lens[3:].any() and not s.plan.input_ids[3:].any()
+    s.update(r.forward())  # ToyRunner.forward asserts the whole padded region is zero too
+    s.check_integrity()
+
+
+def test_decode_is_not_starved_by_a_long_prompt():
+    s = make_scheduler(num_blocks=128, max_num_batched_tokens=16, max_model_len=256)
+    r = ToyRunner(s, VOCAB)
+    s.add_request(1, [3, 4, 5], max_tokens=30)
+    r.step()
+    s.add_request(2, list(np.arange(200) % 40 + 1), max_tokens=2)
+    chunks = 0
+    while s.has_unfinished and s.request_state(1)["state"] == "running":
+        s.schedule()
+        assert s.plan.num_decode_rows >= 1 and s.plan.sample_req_ids[0] == 1  # the decode runs every step
+        assert s.plan.num_tokens <= 16
+        chunks += s.plan.num_rows == 2
+        events = s.update(r.forward())
+        assert 1 in s.event_req_ids[:events].tolist()
+        s.check_integrity()
+        if not s.has_request(1):
+            break
+    assert chunks >= 13  # the 200-token prompt went in chunks of at most 15
+
+
+def test_stop_conditions():
+    s = make_scheduler(eos_token_ids=[0, 1])
+    r = ToyRunner(s, VOCAB)
+    prompt = [5, 6, 7]
+    free_run = oracle(prompt, 30, VOCAB)
+    stop_tok = free_run[3]
+    s.add_request(1, prompt, max_tokens=30, stop_token_ids=[stop_tok], ignore_eos=True)
+    s.add_request(2, prompt, max_tokens=4, ignore_eos=True)
+    s.add_request(3, prompt, max_tokens=30, stop_token_ids=[stop_tok], min_tokens=10, ignore_eos=True)
+    out = run_to_completion(r)
+    assert out[1] == free_run[: free_run.index(stop_tok) + 1]
+    assert out[2] == free_run[:4]
+    later = [i for i, t in enumerate(free_run) if t == stop_tok and i >= 9]
+    assert out[3] == free_run[: (later[0] + 1 if later else 30)]
+
+
+def test_eos_is_honoured_unless_ignored():
+    prompt = [9, 8, 7, 6]
+    run = oracle(prompt, 40, VOCAB)
+    eos = run[5]
+    s = make_scheduler(eos_token_ids=[eos])
+    r = ToyRunner(s, VOCAB)
+    s.add_request(1, prompt, max_tokens=40)
+    s.add_request(2, prompt, max_tokens=8, ignore_eos=True)
+    out = run_to_completion(r)
+    assert out[1] == run[: run.index(eos) + 1]
+    assert out[2] == run[:8]
+
+
+def test_finish_reasons_in_events():
+    prompt = [2, 3]
+    run = oracle(prompt, 10, VOCAB)
+    assert run[1] != run[0]
+    s = make_scheduler(eos_token_ids=[run[1]])
+    r = ToyRunner(s, VOCAB)
+    s.add_request(1, prompt, max_tokens=10)
+    s.add_request(2, prompt, max_tokens=1, ignore_eos=True)
+    reasons = {}
+    while s.has_unfinished:
+        for rid, _, fin in r.step():
+            reasons.setdefault(rid, []).append(fin)
+    assert reasons[1] == [FINISH_NONE, FINISH_STOP] and reasons[2] == [FINISH_LENGTH]
+
+
+def test_abort_anywhere_frees_everything():
+    s = make_scheduler(max_num_seqs=2)
+    r = ToyRunner(s, VOCAB)
+    for i in range(4):
+        s.add_request(i, list(range(1, 20)), max_tokens=50)
+    r.step()
+    assert s.abort(3)  # waiting
+    assert s.abort(0)  # running, between steps
+    assert not s.abort(0) and not s.abort(99)
+    s.check_integrity()
+    s.schedule()
+    assert s.abort(1)  # in flight: its blocks stay until update()
+    assert s.request_state(1)["aborted"]
+    blocks = s.request_state(1)["block_ids"]
+    assert all(s.allocator.ref_count(int(b)) > 0 for b in blocks)
+    s.check_integrity()
+    n = s.update(r.forward())
+    assert 1 not in s.event_req_ids[:n].tolist()
+    assert not s.has_request(1)
+    s.abort(2)
+    s.check_integrity()
+    assert s.allocator.num_used == 0 and not s.has_unfinished
+
+
+def test_prefill_only_request_holds_its_blocks_until_released():
+    s = make_scheduler()
+    r = ToyRunner(s, VOCAB)
+    prompt = list(range(1, 11))
+    s.add_request(7, prompt, max_tokens=20, prefill_only=True)
+    events = r.step()
+    assert events == [(7, expected(prompt, 1, 64)[0], FINISH_REMOTE)]
+    st = s.request_state(7)
+    assert st["state"] == "held" and st["block_ids"].size == 3 and s.num_held == 1
+    assert not s.has_unfinished
+    s.check_integrity()
+    s.release(7)
+    assert s.allocator.num_used == 0 and s.num_held == 0
+    with pytest.raises(KeyError):
+        s.release(7)
+    s.check_integrity()
+
+
+def test_lpm_prefers_cached_prefixes_but_ages_cold_requests():
+    s = make_scheduler(num_blocks=256, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128,
+                       policy="lpm", lpm_aging=4.0)
+    r = ToyRunner(s, VOCAB)
+    hot = list(range(1, 33))
+    s.add_request(0, hot + [40], max_tokens=1)
+    run_to_completion(r)
+    s.add_request(100, [45] * 20, max_tokens=1)  # cold: nothing cached
+    s.add_request(1, hot + [41], max_tokens=1)
+    order = []
+    nxt = 2
+    while s.has_request(100):
+        s.schedule()
+        order.extend(s.plan.sample_req_ids[: s.plan.num_samples].tolist())
+        s.update(r.forward())
+        s.add_request(nxt, hot + [nxt % 9 + 1], max_tokens=1)  # hot requests keep coming
+        nxt += 1
+    order.append(100) if order[-1] != 100 else None
+    assert order[0] == 1  # the hot request jumped the queue
+    # 32 matched tokens at 4 tokens/step of aging: the cold request waits about 8 steps, not forever
+    assert 100 in order and order.index(100) <= 10
+    s.check_integrity()
+
+
+def test_fcfs_keeps_arrival_order():
+    s = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    r = ToyRunner(s, VOCAB)
+    for i in range(5):
+        s.add_request(i, [i + 1, i + 2], max_tokens=1)
+    order = []
+    while s.has_unfinished:
+        order += [rid for rid, _, _ in r.step()]
+    assert order == [0, 1, 2, 3, 4]
+
+
+def test_bad_requests_are_refused_and_change_nothing():
+    s = make_scheduler(num_blocks=8, vocab_size=VOCAB, max_requests=3)
+    s.add_request(1, [1, 2, 3])
+    for call, err in [
+        (lambda: s.add_request(1, [1]), ValueError),  # duplicate id
+        (lambda: s.add_request(2, []), ValueError),
+        (lambda: s.add_request(2, [VOCAB]), ValueError),
+        (lambda: s.add_request(2, [-1]), ValueError),
+        (lambda: s.add_request(2, [1.5]), TypeError),
+        (lambda: s.add_request(2, [[1, 2]]), ValueError),
+        (lambda: s.add_request(2, [1], max_tokens=0), ValueError),
+        (lambda: s.add_request(2, [1], max_tokens=2, min_tokens=3), ValueError),
+        (lambda: s.add_request(2, [1] * 40, max_tokens=20), ValueError),  # needs more blocks than exist
+        (lambda: s.update([1]), RuntimeError),  # no step in flight
+    ]:
+        with pytest.raises(err):
+            call()
+        s.check_integrity()
+    s.add_request(2, [1])
+    s.add_request(3, [1])
+    with pytest.raises(OverflowError):
+        s.add_request(4, [1])
+    s.schedule()
+    with pytest.raises(RuntimeError):
+        s.schedule()
+    with pytest.raises(ValueError):
+        s.update([1])  # three rows sample
+    with pytest.raises(ValueError):
+        s.update([1, 2, VOCAB])  # out of the vocabulary: nothing appended
+    assert all(s.request_state(i)["num_tokens"] == n for i, n in [(1, 3), (2, 1), (3, 1)])
+    assert s.update([1, 2, 3]) == 3
+    s.check_integrity()
+
+
+def test_constructor_checks():
+    from rtp._runtime import BlockAllocator, RadixCache
+    a = BlockAllocator(16, 4)
+    plan = StepPlan(32, 4, 16)
+    with pytest.raises(ValueError):
+        Scheduler(a, plan, max_num_seqs=8)  # plan has fewer rows
+    with pytest.raises(ValueError):
+        Scheduler(a, plan, max_num_seqs=4, max_num_batched_tokens=64)
+    with pytest.raises(ValueError):
+        Scheduler(a, plan, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, policy="lpm")
+    with pytest.raises(ValueError):
+        Scheduler(a, plan, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, policy="sjf")
+    with pytest.raises(ValueError):
+        Scheduler(a, plan, cache=RadixCache(BlockAllocator(16, 4)), max_num_seqs=4,
+                  max_num_batched_tokens=32, max_model_len=64)
+    with pytest.raises(ValueError):
+        StepPlan(32, 4, 16, input_ids=np.zeros(32, dtype=np.int64))
+    ids = np.zeros(32, dtype=np.int32)
+    p = StepPlan(32, 4, 16, input_ids=ids)
+    assert p.input_ids is ids  # caller-owned buffers are written in place
+
+
+def test_concurrent_identical_prompts_share_blocks_after_prefill():
+    s = make_scheduler(max_num_batched_tokens=64)
+    r = ToyRunner(s, VOCAB)
+    prompt = list(range(1, 21))
+    s.add_request(1, prompt, max_tokens=8)
+    s.add_request(2, prompt, max_tokens=8)
+    first = r.step()
+    s.check_integrity()
+    b1, b2 = s.request_state(1)["block_ids"], s.request_state(2)["block_ids"]
+    assert b1[:5].tolist() == b2[:5].tolist()  # duplicates were swapped for the cached blocks
+    assert s.allocator.num_used == 5  # 20 tokens: five full blocks, held by both
+    out = run_to_completion(r)
+    want = expected(prompt, 8, 64)
+    assert [t for _, t, _ in first] == want[:1] * 2
+    assert out[1] == out[2] == want[1:]
+
+
+def test_stats():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(i, [1, 2, 3, 4, 5], max_tokens=2)
+    st = s.stats()
+    assert st["num_waiting"] == 3 and st["queued_prompt_tokens"] == 15
+    ToyRunner(s, VOCAB).step()
+    st = s.stats()
+    assert st["num_running"] == 2 and st["num_waiting"] == 1 and st["queued_prompt_tokens"] == 5
+    # the shared first block was deduplicated once both prompts were computed
+    assert st["used_blocks"] == 3 and st["prefix_cache_queries"] == 2
+    assert 0 < st["kv_cache_usage"] < 1
