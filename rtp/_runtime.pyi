@@ -15,6 +15,8 @@ FINISH_ABORT: int   # 3
 FINISH_REMOTE: int  # 4: prefill-only request done; blocks held until Scheduler.release()
 FINISH_REASONS: dict[int, str | None]
 STATE_NAMES: dict[int, str]
+POLICY_FCFS: int   # Scheduler.policy values
+POLICY_LPM: int
 
 class BlockAllocator:
     """Paged KV blocks with refcounts; block 0 is the reserved null block."""

@@ -26,10 +26,13 @@ join at the head and are used before any cached block is evicted.
 """
 
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
 import numpy as np
+cimport numpy as cnp
+
+cnp.import_array()
 
 # Finish reasons written into update()'s events (and the Python constants below).
 cdef enum:
@@ -56,34 +59,69 @@ cdef enum:
 
 STATE_NAMES = {_FREE: "free", _WAITING: "waiting", _RUNNING: "running", _HELD: "held"}
 
-POLICY_FCFS = 0
-POLICY_LPM = 1
+# Waiting-queue policies.
+cdef enum:
+    _POLICY_FCFS = 0      # first come, first served
+    _POLICY_LPM = 1       # longest cached prefix first, with aging
+
+POLICY_FCFS = _POLICY_FCFS
+POLICY_LPM = _POLICY_LPM
 
 
 cdef inline int _cdiv(int64_t a, int64_t b) noexcept nogil:
     return <int>((a + b - 1) // b)
 
 
+cdef void* _zeroed(size_t nbytes) noexcept nogil:
+    """malloc + memset: every page is touched now, at construction, so the first steps
+    that reach a fresh part of a large table don't pay its page faults."""
+    cdef void* p = malloc(nbytes if nbytes else 1)
+    if p != NULL:
+        memset(p, 0, nbytes)
+    return p
+
+
+cdef inline bint _is_contiguous(object array, int typenum) noexcept:
+    return (isinstance(array, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>array) == typenum
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>array))
+
+
 cdef inline int32_t* _as_int32_ptr(object array) except NULL:
-    cdef int32_t[::1] view = array
-    return &view[0]
+    """The data of a contiguous int32 array (checked: a cheap C-API test, no memoryview)."""
+    if not _is_contiguous(array, cnp.NPY_INT32):
+        raise TypeError("expected a contiguous int32 array")
+    return <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>array)
 
 
 cdef inline int64_t* _as_int64_ptr(object array) except NULL:
-    cdef int64_t[::1] view = array
-    return &view[0]
+    if not _is_contiguous(array, cnp.NPY_INT64):
+        raise TypeError("expected a contiguous int64 array")
+    return <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>array)
 
 
 def _int32_array(object values, str what):
-    """A contiguous int32 copy of `values`, refusing values that do not fit."""
-    arr = np.asarray(values)
-    if arr.ndim != 1:
+    """A contiguous int32 view or copy of `values`, refusing values that do not fit."""
+    arr = values if isinstance(values, cnp.ndarray) else np.asarray(values)
+    if cnp.PyArray_NDIM(<cnp.ndarray>arr) != 1:
         raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if _is_contiguous(arr, cnp.NPY_INT32):
+        # the common case (callers keep int32 arrays): one vectorised C pass, no numpy reductions
+        if _any_negative(<int32_t*>cnp.PyArray_DATA(<cnp.ndarray>arr), cnp.PyArray_SIZE(<cnp.ndarray>arr)):
+            raise ValueError(f"{what} must hold values in [0, 2**31), got {arr.min()}")
+        return arr
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must hold integers, got dtype {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() > 2147483647):
         raise ValueError(f"{what} must hold values in [0, 2**31), got [{arr.min()}, {arr.max()}]")
     return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+cdef bint _any_negative(const int32_t* values, Py_ssize_t n) noexcept nogil:
+    cdef int32_t acc = 0
+    cdef Py_ssize_t i
+    for i in range(n):
+        acc |= values[i]  # no early exit, so the compiler vectorises it
+    return acc < 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,6 +148,7 @@ cdef class BlockAllocator:
     cdef int32_t* next
     cdef uint8_t* in_list
     cdef uint8_t* cached          # the block's tokens live in the attached RadixCache
+    cdef int32_t* scratch         # per-block counts for validating a Python call, kept zero
     cdef int32_t sentinel         # index num_blocks: head is next[sentinel], tail prev[sentinel]
     cdef int32_t first_cached     # first cached block in the list, or sentinel
     cdef int n_list               # blocks in the list (free + evictable)
@@ -126,12 +165,13 @@ cdef class BlockAllocator:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.ref = <int32_t*>calloc(num_blocks, sizeof(int32_t))
-        self.prev = <int32_t*>malloc((num_blocks + 1) * sizeof(int32_t))
-        self.next = <int32_t*>malloc((num_blocks + 1) * sizeof(int32_t))
-        self.in_list = <uint8_t*>calloc(num_blocks, sizeof(uint8_t))
-        self.cached = <uint8_t*>calloc(num_blocks, sizeof(uint8_t))
-        if not (self.ref and self.prev and self.next and self.in_list and self.cached):
+        self.ref = <int32_t*>_zeroed(<size_t>(num_blocks) * sizeof(int32_t))
+        self.prev = <int32_t*>_zeroed((num_blocks + 1) * sizeof(int32_t))
+        self.next = <int32_t*>_zeroed((num_blocks + 1) * sizeof(int32_t))
+        self.in_list = <uint8_t*>_zeroed(<size_t>(num_blocks) * sizeof(uint8_t))
+        self.cached = <uint8_t*>_zeroed(<size_t>(num_blocks) * sizeof(uint8_t))
+        self.scratch = <int32_t*>_zeroed(<size_t>(num_blocks) * sizeof(int32_t))
+        if not (self.ref and self.prev and self.next and self.in_list and self.cached and self.scratch):
             raise MemoryError()
         self.sentinel = num_blocks
         self.prev[self.sentinel] = self.sentinel
@@ -144,6 +184,7 @@ cdef class BlockAllocator:
 
     def __dealloc__(self):
         free(self.ref); free(self.prev); free(self.next); free(self.in_list); free(self.cached)
+        free(self.scratch)
 
     # -- list primitives ------------------------------------------------------------------
 
@@ -306,11 +347,13 @@ cdef class BlockAllocator:
         return done
 
     def _checked(self, blocks, bint allow_free):
+        """Validate block ids from Python before anything changes."""
         arr = _int32_array(blocks, "blocks")
-        cdef int32_t[::1] view = arr
-        cdef Py_ssize_t i
+        cdef int32_t* view = _as_int32_ptr(arr) if arr.size else NULL
+        cdef Py_ssize_t i, n = arr.size
         cdef int32_t b
-        for i in range(view.shape[0]):
+        cdef bint any_cached = False
+        for i in range(n):
             b = view[i]
             if b <= 0 or b >= self.num_blocks:
                 raise ValueError(f"block {b} is not a usable block id (1..{self.num_blocks - 1})")
@@ -318,6 +361,21 @@ cdef class BlockAllocator:
                 raise ValueError(f"block {b} is not allocated")
             if allow_free and self.ref[b] == 0 and not self.cached[b]:
                 raise ValueError(f"block {b} is free: allocate it instead of acquiring it")
+            any_cached |= self.cached[b]
+        if not allow_free and n > 1:
+            # a block listed more often than it is held would go negative
+            b = -1
+            for i in range(n):
+                self.scratch[view[i]] += 1
+                if self.scratch[view[i]] > self.ref[view[i]] and b < 0:
+                    b = view[i]
+            for i in range(n):
+                self.scratch[view[i]] = 0
+            if b >= 0:
+                raise ValueError(f"block {b} freed more times than it is held")
+        if allow_free and any_cached and not self.cache._is_root_path(view, n):
+            # holding a cached block without its ancestors would let them be evicted from under it
+            raise ValueError("cached blocks must be acquired as a path from the root of the cache")
         return arr
 
     def check_integrity(self):
@@ -406,6 +464,7 @@ cdef class RadixCache:
     cdef uint64_t* n_key             # hash of (parent, first block tokens)
     cdef int32_t* free_nodes
     cdef int n_free_nodes
+    cdef int32_t* path_scratch       # block ids of one path, for record()
     cdef int32_t* buckets
     cdef uint64_t bucket_mask
     cdef readonly int num_nodes      # including the root
@@ -423,26 +482,27 @@ cdef class RadixCache:
         self.allocator = allocator
         self.block_size = bs
         self.capacity = nb
-        self.block_tokens = <int32_t*>malloc(<size_t>nb * bs * sizeof(int32_t))
-        self.block_node = <int32_t*>malloc(nb * sizeof(int32_t))
-        self.block_next = <int32_t*>malloc(nb * sizeof(int32_t))
-        self.block_prev = <int32_t*>malloc(nb * sizeof(int32_t))
-        self.n_parent = <int32_t*>malloc(nb * sizeof(int32_t))
-        self.n_first = <int32_t*>malloc(nb * sizeof(int32_t))
-        self.n_last = <int32_t*>malloc(nb * sizeof(int32_t))
-        self.n_nblocks = <int32_t*>calloc(nb, sizeof(int32_t))
-        self.n_nchildren = <int32_t*>calloc(nb, sizeof(int32_t))
-        self.n_hnext = <int32_t*>malloc(nb * sizeof(int32_t))
-        self.n_key = <uint64_t*>calloc(nb, sizeof(uint64_t))
-        self.free_nodes = <int32_t*>malloc(nb * sizeof(int32_t))
+        self.block_tokens = <int32_t*>_zeroed(<size_t>nb * bs * sizeof(int32_t))
+        self.block_node = <int32_t*>_zeroed(nb * sizeof(int32_t))
+        self.block_next = <int32_t*>_zeroed(nb * sizeof(int32_t))
+        self.block_prev = <int32_t*>_zeroed(nb * sizeof(int32_t))
+        self.n_parent = <int32_t*>_zeroed(nb * sizeof(int32_t))
+        self.n_first = <int32_t*>_zeroed(nb * sizeof(int32_t))
+        self.n_last = <int32_t*>_zeroed(nb * sizeof(int32_t))
+        self.n_nblocks = <int32_t*>_zeroed(<size_t>(nb) * sizeof(int32_t))
+        self.n_nchildren = <int32_t*>_zeroed(<size_t>(nb) * sizeof(int32_t))
+        self.n_hnext = <int32_t*>_zeroed(nb * sizeof(int32_t))
+        self.n_key = <uint64_t*>_zeroed(<size_t>(nb) * sizeof(uint64_t))
+        self.free_nodes = <int32_t*>_zeroed(nb * sizeof(int32_t))
+        self.path_scratch = <int32_t*>_zeroed(nb * sizeof(int32_t))
         cdef uint64_t nbuckets = 16
         while nbuckets < <uint64_t>(2 * nb):
             nbuckets <<= 1
-        self.buckets = <int32_t*>malloc(nbuckets * sizeof(int32_t))
+        self.buckets = <int32_t*>_zeroed(nbuckets * sizeof(int32_t))
         if not (self.block_tokens and self.block_node and self.block_next and self.block_prev
                 and self.n_parent and self.n_first and self.n_last and self.n_nblocks
                 and self.n_nchildren and self.n_hnext and self.n_key and self.free_nodes
-                and self.buckets):
+                and self.path_scratch and self.buckets):
             raise MemoryError()
         self.bucket_mask = nbuckets - 1
         for i in range(<int>nbuckets):
@@ -466,7 +526,7 @@ cdef class RadixCache:
         free(self.block_tokens); free(self.block_node); free(self.block_next); free(self.block_prev)
         free(self.n_parent); free(self.n_first); free(self.n_last); free(self.n_nblocks)
         free(self.n_nchildren); free(self.n_hnext); free(self.n_key); free(self.free_nodes)
-        free(self.buckets)
+        free(self.path_scratch); free(self.buckets)
 
     # -- hashing --------------------------------------------------------------------------
 
@@ -546,16 +606,8 @@ cdef class RadixCache:
         self.n_nchildren[parent] += 1
         for i in range(nblocks):
             b = blocks[i]
-            memcpy(self.block_tokens + <int64_t>b * bs, toks + <int64_t>i * bs, bs * sizeof(int32_t))
-            self.block_node[b] = node
-            self.block_prev[b] = prev
-            self.block_next[b] = -1
-            if prev >= 0:
-                self.block_next[prev] = b
+            self._adopt(b, node, prev, toks + <int64_t>i * bs)
             prev = b
-            self.allocator.cached[b] = 1
-            # the inserting holder has a ref, so the block is protected
-            self.allocator.n_cached_used += self.allocator.ref[b] > 0
         self.allocator.n_cached += nblocks
         self.n_first[node] = blocks[0]
         self.n_last[node] = prev
@@ -596,39 +648,102 @@ cdef class RadixCache:
         self._hash_add(node)
         return top
 
-    cdef int _insert(self, const int32_t* toks, int nblocks, int32_t* blocks) except -1:
-        """Insert a holder's path of nblocks full blocks. Where the tree already caches a
-        block for the same tokens, the holder's duplicate is swapped for the tree's (ref
-        taken on the tree block, the duplicate released) so the holder keeps holding its
-        whole root path. Returns the number of blocks that were already cached."""
-        cdef int32_t node = 0, child, b
-        cdef int i = 0, j, bs = self.block_size, shared = 0
+    cdef inline int _swap_in(self, int32_t* blocks, int i, int32_t b) except -1:
+        """The holder computed tokens the tree already caches in block b: hold b instead."""
         cdef BlockAllocator alloc = self.allocator
-        while i < nblocks:
+        if blocks[i] != b:
+            if alloc.cached[blocks[i]]:
+                raise AssertionError(f"block {blocks[i]} is cached under other tokens")
+            alloc._incref(b)
+            alloc._decref(blocks[i])
+            blocks[i] = b
+        return 0
+
+    cdef int _insert(self, const int32_t* toks, int nblocks, int32_t* blocks, int start) except -1:
+        """Insert a holder's path of nblocks full blocks, of which the first `start` are
+        known to be the tree's own (held, so still there): the walk resumes after them.
+
+        Where the tree already caches a block for the same tokens, the holder's duplicate
+        is swapped for the tree's (ref taken on the tree block, the duplicate released), so
+        the holder keeps holding its whole root path. New blocks extend a leaf the path
+        ends at, or hang under the node where the path leaves the tree (splitting it at a
+        block boundary). Returns the number of blocks that were already cached."""
+        cdef int32_t node = 0, child = -1, b = -1, c
+        cdef int i = start, bs = self.block_size, shared = start, k
+        if start > 0:
+            child = self.block_node[blocks[start - 1]]
+            b = self.block_next[blocks[start - 1]]
+        while True:
+            if child >= 0:
+                # inside child: everything before block b matched
+                while b >= 0 and i < nblocks and self._block_equals(b, toks + <int64_t>i * bs):
+                    self._swap_in(blocks, i, b)
+                    shared += 1
+                    i += 1
+                    b = self.block_next[b]
+                if i == nblocks:
+                    return shared
+                if b >= 0:
+                    k = 0
+                    c = self.n_first[child]
+                    while c != b:
+                        c = self.block_next[c]
+                        k += 1
+                    node = self._split(child, k)  # the path leaves the tree inside child
+                elif self.n_nchildren[child] == 0:
+                    self._extend(child, blocks + i, nblocks - i, toks + <int64_t>i * bs)
+                    return shared
+                else:
+                    node = child
             child = self._find_child(node, toks + <int64_t>i * bs)
             if child < 0:
                 self._new_node(node, blocks + i, nblocks - i, toks + <int64_t>i * bs)
                 return shared
             b = self.n_first[child]
-            j = 0
-            while b >= 0 and i < nblocks:
-                if j > 0 and not self._block_equals(b, toks + <int64_t>i * bs):
-                    break
-                if blocks[i] != b:
-                    if alloc.cached[blocks[i]]:
-                        raise ValueError(f"block {blocks[i]} is cached under other tokens")
-                    alloc._incref(b)
-                    alloc._decref(blocks[i])
-                    blocks[i] = b
-                shared += 1
-                i += 1
-                j += 1
-                b = self.block_next[b]
-            if b < 0:
-                node = child
-            elif i < nblocks:
-                node = self._split(child, j)  # diverged inside child: new branch under its top
-        return shared
+            self._swap_in(blocks, i, b)
+            shared += 1
+            i += 1
+            b = self.block_next[b]
+
+    cdef void _extend(self, int32_t node, const int32_t* blocks, int nblocks, const int32_t* toks) noexcept nogil:
+        """Append blocks to a leaf (its key, the first block, is unchanged)."""
+        cdef int i, bs = self.block_size
+        cdef int32_t b, prev = self.n_last[node]
+        for i in range(nblocks):
+            b = blocks[i]
+            self._adopt(b, node, prev, toks + <int64_t>i * bs)
+            prev = b
+        self.n_last[node] = prev
+        self.n_nblocks[node] += nblocks
+        self.allocator.n_cached += nblocks
+
+    cdef inline void _adopt(self, int32_t b, int32_t node, int32_t prev, const int32_t* toks) noexcept nogil:
+        """Make block b, holding toks, the next block of node's chain after prev."""
+        memcpy(self.block_tokens + <int64_t>b * self.block_size, toks, self.block_size * sizeof(int32_t))
+        self.block_node[b] = node
+        self.block_prev[b] = prev
+        self.block_next[b] = -1
+        if prev >= 0:
+            self.block_next[prev] = b
+        self.allocator.cached[b] = 1
+        # the inserting holder has a ref, so the block is protected
+        self.allocator.n_cached_used += self.allocator.ref[b] > 0
+
+    cdef bint _is_root_path(self, const int32_t* blocks, int n) noexcept nogil:
+        """Whether blocks[0..n) are cached blocks forming a path from the root."""
+        cdef int i
+        cdef int32_t b, node, expected_prev
+        for i in range(n):
+            b = blocks[i]
+            node = self.block_node[b]
+            if node < 0:
+                return False
+            expected_prev = self.block_prev[b]
+            if expected_prev < 0 and self.n_parent[node] != 0:
+                expected_prev = self.n_last[self.n_parent[node]]
+            if expected_prev != (blocks[i - 1] if i > 0 else -1):
+                return False
+        return True
 
     cdef int _evict_block(self, int32_t b) except -1:
         """Called by the allocator when it hands out cached block b."""
@@ -710,11 +825,12 @@ cdef class RadixCache:
         for i in range(nfull):
             if self.allocator.cached[blk[i]] and (i >= m or tree[i] != blk[i]):
                 raise ValueError(f"block {blk[i]} is cached under other tokens")
-        shared = self._insert(_as_int32_ptr(tok), nfull, _as_int32_ptr(blk))
+        shared = self._insert(_as_int32_ptr(tok), nfull, _as_int32_ptr(blk), 0)
         return blk, shared
 
     def lock(self, blocks):
-        """Protect a matched path from eviction while something uses it (one ref each)."""
+        """Protect a matched path (root first, as match_prefix returns it) from eviction
+        while something uses it: one ref on each block."""
         self.allocator.acquire(blocks)
 
     def unlock(self, blocks):
@@ -734,12 +850,12 @@ cdef class RadixCache:
         number of tokens that were already cached.
         """
         tok = _int32_array(tokens, "tokens")
-        cdef int nfull = tok.size // self.block_size
+        # a path never holds more blocks than the cache has: the scratch path fits
+        cdef int nfull = min(tok.size // self.block_size, self.capacity - 1)
         if nfull == 0:
             return 0
-        blk = np.empty(nfull, dtype=np.int32)
         cdef int32_t* t = _as_int32_ptr(tok)
-        cdef int32_t* p = _as_int32_ptr(blk)
+        cdef int32_t* p = self.path_scratch
         cdef BlockAllocator alloc = self.allocator
         cdef int m = self._match(t, nfull, p)
         self._count_query(tok.size, m)
@@ -749,7 +865,7 @@ cdef class RadixCache:
             n = m + alloc.n_list  # bigger than the whole cache: keep what fits
         if n > m:
             alloc._alloc(n - m, p + m)
-            self._insert(t, n, p)
+            self._insert(t, n, p, m)
         alloc._release_path(p, n)
         return m * self.block_size
 
@@ -846,7 +962,8 @@ cdef class StepPlan:
 
     The scheduler writes into them in place; the model runner aliases them as
     tensors (torch.from_numpy on CPU, pinned staging on CUDA). Tokens are packed
-    row after row; decode rows (one query token) come first.
+    row after row; rows with one query token (decodes, and a prompt's last single
+    token) come first: rows [0, num_decode_rows) each compute exactly one token.
 
     | array            | shape                          | holds                                        |
     |------------------|--------------------------------|----------------------------------------------|
@@ -929,7 +1046,7 @@ cdef class StepPlan:
         self.p_logits_indices = _as_int32_ptr(self.logits_indices)
         self.p_sample_slots = _as_int32_ptr(self.sample_slots)
         self.p_sample_req_ids = _as_int64_ptr(self.sample_req_ids)
-        self.row_width = <int32_t*>calloc(max_num_seqs, sizeof(int32_t))
+        self.row_width = <int32_t*>_zeroed(<size_t>(max_num_seqs) * sizeof(int32_t))
         if not self.row_width:
             raise MemoryError()
 
@@ -1061,42 +1178,42 @@ cdef class Scheduler:
         self.max_model_len = max_model_len
         self.max_requests = max_requests
         self.vocab_size = vocab_size
-        self.policy = POLICY_LPM if policy == "lpm" else POLICY_FCFS
+        self.policy = _POLICY_LPM if policy == "lpm" else _POLICY_FCFS
         self.chunked_prefill = chunked_prefill
         self.lpm_aging = lpm_aging
         self.lpm_window = max(1, lpm_window)
         eos = _int32_array(list(eos_token_ids), "eos_token_ids")
         self.n_eos = eos.size
-        self.eos_ids = <int32_t*>malloc(max(1, eos.size) * sizeof(int32_t))
+        self.eos_ids = <int32_t*>_zeroed(max(1, eos.size) * sizeof(int32_t))
         cdef int i
         for i in range(eos.size):
             self.eos_ids[i] = eos[i]
         cdef int n = max_requests
-        self.r_id = <int64_t*>calloc(n, sizeof(int64_t))
-        self.r_state = <uint8_t*>calloc(n, sizeof(uint8_t))
-        self.r_aborted = <uint8_t*>calloc(n, sizeof(uint8_t))
-        self.r_ignore_eos = <uint8_t*>calloc(n, sizeof(uint8_t))
-        self.r_prefill_only = <uint8_t*>calloc(n, sizeof(uint8_t))
-        self.r_tokens = <int32_t**>calloc(n, sizeof(int32_t*))
-        self.r_blocks = <int32_t**>calloc(n, sizeof(int32_t*))
-        self.r_stop_ids = <int32_t**>calloc(n, sizeof(int32_t*))
-        self.r_nstop = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_capacity = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_num_tokens = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_prompt_len = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_num_computed = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_nblocks = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_max_tokens = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_min_tokens = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_cached_tokens = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_inserted = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_preemptions = <int32_t*>calloc(n, sizeof(int32_t))
-        self.r_arrival_step = <int64_t*>calloc(n, sizeof(int64_t))
-        self.free_slots = <int32_t*>malloc(n * sizeof(int32_t))
-        self.running = <int32_t*>malloc(max_num_seqs * sizeof(int32_t))
-        self.waiting = <int32_t*>malloc(n * sizeof(int32_t))
-        self.sched_slot = <int32_t*>malloc(max_num_seqs * sizeof(int32_t))
-        self.sched_n = <int32_t*>malloc(max_num_seqs * sizeof(int32_t))
+        self.r_id = <int64_t*>_zeroed(<size_t>(n) * sizeof(int64_t))
+        self.r_state = <uint8_t*>_zeroed(<size_t>(n) * sizeof(uint8_t))
+        self.r_aborted = <uint8_t*>_zeroed(<size_t>(n) * sizeof(uint8_t))
+        self.r_ignore_eos = <uint8_t*>_zeroed(<size_t>(n) * sizeof(uint8_t))
+        self.r_prefill_only = <uint8_t*>_zeroed(<size_t>(n) * sizeof(uint8_t))
+        self.r_tokens = <int32_t**>_zeroed(<size_t>(n) * sizeof(int32_t*))
+        self.r_blocks = <int32_t**>_zeroed(<size_t>(n) * sizeof(int32_t*))
+        self.r_stop_ids = <int32_t**>_zeroed(<size_t>(n) * sizeof(int32_t*))
+        self.r_nstop = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_capacity = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_num_tokens = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_prompt_len = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_num_computed = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_nblocks = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_max_tokens = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_min_tokens = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_cached_tokens = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_inserted = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_preemptions = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_arrival_step = <int64_t*>_zeroed(<size_t>(n) * sizeof(int64_t))
+        self.free_slots = <int32_t*>_zeroed(n * sizeof(int32_t))
+        self.running = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
+        self.waiting = <int32_t*>_zeroed(n * sizeof(int32_t))
+        self.sched_slot = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
+        self.sched_n = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
         if not (self.eos_ids and self.r_id and self.r_state and self.r_aborted and self.r_ignore_eos
                 and self.r_prefill_only and self.r_tokens and self.r_blocks and self.r_stop_ids
                 and self.r_nstop and self.r_capacity and self.r_num_tokens and self.r_prompt_len
@@ -1233,12 +1350,15 @@ cdef class Scheduler:
         number of events written to event_req_ids / event_tokens / event_finish."""
         if not self.in_flight:
             raise RuntimeError("update() without a step in flight")
-        cdef int64_t[::1] sampled = np.ascontiguousarray(sampled_token_ids, dtype=np.int64).reshape(-1)
-        if sampled.shape[0] < self.plan.num_samples:
-            raise ValueError(f"{self.plan.num_samples} rows sample, got {sampled.shape[0]} tokens")
-        if self.plan.num_samples:
-            return self._update(&sampled[0])
-        return self._update(NULL)
+        arr = sampled_token_ids
+        if not _is_contiguous(arr, cnp.NPY_INT64):  # the sampler's own output needs no copy
+            arr = np.asarray(arr)
+            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+                raise TypeError(f"sampled_token_ids must be a 1-D integer array, got {arr.dtype} {arr.shape}")
+            arr = np.ascontiguousarray(arr, dtype=np.int64)
+        if cnp.PyArray_NDIM(<cnp.ndarray>arr) != 1 or cnp.PyArray_SIZE(<cnp.ndarray>arr) < self.plan.num_samples:
+            raise ValueError(f"{self.plan.num_samples} rows sample, got {arr.shape} tokens")
+        return self._update(<int64_t*>cnp.PyArray_DATA(<cnp.ndarray>arr))
 
     cdef bint _in_step(self, int s) noexcept nogil:
         cdef int k
@@ -1274,7 +1394,7 @@ cdef class Scheduler:
         """Insert s's fully computed blocks into the cache (swapping duplicates)."""
         cdef int nfull = self.r_num_computed[s] // self.block_size
         if self.cache is not None and nfull > self.r_inserted[s]:
-            self.cache._insert(self.r_tokens[s], nfull, self.r_blocks[s])
+            self.cache._insert(self.r_tokens[s], nfull, self.r_blocks[s], self.r_inserted[s])
             self.r_inserted[s] = nfull
         return 0
 
@@ -1323,7 +1443,7 @@ cdef class Scheduler:
 
     cdef int _pick_waiting(self) except -1:
         """Index in the waiting queue of the request to admit next."""
-        if self.policy == POLICY_FCFS or self.num_waiting == 1:
+        if self.policy == _POLICY_FCFS or self.num_waiting == 1:
             return 0
         cdef int i, s, best = 0, m, n = min(self.num_waiting, self.lpm_window)
         cdef double score, best_score = -1.0
@@ -1495,8 +1615,10 @@ cdef class Scheduler:
             s = self.sched_slot[k]
             if self.r_aborted[s]:
                 self._drop(s)
-            elif self.r_state[s] == _RUNNING and self.r_num_computed[s] >= self.r_prompt_len[s]:
-                # prompt done: cache it now so concurrent requests with the same prefix share it
+            elif (self.r_state[s] == _RUNNING and self.r_num_computed[s] >= self.r_prompt_len[s]
+                  and self.r_inserted[s] < self.r_prompt_len[s] // self.block_size):
+                # prompt done: cache it now so concurrent requests with the same prefix share
+                # it (generated blocks are cached when the request finishes or is preempted)
                 self._cache_blocks(s)
         self.in_flight = False
         return events

@@ -95,3 +95,15 @@ def test_many_pairs_keep_integrity():
             held.append(a.allocate(int(rng.integers(1, min(4, a.num_free) + 1))))
     a.check_integrity()
     assert a.num_used == sum(len(h) for h in held)
+
+
+def test_freeing_a_block_more_times_than_it_is_held_is_refused():
+    a = BlockAllocator(8, 4)
+    (b,) = a.allocate(1)
+    with pytest.raises(ValueError, match="more times"):
+        a.free([b, b])
+    assert a.ref_count(int(b)) == 1
+    a.acquire([b])
+    a.free([b, b])
+    assert a.ref_count(int(b)) == 0
+    a.check_integrity()

@@ -198,3 +198,29 @@ def test_stats_count_tokens():
     cache.match_prefix(list(range(8)) + [1])
     cache.match_prefix([5] * 8)
     assert cache.num_queries == 2 and cache.query_tokens == 17 and cache.hit_tokens == 8
+
+
+def test_lock_refuses_a_path_that_does_not_start_at_the_root():
+    a, cache = fresh(num_blocks=9)
+    cache.record(list(range(1, 9)))  # two blocks, evictable
+    blocks, _ = cache.match_prefix(list(range(1, 9)), leave_last=False)
+    for bad in (blocks[1:], blocks[::-1]):
+        with pytest.raises(ValueError, match="path from the root"):
+            cache.lock(bad)
+    with pytest.raises(ValueError, match="path from the root"):
+        a.acquire(blocks[1:])
+    cache.check_integrity()
+    a.allocate(8)  # evicts both, tail first, without tripping over a held descendant
+    cache.check_integrity()
+
+
+def test_a_growing_sequence_extends_its_leaf_instead_of_adding_nodes():
+    a, cache = fresh(num_blocks=64)
+    toks = list(range(1, 41))
+    held = a.allocate(10)
+    for n in range(1, 11):  # insert after every new block, as a long generation would
+        cache.insert(toks[: 4 * n], held[:n])
+    assert cache.num_nodes == 2 and cache.num_cached_blocks == 10
+    cache.check_integrity()
+    a.free(held)
+    cache.check_integrity()

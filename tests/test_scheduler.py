@@ -340,3 +340,13 @@ def test_stats():
     # the shared first block was deduplicated once both prompts were computed
     assert st["used_blocks"] == 3 and st["prefix_cache_queries"] == 2
     assert 0 < st["kv_cache_usage"] < 1
+
+
+def test_sampled_tokens_must_be_integers():
+    s = make_scheduler()
+    s.add_request(1, [1, 2, 3])
+    s.schedule()
+    with pytest.raises(TypeError):
+        s.update(np.array([1.0]))
+    assert s.update(np.array([4], dtype=np.int32)) == 1
+    s.check_integrity()

@@ -1,0 +1,26 @@
+"""The benchmark tools keep working (figures are not asserted: timing belongs in benchmarks)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_runtime_quick_prints_a_json_last_line():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_runtime.py"), "--quick"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert set(figures) >= {"scheduler_step_us", "radix", "allocator", "targets_met"}
+    assert figures["radix"]["rtp_prompts_per_s"] > 0
+    assert "Scheduler" in out and "Radix cache" in out  # the table for people comes first
+
+
+def test_cli_help_and_info():
+    out = subprocess.run([sys.executable, "-m", "rtp", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "info" in out
+    info = json.loads(subprocess.run([sys.executable, "-m", "rtp", "info"], capture_output=True,
+                                     text=True, check=True).stdout)
+    assert info["runtime"].endswith(".so")
