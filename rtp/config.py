@@ -1,0 +1,135 @@
+"""One config object, built and validated once, passed down.
+
+`ModelConfig` is what rtp reads from a checkpoint's config.json (or a GGUF's
+metadata, turned into the same dict); `CacheConfig`, `SchedulerConfig` and
+`EngineConfig` are the engine's own knobs. Runtime facts (block counts, eos ids
+the tokenizer adds) live in their own objects, never written back here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False          # Qwen2; or config.attention_bias
+    o_bias: bool = False            # config.attention_bias also biases o_proj (Llama)
+    mlp_bias: bool = False
+    qk_norm: bool = False           # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    raw: dict[str, Any] = msgspec.field(default_factory=dict)  # the whole config.json (rope, ...)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict."""
+        from rtp.models import model_class
+
+        archs = hf.get("architectures") or []
+        model_class(archs)  # raises a clear error for unsupported architectures
+        arch = next(a for a in archs if a)
+        heads = _required(hf, "num_attention_heads")
+        hidden = _required(hf, "hidden_size")
+        head_dim = hf.get("head_dim") or hidden // heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        attention_bias = bool(hf.get("attention_bias", False))
+        sliding = hf.get("sliding_window")
+        if arch.startswith("Qwen") and not hf.get("use_sliding_window", False):
+            sliding = None  # Qwen configs carry a window size they do not use
+        cfg = cls(
+            architecture=arch,
+            vocab_size=_required(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required(hf, "intermediate_size"),
+            num_hidden_layers=_required(hf, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+            o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding or None,
+            hidden_act=hf.get("hidden_act", "silu"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            raw=dict(hf),
+        )
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        with open(path) as f:
+            return cls.from_hf(json.load(f))
+
+    def validate(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (rtp supports silu)")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config {name} must be positive")
+
+
+def _required(hf: dict[str, Any], key: str) -> Any:
+    if key not in hf:
+        raise ValueError(f"config.json lacks {key!r}")
+    return hf[key]
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Everything the engine is built from; validated once by `validate()`."""
+
+    model: str | None = None          # HF checkpoint directory or .gguf file; None: the default model
+    dtype: str = "auto"               # auto | bfloat16 | float16 | float32
+    device: str = "auto"              # auto | cpu | cuda
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None: a default for the device
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"   # fcfs | lpm
+    compile: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.scheduling_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling_policy must be fcfs or lpm, got {self.scheduling_policy!r}")

@@ -1,0 +1,1 @@
+"""rtp.engine: runner, sampler, loader, tokenizer and the engine loop (see DESIGN.md)."""

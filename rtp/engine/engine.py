@@ -1,0 +1,308 @@
+"""LLMEngine: add_request / step / abort, where a step is schedule -> forward -> sample -> update.
+
+The runtime (rtp._runtime) owns every request's tokens, blocks and stop
+conditions in C; this file keeps, per request, only what the runtime cannot:
+its sampling parameters, detokenizer, text and stop strings. Outputs are shaped
+like vLLM's (`RequestOutput.outputs[i].text / .token_ids / .finish_reason`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rtp._runtime import FINISH_REASONS, BlockAllocator, RadixCache, Scheduler
+from rtp.config import EngineConfig, ModelConfig
+from rtp.engine.loader import load_model
+from rtp.engine.runner import ModelRunner
+from rtp.engine.sampler import Sampler, SamplingBatch
+from rtp.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from rtp.sampling_params import SamplingParams
+
+log = logging.getLogger("rtp.engine")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None          # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None      # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled first
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Sequence:
+    """One runtime request: a (request, choice index) pair."""
+
+    rid: int
+    request: RequestOutput
+    output: CompletionOutput
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    prompt_ids: np.ndarray
+    out_ids: list[int] = field(default_factory=list)
+    held_text: str = ""  # text withheld because it may be the start of a stop string
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 where the device computes it natively, else fp32 (never fp16 on a CPU)."""
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+             "fp32": torch.float32, "float": torch.float32}
+    if name != "auto":
+        return table[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        path = Path(config.model).expanduser() if config.model else _default_model()
+        if not path.exists():
+            raise FileNotFoundError(f"model path {path} does not exist")
+        self.model_path = path
+        self.model, self.model_config = load_model(path, self.dtype, self.device)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        mc: ModelConfig = self.model_config
+        self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 8192),
+                                 mc.max_position_embeddings)
+        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids))
+        num_blocks = self._num_blocks()
+        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_model_len=self.max_model_len, kv_dtype=self.dtype, device=self.device)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.cache = RadixCache(self.allocator) if config.enable_prefix_caching else None
+        self.scheduler = Scheduler(self.allocator, self.runner.plan, cache=self.cache,
+                                   max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                                   vocab_size=mc.vocab_size, policy=config.scheduling_policy)
+        self.sampler = Sampler(seed=config.seed)
+        self._seqs: dict[int, _Sequence] = {}
+        self._requests: dict[str, list[int]] = {}  # request id -> runtime ids of its choices
+        self._next_rid = itertools.count()
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+                 mc.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks - 1,
+                 config.block_size, self.max_model_len)
+
+    def _num_blocks(self) -> int:
+        from rtp.engine.kv_cache import bytes_per_block
+
+        layer = self.model.attention_layers()[0]
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype, layer.num_kv_heads)
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.8)
+            else:
+                budget = 1 << 30  # 1 GiB on a CPU: SmolLM2 fits ~46k tokens
+        # never more than max_num_seqs full-length sequences need, plus the null block
+        needed = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
+        blocks = min(budget // per_block, needed)
+        if blocks < -(-self.max_model_len // self.config.block_size) + 1:
+            raise ValueError(f"kv_cache_memory {budget} bytes holds {blocks} blocks of {per_block} bytes: "
+                             f"too few for one sequence of max_model_len {self.max_model_len}")
+        return int(blocks)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    ) -> RequestOutput:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len {self.max_model_len}")
+        max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
+        prompt_ids = np.asarray(ids, dtype=np.int32)
+        request = RequestOutput(request_id, text, list(ids), [])
+        rids = []
+        try:
+            for index in range(params.n):
+                rid = next(self._next_rid)
+                self.scheduler.add_request(rid, prompt_ids, max_tokens=max_tokens, min_tokens=params.min_tokens,
+                                           stop_token_ids=params.stop_token_ids or (),
+                                           ignore_eos=params.ignore_eos)
+                rids.append(rid)
+                output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None,
+                                          cumulative_logprob=0.0 if params.logprobs is not None else None)
+                request.outputs.append(output)
+                self._seqs[rid] = _Sequence(rid, request, output, params,
+                                            IncrementalDetokenizer(self.tokenizer, ids,
+                                                                   skip_special_tokens=params.skip_special_tokens),
+                                            prompt_ids)
+        except (ValueError, OverflowError):
+            for rid in rids:  # all choices or none
+                self.scheduler.abort(rid)
+                self._seqs.pop(rid, None)
+            raise
+        self._requests[request_id] = rids
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        rids = self._requests.pop(request_id, None)
+        if rids is None:
+            return False
+        for rid in rids:
+            self.scheduler.abort(rid)
+            seq = self._seqs.pop(rid, None)
+            if seq is not None and seq.output.finish_reason is None:
+                seq.output.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that received tokens (finished ones marked)."""
+        if not self.scheduler.has_unfinished:
+            return []
+        self.scheduler.schedule()
+        plan = self.scheduler.plan
+        if plan.num_rows == 0:
+            self.scheduler.update(np.zeros(0, dtype=np.int64))
+            return []
+        logits = self.runner.forward()
+        seqs = [self._seqs[rid] for rid in self.runner.sample_req_ids().tolist()]
+        sampled = self.sampler(logits, self._batch(seqs)) if seqs else None
+        tokens = sampled.token_ids.cpu().numpy() if sampled is not None else np.zeros(0, dtype=np.int64)
+        n = self.scheduler.update(tokens)
+        touched: dict[str, RequestOutput] = {}
+        for k, seq in enumerate(seqs):
+            if seq.rid not in self._seqs:
+                continue  # aborted while the step ran
+            self._append(seq, k, int(tokens[k]), sampled)
+            touched[seq.request.request_id] = seq.request
+        finish = self.scheduler.event_finish
+        for i in range(n):
+            rid = int(self.scheduler.event_req_ids[i])
+            reason = FINISH_REASONS[int(finish[i])]
+            seq = self._seqs.get(rid)
+            if seq is not None and reason is not None and seq.output.finish_reason is None:
+                self._finish(seq, reason, stop_reason=int(self.scheduler.event_tokens[i])
+                             if reason == "stop" else None)
+        return list(touched.values())
+
+    def _batch(self, seqs: list[_Sequence]) -> SamplingBatch:
+        # choice i of a seeded request draws from seed + i, so n > 1 choices differ
+        seeds = [None if s.params.seed is None else s.params.seed + s.output.index for s in seqs]
+        return SamplingBatch.build(
+            [s.params for s in seqs], [s.out_ids for s in seqs], [s.prompt_ids for s in seqs],
+            eos_token_ids=self.eos_token_ids, seeds=seeds, device=self.device)
+
+    def _append(self, seq: _Sequence, k: int, token: int, sampled) -> None:
+        out = seq.output
+        seq.out_ids.append(token)
+        out.token_ids.append(token)
+        if out.logprobs is not None and sampled.logprobs is not None:
+            entry = {token: float(sampled.logprobs[k])}
+            if sampled.top_logprobs is not None and seq.params.logprobs:
+                values, ids = sampled.top_logprobs
+                for j in range(seq.params.logprobs):
+                    entry.setdefault(int(ids[k, j]), float(values[k, j]))
+            out.logprobs.append(entry)
+            out.cumulative_logprob += entry[token]
+        if len(seq.out_ids) == 1 and seq.output.index == 0:
+            seq.request.num_cached_tokens = self.scheduler.cached_prompt_tokens(seq.rid)
+        self._add_text(seq, seq.detok.push(token))
+
+    def _add_text(self, seq: _Sequence, piece: str) -> None:
+        """Append text, honouring stop strings (never emitted unless asked)."""
+        stops = seq.params.stop
+        if not stops:
+            seq.output.text += piece
+            return
+        pending = seq.held_text + piece
+        for stop in stops:
+            at = pending.find(stop)
+            if at >= 0:
+                keep = pending[: at + len(stop)] if seq.params.include_stop_str_in_output else pending[:at]
+                seq.output.text += keep
+                seq.held_text = ""
+                self.scheduler.abort(seq.rid)
+                self._finish(seq, "stop", stop_reason=stop)
+                return
+        # hold back the longest tail that could still grow into a stop string
+        hold = 0
+        for stop in stops:
+            for n in range(min(len(stop) - 1, len(pending)), 0, -1):
+                if stop.startswith(pending[-n:]):
+                    hold = max(hold, n)
+                    break
+        seq.output.text += pending[: len(pending) - hold]
+        seq.held_text = pending[len(pending) - hold:]
+
+    def _finish(self, seq: _Sequence, reason: str, stop_reason=None) -> None:
+        out = seq.output
+        out.text += seq.held_text
+        seq.held_text = ""
+        out.finish_reason = reason
+        out.stop_reason = stop_reason
+        self._seqs.pop(seq.rid, None)
+        request = seq.request
+        if all(o.finish_reason is not None for o in request.outputs):
+            request.finished = True
+            self._requests.pop(request.request_id, None)
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+
+def _default_model() -> Path:
+    from rtp.engine.default_model import default_model_path
+
+    return default_model_path()

@@ -1,0 +1,360 @@
+"""Batched sampling on device: logits [N, V] -> one token per row.
+
+One step, in order (the order of vLLM's v1 sampler):
+
+    1. min_tokens   rows with fewer than min_tokens outputs: eos and stop ids -> -inf
+    2. penalties    repetition (HF: over prompt + output), then frequency and
+                    presence (OpenAI: over output only); counts by scatter_add
+                    from padded [P, L] token tensors, no loop over tokens
+    3. logprobs     log_softmax of the logits after 1 and 2, before temperature
+                    and truncation: the model's own distribution as penalised,
+                    so a greedy and a sampled row report comparable numbers
+    4. greedy rows  argmax of the logits after 1 and 2
+    5. random rows  / temperature, then min_p, then top_k and top_p (one sort),
+                    then the exponential race: argmax(p / q), q ~ Exp(1), which
+                    draws from p without torch.multinomial's host sync
+
+Only the rows that need a stage pay for it: penalties, temperature and
+truncation each run on the subset of rows that asked for them (an index
+select, then an index copy back). When every row is greedy and none needs
+penalties, min_tokens masking or logprobs, a step is one argmax.
+
+Seeds: a row whose request has a seed draws its noise from its own generator,
+seeded from (seed, tokens generated so far). Its noise therefore depends on
+neither the batch around it nor on earlier steps having run in this process,
+so the same request with the same seed yields the same tokens alone, batched,
+after a preemption, or continued on a decode node after prefill elsewhere.
+Other rows share the Sampler's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rtp.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_TOP_K_OFF = 1 << 62  # clamped to the vocabulary size at sampling time
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded request's step-th token (0-based)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
+
+
+def _padded(rows: Sequence[Sequence[int] | np.ndarray], device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids -> ([R, L] int64 padded with 0, [R] int64 lengths) on device."""
+    arrays = [np.asarray(r, dtype=np.int64).reshape(-1) for r in rows]
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    out = np.zeros((len(arrays), max(1, int(lengths.max(initial=0)))), dtype=np.int64)
+    for i, a in enumerate(arrays):
+        out[i, :a.shape[0]] = a
+    return (torch.from_numpy(out).to(device, non_blocking=True),
+            torch.from_numpy(lengths).to(device, non_blocking=True))
+
+
+def _counts(tokens: torch.Tensor, lengths: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, L] padded ids + [R] lengths -> [R, V] fp32 occurrence counts."""
+    valid = torch.arange(tokens.shape[1], device=tokens.device) < lengths.unsqueeze(1)
+    counts = torch.zeros(tokens.shape[0], vocab, dtype=torch.float32, device=tokens.device)
+    return counts.scatter_add_(1, tokens, valid.to(torch.float32))
+
+
+def _dev(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # built on the host, then copied without making the host wait for the device
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _rows(idx: list[int], n: int, device: torch.device) -> torch.Tensor | None:
+    """Row indices as a device tensor, or None when they are all n rows in order."""
+    if len(idx) == n:
+        return None
+    return _dev(idx, torch.int64, device)
+
+
+class SamplingBatch:
+    """Everything one step's sampling needs, rows in the order of the logits.
+
+    Built on the host once per step; every per-row value the device needs is
+    a tensor, every decision that skips work is a Python bool or int, so the
+    Sampler branches without reading anything back from the device.
+    Row subsets (``*_rows``) are int64 index tensors, or None for "all rows".
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.argmax_only = False
+        # min_tokens: (row, token) pairs to mask
+        self.mask_rows: torch.Tensor | None = None
+        self.mask_cols: torch.Tensor | None = None
+        # penalties, over pen_rows
+        self.any_penalty = False
+        self.pen_rows: torch.Tensor | None = None
+        self.out_tokens: torch.Tensor | None = None
+        self.out_lengths: torch.Tensor | None = None
+        self.prompt_tokens: torch.Tensor | None = None  # None: no repetition penalty
+        self.prompt_lengths: torch.Tensor | None = None
+        self.repetition: torch.Tensor | None = None
+        self.frequency: torch.Tensor | None = None
+        self.presence: torch.Tensor | None = None
+        # logprobs: K = max top logprobs requested; None = no row wants logprobs
+        self.max_logprobs: int | None = None
+        # greedy / random split
+        self.any_greedy = False
+        self.any_random = False
+        self.random_rows: torch.Tensor | None = None
+        self.temperature: torch.Tensor | None = None  # [M] over random rows
+        self.min_p: torch.Tensor | None = None  # [M] or None when no row uses it
+        # truncation, over trunc_rows (indices into the random rows)
+        self.any_trunc = False
+        self.trunc_rows: torch.Tensor | None = None
+        self.top_k: torch.Tensor | None = None  # [T] int64, or None when no row uses it
+        self.max_top_k = 0
+        self.top_p: torch.Tensor | None = None  # [T] fp32 (inf = off), or None
+        # seeded random rows: (index into the random rows, generator seed)
+        self.seeded: list[tuple[int, int]] = []
+        self.any_unseeded = False
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams],
+              output_ids: Sequence[Sequence[int] | np.ndarray],
+              prompt_ids: Sequence[Sequence[int] | np.ndarray] | None = None, *,
+              eos_token_ids: Sequence[int] = (),
+              seeds: Sequence[int | None] | None = None,
+              device: torch.device | str = "cpu") -> SamplingBatch:
+        """One row per logits row.
+
+        output_ids  tokens generated so far by each row's request (their count is
+                    the step index of seeded rows and the min_tokens progress)
+        prompt_ids  needed only by rows with a repetition penalty
+        seeds       per-row override of params[i].seed (e.g. seed + i for the
+                    i-th of n parallel samples); None entries mean unseeded
+        """
+        n = len(params)
+        if len(output_ids) != n or (prompt_ids is not None and len(prompt_ids) != n):
+            raise ValueError("params, output_ids and prompt_ids need one entry per row")
+        device = torch.device(device)
+        b = cls(n)
+        out_len = [len(o) for o in output_ids]
+
+        mask_rows: list[int] = []
+        mask_cols: list[int] = []
+        for i, p in enumerate(params):
+            if out_len[i] < p.min_tokens:
+                ids = list(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    ids.extend(eos_token_ids)
+                mask_rows.extend([i] * len(ids))
+                mask_cols.extend(ids)
+        if mask_rows:
+            b.mask_rows = _dev(mask_rows, torch.int64, device)
+            b.mask_cols = _dev(mask_cols, torch.int64, device)
+
+        pen = [i for i, p in enumerate(params) if p.has_penalties]
+        if pen:
+            b.any_penalty = True
+            b.pen_rows = _rows(pen, n, device)
+            b.out_tokens, b.out_lengths = _padded([output_ids[i] for i in pen], device)
+            rep = [params[i].repetition_penalty for i in pen]
+            if any(r != 1.0 for r in rep):
+                if prompt_ids is None:
+                    raise ValueError("repetition_penalty needs prompt_ids")
+                # rows without a repetition penalty send an empty prompt
+                b.prompt_tokens, b.prompt_lengths = _padded(
+                    [prompt_ids[i] if params[i].repetition_penalty != 1.0 else ()
+                     for i in pen], device)
+                b.repetition = _dev(rep, torch.float32, device)
+            freq = [params[i].frequency_penalty for i in pen]
+            pres = [params[i].presence_penalty for i in pen]
+            if any(freq):
+                b.frequency = _dev(freq, torch.float32, device)
+            if any(pres):
+                b.presence = _dev(pres, torch.float32, device)
+
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        b.max_logprobs = max(want) if want else None
+
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        b.any_random = bool(rand)
+        b.any_greedy = len(rand) < n
+        b.argmax_only = (not b.any_random and not b.any_penalty
+                         and b.mask_rows is None and b.max_logprobs is None)
+        if not rand:
+            return b
+        b.random_rows = _rows(rand, n, device)
+        rp = [params[i] for i in rand]
+        b.temperature = _dev([p.temperature for p in rp], torch.float32, device)
+        if any(p.min_p > 0.0 for p in rp):
+            b.min_p = _dev([p.min_p for p in rp], torch.float32, device)
+        trunc = [j for j, p in enumerate(rp) if p.top_k > 0 or p.top_p < 1.0]
+        if trunc:
+            b.any_trunc = True
+            b.trunc_rows = _rows(trunc, len(rp), device)
+            k = [rp[j].top_k if rp[j].top_k > 0 else _TOP_K_OFF for j in trunc]
+            if any(rp[j].top_k > 0 for j in trunc):
+                b.top_k = _dev(k, torch.int64, device)
+                b.max_top_k = max(rp[j].top_k for j in trunc)
+            if any(rp[j].top_p < 1.0 for j in trunc):
+                # off rows get inf: a cumulative sum that rounds past 1.0 must not cut them
+                top_p = [rp[j].top_p if rp[j].top_p < 1.0 else float("inf") for j in trunc]
+                b.top_p = _dev(top_p, torch.float32, device)
+        for j, i in enumerate(rand):
+            seed = params[i].seed if seeds is None else seeds[i]
+            if seed is None:
+                b.any_unseeded = True
+            else:
+                b.seeded.append((j, step_seed(seed, out_len[i])))
+        return b
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Device tensors; the caller copies them to the host once per step.
+
+    token_ids     [N] int64
+    logprobs      [N] fp32 logprob of each sampled token, or None when no row
+                  asked for logprobs (then rows that did not ask get one too)
+    top_logprobs  ([N, K] fp32 values, [N, K] int64 ids), descending, K = the
+                  largest ``logprobs`` in the batch; a row that asked for k < K
+                  keeps the first k columns. None when K is 0 or no row asked.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class Sampler:
+    """Turns a step's logits into tokens; holds the generator unseeded rows share."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        g = self._generators.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            if self.seed is None:
+                g.seed()
+            else:
+                g.manual_seed(self.seed)
+            self._generators[device] = g
+        return g
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of "
+                             f"{batch.num_rows} rows")
+        if batch.argmax_only:
+            return SamplerOutput(logits.argmax(dim=-1))
+
+        # One fp32 copy; everything below may work on it in place.
+        x = logits.to(torch.float32, copy=True)
+        if batch.mask_rows is not None:
+            x[batch.mask_rows, batch.mask_cols] = float("-inf")
+        if batch.any_penalty:
+            _apply_penalties(x, batch)
+
+        logprobs = x.log_softmax(dim=-1) if batch.max_logprobs is not None else None
+        tokens = x.argmax(dim=-1) if batch.any_greedy else None
+        if batch.any_random:
+            # x is no longer needed unsubset once greedy tokens and logprobs are taken
+            xr = x if batch.random_rows is None else x.index_select(0, batch.random_rows)
+            sampled = self._sample(xr, batch)
+            if tokens is None:
+                tokens = sampled
+            else:
+                tokens.index_copy_(0, batch.random_rows, sampled)
+
+        if logprobs is None:
+            return SamplerOutput(tokens)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top = None
+        if batch.max_logprobs > 0:
+            values, ids = logprobs.topk(min(batch.max_logprobs, x.shape[1]), dim=-1)
+            top = (values, ids)
+        return SamplerOutput(tokens, chosen, top)
+
+    def _sample(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Random rows only: temperature, min_p, top_k/top_p, exponential race."""
+        x.div_(batch.temperature.unsqueeze(1))
+        if batch.min_p is not None:
+            probs = x.softmax(dim=-1)
+            floor = probs.amax(dim=-1, keepdim=True) * batch.min_p.unsqueeze(1)
+            x.masked_fill_(probs < floor, float("-inf"))
+        if batch.any_trunc:
+            if batch.trunc_rows is None:
+                _apply_top_k_top_p(x, batch)
+            else:
+                xt = x.index_select(0, batch.trunc_rows)
+                x.index_copy_(0, batch.trunc_rows, _apply_top_k_top_p(xt, batch))
+        probs = x.softmax(dim=-1)
+
+        q = torch.empty_like(probs)
+        if batch.any_unseeded:
+            q.exponential_(generator=self.generator(q.device))
+        for row, seed in batch.seeded:
+            g = torch.Generator(device=q.device)
+            g.manual_seed(seed)
+            q[row].exponential_(generator=g)
+        # q == 0 would turn a masked token's 0/0 into NaN, which argmax picks
+        q.clamp_(min=torch.finfo(torch.float32).tiny)
+        return probs.div_(q).argmax(dim=-1)
+
+
+def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
+    rows = batch.pen_rows
+    xp = x if rows is None else x.index_select(0, rows)
+    vocab = x.shape[1]
+    counts = _counts(batch.out_tokens, batch.out_lengths, vocab)
+    if batch.repetition is not None:
+        seen = counts > 0
+        seen |= _counts(batch.prompt_tokens, batch.prompt_lengths, vocab) > 0
+        r = batch.repetition.unsqueeze(1)
+        xp = torch.where(seen, torch.where(xp > 0, xp / r, xp * r), xp)
+    if batch.frequency is not None:
+        xp -= batch.frequency.unsqueeze(1) * counts
+    if batch.presence is not None:
+        xp -= batch.presence.unsqueeze(1) * (counts > 0).to(torch.float32)
+    if rows is None:
+        if xp is not x:
+            x.copy_(xp)
+    else:
+        x.index_copy_(0, rows, xp)
+
+
+def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask x [T, V] in place to each row's top_k, then to its top_p nucleus.
+
+    top_k keeps every token tied with the k-th largest (a threshold, not a
+    position), so a row's result does not depend on which path ran it.
+    """
+    vocab = x.shape[1]
+    k = None if batch.top_k is None else batch.top_k.clamp(max=vocab)
+    if batch.top_p is None:
+        # top_k only: a partial top-k of width max k is cheaper than a full sort
+        top = x.topk(min(batch.max_top_k, vocab), dim=-1).values
+        x.masked_fill_(x < top.gather(1, k.unsqueeze(1) - 1), float("-inf"))
+        return x
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    if k is not None:
+        sorted_x.masked_fill_(sorted_x < sorted_x.gather(1, k.unsqueeze(1) - 1), float("-inf"))
+    probs = sorted_x.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    # keep the smallest prefix whose mass reaches top_p; the first token always
+    # stays (its mass_before is 0 < top_p)
+    sorted_x.masked_fill_(mass_before >= batch.top_p.unsqueeze(1), float("-inf"))
+    return x.scatter_(1, order, sorted_x)

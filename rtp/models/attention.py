@@ -1,0 +1,138 @@
+"""Attention over the paged KV cache, and the forward context that carries a step's metadata.
+
+KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
+(K then V). A step writes its new tokens' K/V at `slot_mapping` (slot = block *
+block_size + offset) and then attends:
+
+| rows                     | query tokens          | how                                            |
+|--------------------------|-----------------------|------------------------------------------------|
+| decode, [0, num_decode)  | one each, [0, nd)     | gather each row's blocks, grouped matmul + fp32 |
+|                          |                       | softmax (on CPU 5-12x faster than bf16 SDPA,   |
+|                          |                       | see PERF_NOTES.md), masked by seq_lens         |
+| prefill chunks           | a range each          | gather the row's blocks (cached prefix + the   |
+|                          |                       | chunk), scaled_dot_product_attention, causal   |
+|                          |                       | from the chunk's offset                        |
+
+The metadata reaches every layer through `forward_context(meta)`, a scoped
+context the runner sets around the model call, not through each signature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillRow:
+    query_start: int          # token range [query_start, query_end) in the step
+    query_end: int
+    context_len: int          # tokens of KV the row attends to, this chunk included
+    block_ids: torch.Tensor   # the row's blocks, cdiv(context_len, block_size) of them
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor            # [T] int64
+    block_size: int
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None   # [Bd, W] int32, zero past each row's blocks
+    decode_seq_lens: torch.Tensor | None = None       # [Bd] int32
+    prefill: list[PrefillRow] = field(default_factory=list)
+
+
+_CONTEXT: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata):
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, meta
+    try:
+        yield meta
+    finally:
+        _CONTEXT = previous
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _CONTEXT is None:
+        raise RuntimeError("attention ran outside forward_context(): the runner sets the step metadata")
+    return _CONTEXT
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """One query token per row. q [B, H, D] -> [B, H, D]."""
+    b, h, d = q.shape
+    kv_heads = k_cache.shape[2]
+    k = k_cache[block_tables].flatten(1, 2)  # [B, W * block_size, Hkv, D]
+    v = v_cache[block_tables].flatten(1, 2)
+    q = q.view(b, kv_heads, h // kv_heads, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", q, k).float() * scale
+    pos = torch.arange(k.shape[1], device=q.device)
+    lens = seq_lens.clamp_min(1)[:, None]  # padded rows (length 0) read the null block, not NaN
+    visible = pos[None, :] < lens
+    if sliding_window is not None:
+        visible &= pos[None, :] > lens - 1 - sliding_window
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, h, d)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      row: PrefillRow, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """A chunk of n query tokens at the end of a context of row.context_len. q [n, H, D]."""
+    n, length = q.shape[0], row.context_len
+    k = k_cache[row.block_ids].flatten(0, 1)[:length].transpose(0, 1)  # [Hkv, L, D]
+    v = v_cache[row.block_ids].flatten(0, 1)[:length].transpose(0, 1)
+    qh = q.transpose(0, 1)  # [H, n, D]
+    if n == length and sliding_window is None:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(length - n, length, device=q.device)[:, None]
+        k_pos = torch.arange(length, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the layer's cache, then attends over the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        # bound by the runner once the cache is allocated: [2, blocks, block_size, Hkv, D]
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        meta = get_forward_context()
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        q = q.to(k_cache.dtype)
+        nd = meta.num_decode
+        parts = []
+        if nd:
+            parts.append(decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                          meta.decode_seq_lens, self.scale, self.sliding_window))
+        for row in meta.prefill:
+            parts.append(prefill_attention(q[row.query_start:row.query_end], k_cache, v_cache, row,
+                                           self.scale, self.sliding_window))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

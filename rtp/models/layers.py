@@ -1,0 +1,161 @@
+"""Building blocks with their tensor-parallel shard dimension declared.
+
+Each parallel layer owns a slice of the full weight along `shard_dim` (0 for
+column-parallel: output features; 1 for row-parallel: input features; 0 of the
+vocabulary for embeddings) and a `weight_loader(param, full_tensor, shard_id)`
+that copies its slice of a checkpoint tensor into place. Fused layers (qkv,
+gate_up) take their parts by shard_id, so the loader maps names and nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rtp.distributed import tp_rank, tp_size
+
+
+def _shard(full: torch.Tensor, dim: int) -> torch.Tensor:
+    """This rank's slice of full along dim."""
+    size = full.shape[dim] // tp_size()
+    return full.narrow(dim, tp_rank() * size, size)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not fit {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; returns the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+class LinearBase(nn.Module):
+    shard_dim: int | None = None  # None: replicated
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.shard_dim is not None and tp_size() > 1 and not (param is self.bias and self.shard_dim == 1):
+            loaded = _shard(loaded, self.shard_dim if param.dim() > 1 else 0)
+        _copy_checked(param.data, loaded, type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    shard_dim = None
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across TP ranks; no communication."""
+
+    shard_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features // tp_size(), bias)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across TP ranks; the partial outputs are summed (all-reduce)."""
+
+    shard_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features // tp_size(), out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_size() > 1:
+            raise NotImplementedError("tensor parallelism arrives with rtp.distributed")
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (gate_up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
+        self.out_sizes = [s // tp_size() for s in out_sizes]
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            raise ValueError("a merged projection loads its parts one by one")
+        offset = sum(self.out_sizes[:shard_id])
+        size = self.out_sizes[shard_id]
+        if tp_size() > 1:
+            loaded = _shard(loaded, 0)
+        _copy_checked(param.data.narrow(0, offset, size), loaded, f"part {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; kv heads are replicated when there are fewer than ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size()
+        self.num_kv_heads = max(1, num_kv_heads // tp_size())
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.sizes = {"q": q, "k": kv, "v": kv}
+        LinearBase.__init__(self, hidden, q + 2 * kv, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id not in self.sizes:
+            raise ValueError(f"qkv part must be one of q, k, v, got {shard_id!r}")
+        offset = {"q": 0, "k": self.sizes["q"], "v": self.sizes["q"] + self.sizes["k"]}[shard_id]
+        size = self.sizes[shard_id]
+        if tp_size() > 1:
+            loaded = loaded.narrow(0, (tp_rank() * size) % loaded.shape[0], size)
+        _copy_checked(param.data.narrow(0, offset, size), loaded, f"{shard_id}_proj")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across TP ranks by vocabulary range."""
+
+    shard_dim = 0
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(vocab_size // tp_size(), dim))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if tp_size() > 1:
+            loaded = _shard(loaded, 0)
+        _copy_checked(param.data, loaded, "embedding")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection; shares the embedding's weight when the model ties them."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # bf16 matmul where the weights are bf16, logits returned in fp32 for sampling
+        return F.linear(hidden.to(self.weight.dtype), self.weight).float()
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
