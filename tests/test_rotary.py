@@ -6,6 +6,8 @@ agree within 1e-5 (max abs, fp32) at random positions.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from transformers import GPTNeoXConfig, LlamaConfig  # noqa: E402
 from transformers.models.gpt_neox import modeling_gpt_neox  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
+from rtp.models import rotary  # noqa: E402
 from rtp.models.rotary import RotaryEmbedding, get_rope, rope_config_from_hf  # noqa: E402
 
 HEAD_DIM, HEADS, KV_HEADS, MAX_POS = 64, 4, 2, 256
@@ -21,6 +24,10 @@ LLAMA = dict(hidden_size=HEAD_DIM * HEADS, num_attention_heads=HEADS, num_key_va
              head_dim=HEAD_DIM, max_position_embeddings=MAX_POS)
 
 # transformers 4.x layout (rope_theta + rope_scaling); the 5.x layout is derived from each via to_dict()
+def _rope(name: str) -> dict:
+    return copy.deepcopy(ROPES[name])  # HF's config writes into the rope dict it is given
+
+
 ROPES = {
     "default": dict(rope_theta=10000.0),
     "linear": dict(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 2.0}),  # legacy `type` key
@@ -63,8 +70,8 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("layout", ["old", "new"])
 @pytest.mark.parametrize("name", sorted(ROPES))
 def test_matches_transformers(name: str, layout: str):
-    hf_config = LlamaConfig(**LLAMA, **ROPES[name])
-    raw = {**LLAMA, **ROPES[name]} if layout == "old" else hf_config.to_dict()
+    hf_config = LlamaConfig(**LLAMA, **_rope(name))
+    raw = {**LLAMA, **_rope(name)} if layout == "old" else hf_config.to_dict()
     if layout == "new":
         assert "rope_parameters" in raw and "rope_scaling" not in raw
     base, scaling, partial = rope_config_from_hf(raw)
@@ -83,11 +90,12 @@ def test_matches_transformers(name: str, layout: str):
         assert rope.attention_factor == pytest.approx(hf_rope.attention_scaling)
 
 
-def test_dynamic_long_sequence_matches_transformers_at_cache_length():
-    """A cache built for 2x the original length equals HF on a sequence of exactly that length."""
-    hf_config = LlamaConfig(**LLAMA, **ROPES["dynamic"])
-    base, scaling, partial = rope_config_from_hf({**LLAMA, **ROPES["dynamic"]})
-    long = 2 * MAX_POS
+@pytest.mark.parametrize("long", [2 * MAX_POS, 16 * MAX_POS])
+def test_dynamic_long_sequence_matches_transformers_at_cache_length(long: int):
+    """A cache built for `long` > the original length equals HF on a sequence of exactly that length
+    (HF then scales the base for `long`; see the comment in rotary._dynamic for shorter ones)."""
+    hf_config = LlamaConfig(**LLAMA, **_rope("dynamic"))
+    base, scaling, partial = rope_config_from_hf({**LLAMA, **_rope("dynamic")})
     rope = get_rope(HEAD_DIM, None, long, base, scaling, partial_rotary_factor=partial)
     hf_rope = modeling_llama.LlamaRotaryEmbedding(hf_config)
 
@@ -104,7 +112,7 @@ def test_dynamic_long_sequence_matches_transformers_at_cache_length():
 
 @pytest.mark.parametrize("name", ["default", "linear", "yarn", "llama3"])
 def test_partial_rotary_matches_gpt_neox(name: str):
-    extra = {k: v for k, v in ROPES[name].items() if k != "rope_theta"}
+    extra = {k: v for k, v in _rope(name).items() if k != "rope_theta"}
     hf_config = GPTNeoXConfig(hidden_size=HEAD_DIM * HEADS, num_attention_heads=HEADS,
                               max_position_embeddings=MAX_POS, rotary_pct=0.5, rope_theta=10000.0, **extra)
     raw = hf_config.to_dict()
@@ -142,7 +150,7 @@ def test_rope_parameters_layout_and_precedence():
 
 
 def test_int32_positions():
-    base, scaling, _ = rope_config_from_hf({**LLAMA, **ROPES["llama3"]})
+    base, scaling, _ = rope_config_from_hf({**LLAMA, **_rope("llama3")})
     rope = get_rope(HEAD_DIM, None, MAX_POS, base, scaling)
     positions = torch.randint(0, MAX_POS, (16,), generator=torch.Generator().manual_seed(4))
     q, k = _qk(16)
@@ -151,7 +159,7 @@ def test_int32_positions():
 
 
 def test_bf16_in_bf16_out():
-    base, scaling, _ = rope_config_from_hf({**LLAMA, **ROPES["yarn"]})
+    base, scaling, _ = rope_config_from_hf({**LLAMA, **_rope("yarn")})
     rope = get_rope(HEAD_DIM, None, MAX_POS, base, scaling, dtype=torch.bfloat16)
     positions = torch.randint(0, MAX_POS, (16,), generator=torch.Generator().manual_seed(5))
     q, k = _qk(16, torch.bfloat16)
@@ -162,17 +170,19 @@ def test_bf16_in_bf16_out():
     torch.testing.assert_close(k_out.float(), k_ref, atol=1e-2, rtol=1e-2)
 
 
-def test_cache_is_fp32_under_a_bf16_default_dtype():
+@pytest.mark.parametrize("name", sorted(ROPES))
+def test_cache_is_fp32_under_a_bf16_default_dtype(name: str):
     # the loader builds models under torch.set_default_dtype(model dtype)
+    _, scaling, _ = rope_config_from_hf({**LLAMA, **_rope(name)})
+    reference = rotary._build_rope(HEAD_DIM, HEAD_DIM, 2 * MAX_POS, 10000.0, scaling)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        rope = get_rope(HEAD_DIM, None, 100, 12345.0, {"rope_type": "linear", "factor": 3.0})
+        rope = rotary._build_rope(HEAD_DIM, HEAD_DIM, 2 * MAX_POS, 10000.0, scaling)
     finally:
         torch.set_default_dtype(previous)
-    reference = get_rope(HEAD_DIM, None, 100, 12345.0, {"rope_type": "linear", "factor": 3.5})
-    assert rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.shape == (100, HEAD_DIM)
-    assert rope is not reference
+    assert rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.shape == (2 * MAX_POS, HEAD_DIM)
+    assert torch.equal(rope.cos_sin_cache, reference.cos_sin_cache)
 
 
 def test_same_arguments_share_one_module():

@@ -4,15 +4,31 @@ Every tensor a step reads is allocated once here. The runtime's StepPlan writes
 straight into their numpy views (on CPU the same memory; on CUDA a pinned
 staging copy that is sent with non-blocking copies), so building a step costs
 no allocation and no host sync.
+
+With compile on, the decode rows of a step (one query token each, batch <= 64)
+run through `torch.compile`d graphs, one per batch bucket {1, 2, 4, ..., 64}:
+the rows are copied into the bucket's static buffers and padded (padding points
+at the null block). On CPU the graphs are Inductor C++ kernels with weights
+frozen as constants; the block-table width is a dynamic dimension, so one graph
+per bucket serves every context length. On CUDA, mode="reduce-overhead" captures
+CUDA graphs and the width is the full (static) max_model_len. Prefill chunks run
+eagerly (their shapes vary too much to capture).
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 import numpy as np
 import torch
 
 from rtp._runtime import StepPlan
 from rtp.models.attention import AttentionMetadata, PrefillRow, forward_context
+
+log = logging.getLogger("rtp.runner")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 _PLAN_ARRAYS = {
     "input_ids": torch.int32,
@@ -30,11 +46,12 @@ _PLAN_ARRAYS = {
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, compile: bool = False):
         self.model = model
         self.device = device
         self.block_size = block_size
         width = -(-max_model_len // block_size)
+        self.width = width
         shapes = {
             "input_ids": (max_num_batched_tokens,),
             "positions": (max_num_batched_tokens,),
@@ -61,6 +78,82 @@ class ModelRunner:
                                       device=device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
+        self.graphs: dict[int, _DecodeBucket] = {}
+        self._compiled = None
+        self.compiled_steps = 0  # steps whose decode rows ran through a captured graph
+        if compile:
+            self._setup_compile(max_num_seqs)
+
+    # -- compiled decode -------------------------------------------------------------------
+
+    def _setup_compile(self, max_num_seqs: int) -> None:
+        import torch._dynamo
+        import torch._inductor.config as inductor_config
+
+        # one cache entry per bucket (and the dynamic width): well past dynamo's default limit
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
+        top = next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1])
+        sizes = [b for b in BUCKETS if b <= top]
+        for b in sizes:
+            self.graphs[b] = _DecodeBucket(b, self.width, self.device)
+        if self.device.type == "cpu":
+            inductor_config.freezing = True  # weights as constants, prepacked for oneDNN: 1.7x here
+            self._compiled = torch.compile(self._decode_logits, fullgraph=True)
+        else:
+            self._compiled = torch.compile(self._decode_logits, fullgraph=True, mode="reduce-overhead")
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions))
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every decode bucket now (before serving); returns the seconds it took."""
+        if not self._compiled:
+            return 0.0
+        start = time.perf_counter()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(self.graphs), desc="compiling decode graphs", unit="bucket")
+        for b, g in self.graphs.items():
+            g.zero()
+            self._run_bucket(g, 2)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        seconds = time.perf_counter() - start
+        log.info("compiled %d decode buckets (%s) in %.1f s", len(self.graphs), ",".join(map(str, self.graphs)), seconds)
+        return seconds
+
+    @torch.inference_mode()
+    def _run_bucket(self, g: "_DecodeBucket", width: int) -> torch.Tensor:
+        if self.device.type != "cpu":
+            width = self.width  # static shapes for CUDA graphs
+        tables = g.block_tables[:, :width]
+        if self.device.type == "cpu":
+            torch._dynamo.maybe_mark_dynamic(tables, 1)
+        meta = AttentionMetadata(slot_mapping=g.slot_mapping, block_size=self.block_size, num_decode=g.size,
+                                 decode_block_tables=tables, decode_seq_lens=g.seq_lens)
+        with forward_context(meta):
+            return self._compiled(g.input_ids, g.positions)
+
+    def _forward_compiled(self) -> torch.Tensor:
+        p = self.plan
+        nd, nr, ns = p.num_decode_rows, p.num_rows, p.num_samples
+        g = self.graphs[next(b for b in self.graphs if b >= nd)]
+        width = max(2, -(-int(p.seq_lens[:nd].max()) // self.block_size))  # 2: a size-1 dim would specialise
+        g.fill(p, nd, width)
+        logits = self._run_bucket(g, width)
+        self.compiled_steps += 1
+        indices = p.logits_indices[:ns]
+        n_dec = int(np.searchsorted(indices, nd))  # decode rows sample first; token index == row index
+        parts = [logits[torch.from_numpy(indices[:n_dec].astype(np.int64)).to(self.device)]]
+        if nr > nd:
+            parts.append(self._forward_eager(first_token=nd, first_sample=n_dec))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _to_device(self, name: str, n: int | tuple[int, int]) -> torch.Tensor:
         host = self.host[name]
@@ -72,16 +165,17 @@ class ModelRunner:
         dpart.copy_(part, non_blocking=True)
         return dpart
 
-    def metadata(self) -> AttentionMetadata:
-        """The attention metadata of the step the plan describes (host-side numpy reads only)."""
+    def metadata(self, first_token: int = 0) -> AttentionMetadata:
+        """Attention metadata of the plan's rows whose tokens start at first_token (0: all;
+        the decode rows' count: only the prefill rows). Host-side numpy reads only."""
         p = self.plan
         bs = self.block_size
         nd, nr = p.num_decode_rows, p.num_rows
         seq_lens = p.seq_lens
         qsl = p.query_start_loc
-        meta = AttentionMetadata(slot_mapping=self._to_device("slot_mapping", p.num_tokens),
-                                 block_size=bs, num_decode=nd)
-        if nd:
+        slots = self._to_device("slot_mapping", p.num_tokens)[first_token:]
+        meta = AttentionMetadata(slot_mapping=slots, block_size=bs, num_decode=0 if first_token else nd)
+        if meta.num_decode:
             width = -(-int(seq_lens[:nd].max()) // bs)
             meta.decode_block_tables = self._to_device("block_tables", (nd, width))
             meta.decode_seq_lens = self._to_device("seq_lens", nd)
@@ -89,22 +183,72 @@ class ModelRunner:
             tables = self._to_device("block_tables", (nr, p.width))
             for r in range(nd, nr):
                 length = int(seq_lens[r])
-                meta.prefill.append(PrefillRow(int(qsl[r]), int(qsl[r + 1]), length,
-                                               tables[r, : -(-length // bs)]))
+                meta.prefill.append(PrefillRow(int(qsl[r]) - first_token, int(qsl[r + 1]) - first_token,
+                                               length, tables[r, : -(-length // bs)]))
         return meta
 
     @torch.inference_mode()
     def forward(self) -> torch.Tensor:
         """Run the planned step; logits [num_samples, vocab] in fp32 for the sampling rows."""
+        nd = self.plan.num_decode_rows
+        if self._compiled is not None and 0 < nd <= max(self.graphs):
+            return self._forward_compiled()
+        return self._forward_eager()
+
+    def _forward_eager(self, first_token: int = 0, first_sample: int = 0) -> torch.Tensor:
+        """Eager forward over the plan's tokens from first_token on; logits of its samples
+        from first_sample on."""
         p = self.plan
         n = p.num_tokens
-        meta = self.metadata()
-        input_ids = self._to_device("input_ids", n)
-        positions = self._to_device("positions", n)
+        meta = self.metadata(first_token)
+        input_ids = self._to_device("input_ids", n)[first_token:]
+        positions = self._to_device("positions", n)[first_token:]
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
-        rows = self._to_device("logits_indices", p.num_samples)
+        rows = self._to_device("logits_indices", p.num_samples)[first_sample:]
+        if first_token:
+            rows = rows - first_token
         return self.model.compute_logits(hidden[rows])
 
     def sample_req_ids(self) -> np.ndarray:
         return self.plan.sample_req_ids[: self.plan.num_samples]
+
+
+class _DecodeBucket:
+    """Static inputs of one decode graph: `size` rows, padded rows pointing at the null block."""
+
+    def __init__(self, size: int, width: int, device: torch.device):
+        self.size = size
+        pin = device.type == "cuda"
+        self.host = {
+            "input_ids": torch.zeros(size, dtype=torch.int32, pin_memory=pin),
+            "positions": torch.zeros(size, dtype=torch.int32, pin_memory=pin),
+            "slot_mapping": torch.zeros(size, dtype=torch.int64, pin_memory=pin),
+            "seq_lens": torch.zeros(size, dtype=torch.int32, pin_memory=pin),
+            "block_tables": torch.zeros(size, width, dtype=torch.int32, pin_memory=pin),
+        }
+        self.np = {k: v.numpy() for k, v in self.host.items()}
+        self.dev = self.host if device.type == "cpu" else {
+            k: torch.zeros_like(v, device=device) for k, v in self.host.items()}
+        self.input_ids = self.dev["input_ids"]
+        self.positions = self.dev["positions"]
+        self.slot_mapping = self.dev["slot_mapping"]
+        self.seq_lens = self.dev["seq_lens"]
+        self.block_tables = self.dev["block_tables"]
+
+    def zero(self) -> None:
+        for a in self.np.values():
+            a[...] = 0
+
+    def fill(self, plan: StepPlan, rows: int, width: int) -> None:
+        """Copy the plan's first `rows` decode rows in; zero the padding rows."""
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+            dst = self.np[name]
+            dst[:rows] = getattr(plan, name)[:rows]
+            dst[rows:] = 0
+        bt = self.np["block_tables"]
+        bt[:rows, :width] = plan.block_tables[:rows, :width]
+        bt[rows:, :width] = 0
+        if self.dev is not self.host:
+            for k, v in self.host.items():
+                self.dev[k].copy_(v, non_blocking=True)

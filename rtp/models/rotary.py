@@ -186,7 +186,7 @@ def _required(scaling: dict, key: str) -> Any:
     return scaling[key]
 
 
-def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+def _default_inv_freq(base: float | torch.Tensor, dim: int) -> torch.Tensor:
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
     return 1.0 / (base ** exponents)
 
@@ -221,7 +221,11 @@ def _dynamic(base: float, dim: int, max_position: int, scaling: dict) -> tuple[t
     original = scaling.get("original_max_position_embeddings") or max_position
     if dim <= 2:
         raise ValueError(f"dynamic NTK needs rotary_dim > 2, got {dim}")
-    seq_len = max(max_position, original)
+    if max_position > original:
+        # HF computes this in forward from a tensor L, so in fp32; do the same so the bits agree
+        seq_len = torch.tensor(max_position, dtype=torch.float32, device="cpu")
+    else:
+        seq_len = original  # HF's construction-time path, in Python floats (base * 1.0)
     base = base * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
     return _default_inv_freq(base, dim), 1.0
 
