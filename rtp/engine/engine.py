@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,14 @@ def _cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _use_rtp_compile_cache() -> None:
+    """Keep Inductor's cache under rtp's home, so restarts compile from a warm cache."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from rtp.engine.default_model import rtp_home
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(rtp_home() / "inductor")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,6 +106,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
+        if config.compile:
+            _use_rtp_compile_cache()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         path = Path(config.model).expanduser() if config.model else _default_model()
@@ -113,7 +124,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_model_len=self.max_model_len, kv_dtype=self.dtype, device=self.device)
+                                  max_model_len=self.max_model_len, kv_dtype=self.dtype, device=self.device,
+                                  compile=config.compile)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.cache = RadixCache(self.allocator) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(self.allocator, self.runner.plan, cache=self.cache,
@@ -122,6 +134,7 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                    vocab_size=mc.vocab_size, policy=config.scheduling_policy)
         self.sampler = Sampler(seed=config.seed)
+        self.warmup_seconds = self.runner.warmup(progress=sys.stderr.isatty())
         self._seqs: dict[int, _Sequence] = {}
         self._requests: dict[str, list[int]] = {}  # request id -> runtime ids of its choices
         self._next_rid = itertools.count()
@@ -258,7 +271,7 @@ class LLMEngine:
             out.cumulative_logprob += entry[token]
         if len(seq.out_ids) == 1 and seq.output.index == 0:
             seq.request.num_cached_tokens = self.scheduler.cached_prompt_tokens(seq.rid)
-        self._add_text(seq, seq.detok.push(token))
+        self._add_text(seq, seq.detok.add(token))
 
     def _add_text(self, seq: _Sequence, piece: str) -> None:
         """Append text, honouring stop strings (never emitted unless asked)."""
@@ -288,7 +301,8 @@ class LLMEngine:
 
     def _finish(self, seq: _Sequence, reason: str, stop_reason=None) -> None:
         out = seq.output
-        out.text += seq.held_text
+        if not isinstance(stop_reason, str):  # a stop string already cut the text
+            out.text += seq.held_text + seq.detok.flush()
         seq.held_text = ""
         out.finish_reason = reason
         out.stop_reason = stop_reason

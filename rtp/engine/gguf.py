@@ -1,0 +1,335 @@
+"""GGUF checkpoints: an HF-style config, HF-named fp32 tensors, tokenizer metadata.
+
+A GGUF file (llama.cpp's format) holds metadata key/values and tensors under
+llama.cpp's names, with shapes written fastest-moving dimension first. This
+module reads one with `gguf.GGUFReader` (a memory map: nothing is read until a
+tensor is asked for) and presents it the way a Hugging Face checkpoint looks:
+
+    ckpt = GGUFCheckpoint("model.gguf")
+    ckpt.config                   # config.json-style dict
+    for name, tensor in ckpt.tensors():   # file order, fp32, HF names and shapes
+        ...
+
+Three things llama.cpp's converter did are undone here:
+  names    token_embd -> model.embed_tokens, blk.N.attn_q -> model.layers.N.self_attn.q_proj, ...
+  shapes   GGUF `ne` order is the reverse of torch's; we reverse it back
+  q/k rows for llama-arch models the converter permuted q_proj/k_proj rows from HF's
+           rotate-half layout to interleaved pairs (llama.cpp's "normal" rope); see `_unpermute_qk`
+
+`GGUFFile` is the architecture-agnostic part (metadata, tokenizer fields) that the
+tokenizer uses; `GGUFCheckpoint` adds the architecture check, the config and tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("rtp.gguf")
+
+_MAGIC = b"GGUF"
+
+# GGUF general.architecture -> (HF model_type, HF architectures[0])
+_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+# llama.cpp's converter permutes q/k rows only for models it converts through its
+# LlamaModel class (Llama, Mistral); Qwen uses NEOX-style rope and is written as is.
+_PERMUTED_QK = {"llama", "mistral"}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors llama.cpp adds that have no HF parameter. rope_freqs carries llama3-style
+# rope scaling as per-dimension factors, which HF instead derives from config.
+_SKIPPED = {"rope_freqs.weight"}
+
+
+class GGUFError(ValueError):
+    """A file that is not a readable GGUF checkpoint of a supported model."""
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The HF parameter name of a llama.cpp tensor name; GGUFError if it has none."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    m = _LAYER_TENSOR.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    raise GGUFError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    The converter reshapes each head's rows as (2, head_dim/2) -- HF's rotate-half
+    halves -- and swaps those two axes, interleaving the halves into (x0, y0, x1, y1, ...)
+    pairs. The inverse reads rows as (head_dim/2, 2) and swaps back.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _float32_value(v: float) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips: 1e-05, not 9.9999997e-06."""
+    return float(str(np.float32(v)))
+
+
+def _field_value(field) -> Any:
+    """Decode one GGUFReader field into Python values (str, int, float, bool or a list of them)."""
+    from gguf import GGUFValueType
+
+    def scalar(part, vtype):
+        if vtype == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8", errors="replace")
+        value = part[0].item()
+        if vtype == GGUFValueType.FLOAT32:
+            return _float32_value(value)
+        if vtype == GGUFValueType.BOOL:
+            return bool(value)
+        return value
+
+    vtype = field.types[0]
+    if vtype == GGUFValueType.ARRAY:
+        if len(field.types) < 2:
+            return []
+        etype = field.types[1]
+        if etype == GGUFValueType.ARRAY:  # nested arrays: no key rtp reads uses them
+            return None
+        return [scalar(field.parts[i], etype) for i in field.data]
+    return scalar(field.parts[field.data[0]], vtype)
+
+
+class GGUFFile:
+    """A GGUF file's metadata, for any architecture (the tokenizer only needs this)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        if not self.path.is_file():
+            raise GGUFError(f"{self.path} is not a file (expected a .gguf checkpoint)")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != _MAGIC:
+            raise GGUFError(f"{self.path} is not a GGUF file (starts with {magic!r}, not {_MAGIC!r})")
+        from gguf import GGUFReader
+
+        try:
+            self.reader = GGUFReader(self.path, "r")
+        except Exception as e:  # the reader raises ValueError/struct.error/IndexError on damage
+            raise GGUFError(f"{self.path}: cannot parse GGUF: {e}") from e
+        self._values: dict[str, Any] = {}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """One metadata value by its GGUF key (e.g. 'llama.block_count'), decoded and cached."""
+        if key not in self._values:
+            field = self.reader.fields.get(key)
+            if field is None:
+                return default
+            self._values[key] = _field_value(field)
+        return self._values[key]
+
+    def keys(self) -> list[str]:
+        return list(self.reader.fields)
+
+    @cached_property
+    def architecture(self) -> str:
+        arch = self.get("general.architecture")
+        if arch is None:
+            raise GGUFError(f"{self.path} has no general.architecture in its metadata")
+        return arch
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.get("tokenizer.chat_template")
+
+    @cached_property
+    def tokenizer_metadata(self) -> dict[str, Any]:
+        """The `tokenizer.ggml.*` fields, without the prefix (tokens, merges, token_type, pre, ...),
+        plus `chat_template`. Ids absent from the file are absent here."""
+        prefix = "tokenizer.ggml."
+        meta = {k[len(prefix):]: self.get(k) for k in self.reader.fields if k.startswith(prefix)}
+        meta["chat_template"] = self.chat_template
+        return meta
+
+
+class GGUFCheckpoint(GGUFFile):
+    """A GGUF model checkpoint presented as an HF one: `.config` and `.tensors()`."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        arch = self.architecture
+        if arch not in _ARCHITECTURES:
+            raise GGUFError(f"{self.path}: GGUF architecture {arch!r} is not supported; "
+                            f"supported: {', '.join(sorted(_ARCHITECTURES))}")
+        self.config: dict[str, Any] = self._build_config()
+
+    def _build_config(self) -> dict[str, Any]:
+        arch = self.architecture
+        model_type, hf_arch = _ARCHITECTURES[arch]
+        # llama.cpp writes Mistral 7B as arch "llama"; only the name tells them apart
+        # (transformers uses the same rule).
+        if arch == "llama" and "mistral" in str(self.get("general.name", "")).lower():
+            model_type, hf_arch = _ARCHITECTURES["mistral"]
+
+        def key(name, default=None):
+            return self.get(f"{arch}.{name}", default)
+
+        names = {t.name for t in self.reader.tensors}
+        hidden = key("embedding_length")
+        heads = key("attention.head_count")
+        required = {"embedding_length": hidden, "attention.head_count": heads,
+                    "block_count": key("block_count"), "feed_forward_length": key("feed_forward_length")}
+        missing = [f"{arch}.{k}" for k, v in required.items() if v is None]
+        if missing:
+            raise GGUFError(f"{self.path}: metadata lacks {', '.join(missing)}")
+        kv_heads = key("attention.head_count_kv", heads)
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+        if vocab is None:
+            embd = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+            vocab = int(embd.shape[-1]) if embd is not None else None
+        head_dim = key("attention.key_length") or hidden // heads
+
+        cfg: dict[str, Any] = {
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": key("feed_forward_length"),
+            "num_hidden_layers": key("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": key("rope.freq_base", 10000.0),
+            "max_position_embeddings": key("context_length", 4096),
+            "tie_word_embeddings": "output.weight" not in names,
+        }
+        if model_type in ("llama", "mistral"):
+            cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+            cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
+        sliding = key("attention.sliding_window")
+        if sliding:
+            cfg["sliding_window"] = sliding
+        rope_scaling = self._rope_scaling(arch)
+        if rope_scaling:
+            cfg["rope_scaling"] = rope_scaling
+        for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                                 ("padding_token_id", "pad_token_id")):
+            value = self.get(f"tokenizer.ggml.{gguf_key}")
+            if value is not None:
+                cfg[hf_key] = value
+        return cfg
+
+    def _rope_scaling(self, arch: str) -> dict[str, Any] | None:
+        kind = self.get(f"{arch}.rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        scaling: dict[str, Any] = {"rope_type": kind}
+        factor = self.get(f"{arch}.rope.scaling.factor")
+        if factor is not None:
+            scaling["factor"] = factor
+        original = self.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+        for name in ("attn_factor", "yarn_beta_fast", "yarn_beta_slow"):
+            value = self.get(f"{arch}.rope.scaling.{name}")
+            if value is not None:
+                scaling[name.removeprefix("yarn_").replace("attn_factor", "attention_factor")] = value
+        return scaling
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.reader.tensors)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, fp32 tensor in HF shape) for every model tensor, in file (data offset) order.
+
+        Every tensor's name and type is checked before the first is yielded, so a bad
+        file fails up front, not half-way through loading.
+        """
+        entries = sorted(self.reader.tensors, key=lambda t: t.data_offset)
+        plan = []
+        for t in entries:
+            if t.name in _SKIPPED:
+                log.warning("%s: skipping %s (no HF parameter; rope scaling from it is not applied)",
+                            self.path.name, t.name)
+                continue
+            _check_dequantizable(t, self.path)
+            plan.append((t, hf_tensor_name(t.name)))
+
+        permute = self.architecture in _PERMUTED_QK
+        heads = self.config["num_attention_heads"]
+        kv_heads = self.config["num_key_value_heads"]
+        for t, name in plan:
+            w = _dequantize(t)
+            if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+                w = _unpermute_qk(w, heads)
+            elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+                w = _unpermute_qk(w, kv_heads)
+            yield name, w
+
+
+def _quant_types():
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    traits = getattr(quants, "_type_traits", None)
+    extra = set(traits) if traits is not None else None  # unknown on other gguf versions: try at use
+    return {Q.F32, Q.F16, Q.F64}, extra
+
+
+def _check_dequantizable(t, path: Path) -> None:
+    plain, quantized = _quant_types()
+    if t.tensor_type in plain or quantized is None or t.tensor_type in quantized:
+        return
+    supported = sorted(q.name for q in plain | quantized)
+    raise GGUFError(f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}, which the "
+                    f"installed gguf package cannot dequantize; supported: {', '.join(supported)}")
+
+
+def _dequantize(t) -> torch.Tensor:
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if t.tensor_type == Q.F32:
+        arr = np.array(t.data, dtype=np.float32)  # copy out of the read-only memory map
+    elif t.tensor_type in (Q.F16, Q.F64):
+        arr = t.data.astype(np.float32)
+    else:
+        try:
+            arr = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise GGUFError(f"tensor {t.name}: cannot dequantize type {t.tensor_type.name}: {e}") from e
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))

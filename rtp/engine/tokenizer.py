@@ -1,0 +1,339 @@
+"""Tokenizer: HF `tokenizers` for text <-> ids, jinja2 for chat templates, and an
+incremental detokenizer for streaming.
+
+Two sources:
+  HF directory   tokenizer.json (+ tokenizer_config.json for the chat template and
+                 the bos/eos/pad names, generation_config.json for extra stop ids)
+  .gguf file     llama.cpp's `tokenizer.ggml.*` metadata, rebuilt into a byte-level
+                 BPE `tokenizers.Tokenizer` (see `_gguf_backend`)
+
+`IncrementalDetokenizer` turns a stream of ids into text pieces the way vLLM does:
+decode a short window twice (up to the last emitted token, and up to the newest)
+and emit the difference, holding back while the window ends in a partial UTF-8
+character. Pieces concatenate to `decode(ids)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+log = logging.getLogger("rtp.tokenizer")
+
+# Chat-turn and document terminators that stop generation when the vocabulary has
+# them as special tokens, besides the declared eos (llama.cpp's end-of-generation set
+# works the same way). SmolLM2's eos is <|im_end|>; it also ends documents with
+# <|endoftext|>.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
+               "<end_of_turn>", "<|end_of_text|>")
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer split regexes, by llama.cpp's `tokenizer.ggml.pre` name. None means
+# ByteLevel's built-in GPT-2 pattern.
+_GPT2 = None
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# name -> (regex, split every digit first, ignore_merges)
+_PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
+    **{name: (_GPT2, False, False) for name in ("default", "gpt2", "gpt-2", "phi-2", "olmo")},
+    # GPT-2 pattern after isolating each digit (SmolLM's tokenizer.json: Digits + ByteLevel)
+    **{name: (_GPT2, True, False) for name in
+       ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")},
+    # llama.cpp tokenizes llama3-family vocabularies with ignore_merges, like tiktoken
+    **{name: (_LLAMA3, False, True) for name in
+       ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx")},
+    **{name: (_QWEN2, False, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+}
+
+
+class TokenizerError(ValueError):
+    """A tokenizer source that cannot be loaded."""
+
+
+class Tokenizer:
+    """Text <-> token ids, chat templates and the special ids the engine stops on."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, chat_template: str | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None,
+                 pad_token: str | None = None, unk_token: str | None = None,
+                 extra_eos_token_ids: Iterable[int] = ()):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
+        self.bos_token_id = self._id(bos_token)
+        self.eos_token_id = self._id(eos_token)
+        self.pad_token_id = self._id(pad_token)
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        eos = [self.eos_token_id, *extra_eos_token_ids]
+        eos += [self._id(t) for t in _END_TOKENS if t in specials]
+        self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos if i is not None))
+        self._template = None
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    # ---- loading ---------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "Tokenizer":
+        """From an HF checkpoint directory (or its tokenizer.json) or a .gguf file."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"tokenizer source not found: {path}")
+        if path.is_file() and path.name == "tokenizer.json":
+            return cls.from_hf_dir(path.parent)
+        if path.is_file():
+            return cls.from_gguf(path)
+        return cls.from_hf_dir(path)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        tokenizer_json = path / "tokenizer.json"
+        if not tokenizer_json.is_file():
+            raise TokenizerError(
+                f"{path} has no tokenizer.json; rtp needs a fast-tokenizer file (save one with "
+                f"transformers: AutoTokenizer.from_pretrained(...).save_pretrained(dir)) or a .gguf file")
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+        config = _read_json(path / "tokenizer_config.json")
+        special_map = _read_json(path / "special_tokens_map.json")
+
+        def token(name):
+            value = config.get(name, special_map.get(name))
+            return value.get("content") if isinstance(value, dict) else value
+
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        if template is None:
+            template = _read_json(path / "chat_template.json").get("chat_template")
+
+        generation = _read_json(path / "generation_config.json") or _read_json(path / "config.json")
+        extra_eos = generation.get("eos_token_id")
+        extra_eos = extra_eos if isinstance(extra_eos, list) else [] if extra_eos is None else [extra_eos]
+        return cls(backend, chat_template=template, bos_token=token("bos_token"),
+                   eos_token=token("eos_token"), pad_token=token("pad_token"),
+                   unk_token=token("unk_token"), extra_eos_token_ids=extra_eos)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        from rtp.engine.gguf import GGUFFile
+
+        meta = GGUFFile(path).tokenizer_metadata
+        tokens = meta.get("tokens")
+        if not tokens:
+            raise TokenizerError(f"{path} has no tokenizer.ggml.tokens")
+
+        def token(key):
+            index = meta.get(key)
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        backend = _gguf_backend(meta, str(path), token("bos_token_id"), token("eos_token_id"))
+        return cls(backend, chat_template=meta.get("chat_template"), bos_token=token("bos_token_id"),
+                   eos_token=token("eos_token_id"), pad_token=token("padding_token_id"),
+                   unk_token=token("unknown_token_id"))
+
+    # ---- text <-> ids ----------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    # ---- chat ------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        """Render a conversation with the model's chat template (jinja2, sandboxed).
+
+        Extra keyword arguments (tools, documents, enable_thinking, ...) reach the template
+        as variables. With tokenize=True the text is encoded without adding special tokens:
+        templates write their own bos.
+        """
+        if self.chat_template is None:
+            raise TokenizerError("this tokenizer has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                     "pad_token": self.pad_token, "unk_token": self.unk_token}
+        variables.update(kwargs)
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **variables)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class IncrementalDetokenizer:
+    """Feed ids one at a time, get text pieces back.
+
+    Keeps two offsets into the ids (vLLM's scheme): `prefix` .. `read` is a short window
+    of already-emitted tokens decoded again for context (byte-level merges and
+    SentencePiece's leading-space rule depend on the neighbours), `read` .. end is
+    not yet emitted. Each step decodes only that window, so the cost per token does
+    not grow with the sequence. `read` only ever stops where the text is whole, so
+    the window never starts inside a UTF-8 character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (),
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids)
+        # a few prompt tokens of context so the first generated piece decodes as it would in place
+        self._read = len(self.ids)
+        self._prefix = max(self._read - 6, 0)
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the text it completes ('' while a character is still partial)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self._prefix, self._read)
+        new_text = self._decode(self._prefix)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        piece = new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever `add` held back (e.g. a byte sequence never completed)."""
+        if self._read == len(self.ids):
+            return ""
+        prefix_text = self._decode(self._prefix, self._read)
+        piece = self._decode(self._prefix)[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += piece
+        return piece
+
+
+# ---- GGUF -> tokenizers.Tokenizer --------------------------------------------
+
+
+def _gguf_backend(meta: dict, source: str, bos: str | None, eos: str | None) -> tokenizers.Tokenizer:
+    kind = meta.get("model")
+    if kind != "gpt2":
+        raise TokenizerError(f"{source}: GGUF tokenizer model {kind!r} is not supported (rtp builds "
+                             f"byte-level BPE, tokenizer.ggml.model 'gpt2'); load the tokenizer from "
+                             f"the model's HF directory instead")
+    tokens: list[str] = meta["tokens"]
+    types: list[int] = meta.get("token_type") or [1] * len(tokens)
+    merges_raw = meta.get("merges")
+    if not merges_raw:
+        raise TokenizerError(f"{source}: byte-level GGUF tokenizer has no tokenizer.ggml.merges")
+    pre = meta.get("pre") or "default"
+    if pre not in _PRE_TOKENIZERS:
+        log.warning("%s: unknown tokenizer.ggml.pre %r; splitting text with the GPT-2 pattern "
+                    "(known: %s)", source, pre, ", ".join(sorted(_PRE_TOKENIZERS)))
+    regex, split_digits, ignore_merges = _PRE_TOKENIZERS.get(pre, (_GPT2, False, False))
+
+    # The vocabulary as the file spells it: normal tokens in the byte-level alphabet,
+    # control/user-defined tokens as their literal text (they are matched whole, as
+    # added tokens, before BPE runs). Duplicated spellings keep their first id.
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    merges = [tuple(m.split(" ", 1)) for m in merges_raw if m.count(" ") == 1]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges,
+                                              fuse_unk=False, byte_fallback=False))
+    if regex is None:
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        byte_level = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if split_digits:
+        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+
+    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    if special:
+        backend.add_special_tokens(special)
+    if user:
+        backend.add_tokens(user)
+
+    single, pair, ids = ["$A"], ["$A", "$B"], {}
+    if meta.get("add_bos_token") and bos is not None:
+        single, pair = [bos, *single], [bos, "$A", bos, "$B"]
+        ids[bos] = vocab[bos]
+    if meta.get("add_eos_token") and eos is not None:
+        single, pair = [*single, eos], [*pair, eos]
+        ids[eos] = vocab[eos]
+    if ids:
+        backend.post_processor = processors.TemplateProcessing(
+            single=" ".join(single), pair=" ".join(pair), special_tokens=list(ids.items()))
+    return backend
+
+
+# ---- chat templates ------------------------------------------------------------
+
+
+def _compile_template(source: str):
+    """A jinja2 template in a sandbox, configured as transformers renders chat templates."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        """`{% generation %}...{% endgeneration %}` (used to mark assistant tokens) renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise TokenizerError(f"chat template does not parse: {e}") from e
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

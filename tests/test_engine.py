@@ -1,0 +1,128 @@
+"""The engine end to end on the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
+
+transformers loads the same GGUF (dequantized to fp32) and is the reference: rtp's
+greedy continuations must equal its own, token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from rtp import LLM, SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three primary colors.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Give me one tip for learning to code.",
+    "Who wrote Romeo and Juliet?",
+    "Describe a cat in one sentence.",
+]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_gguf):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llm_fp32(default_gguf):
+    return LLM(model=str(default_gguf), dtype="float32", compile=False, max_model_len=512,
+               max_num_seqs=8)
+
+
+def chat_ids(llm, question):
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             add_generation_prompt=True, tokenize=True)
+
+
+def hf_greedy(model, prompt_ids, eos_ids):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW, do_sample=False,
+                             eos_token_id=eos_ids, pad_token_id=eos_ids[0])
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, llm_fp32):
+    eos = llm_fp32.engine.eos_token_ids
+    return {q: hf_greedy(hf_model, chat_ids(llm_fp32, q), eos) for q in QUESTIONS}
+
+
+def test_capital_of_france(llm_fp32):
+    out = llm_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=32))
+    assert out[0].outputs[0].text == "The capital of France is Paris."
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_batched_greedy_equals_transformers(default_gguf, reference, prefix_caching):
+    llm = LLM(model=str(default_gguf), dtype="float32", compile=False, max_model_len=512,
+              max_num_seqs=8, enable_prefix_caching=prefix_caching)
+    outs = llm.generate([chat_ids(llm, q) for q in QUESTIONS], SamplingParams(temperature=0, max_tokens=NEW))
+    for q, out in zip(QUESTIONS, outs):
+        got = out.outputs[0].token_ids
+        want = reference[q]
+        assert got == want[: len(got)] and (len(got) == len(want) or out.outputs[0].finish_reason == "stop"), q
+    # every prompt starts with the same chat-template system preamble: a second round hits it
+    again = llm.generate([chat_ids(llm, q) for q in QUESTIONS[:2]], SamplingParams(temperature=0, max_tokens=NEW))
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[:2]]
+    assert (llm.engine.stats()["prefix_cache_hit_tokens"] > 0) == prefix_caching
+
+
+def test_shared_system_prompt_recomputes_only_new_tokens(llm_fp32):
+    system = "You are a helpful assistant who answers briefly. " * 8
+    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first = llm_fp32.chat(msgs("What is 2 + 2?"), params)[0]
+    second = llm_fp32.chat(msgs("What is 3 + 3?"), params)[0]
+    prompt_len = len(second.prompt_token_ids)
+    assert second.num_cached_tokens >= len(chat_ids(llm_fp32, "x")) // 2
+    assert prompt_len - second.num_cached_tokens < 32  # only the question and the template tail
+    alone = LLM(model=llm_fp32.engine.model_path, dtype="float32", compile=False, max_model_len=512,
+                enable_prefix_caching=False).chat(msgs("What is 3 + 3?"), params)[0]
+    assert second.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert first.outputs[0].text
+
+
+def test_tiny_kv_budget_preempts_and_still_matches(default_gguf, reference):
+    # 12 blocks of 16 tokens (fp32: 737,280 bytes each) for 8 requests of ~70 tokens:
+    # even with the shared preamble deduplicated they must preempt and recompute
+    llm = LLM(model=str(default_gguf), dtype="float32", compile=False, max_model_len=128,
+              max_num_seqs=8, block_size=16, kv_cache_memory=12 * 737_280)
+    outs = llm.generate([chat_ids(llm, q) for q in QUESTIONS], SamplingParams(temperature=0, max_tokens=NEW))
+    assert llm.engine.stats()["num_preemptions"] > 0
+    for q, out in zip(QUESTIONS, outs):
+        got = out.outputs[0].token_ids
+        assert got == reference[q][: len(got)], q
+
+
+def test_bad_input_gets_clear_errors(llm_fp32, tmp_path):
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0)):
+        with pytest.raises(ValueError):
+            llm_fp32.generate("hi", SamplingParams(**bad))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm_fp32.generate([1] * 600)
+    with pytest.raises(FileNotFoundError):
+        LLM(model=str(tmp_path / "nope"))
+    assert not llm_fp32.engine.has_unfinished_requests()  # nothing half-queued
+
+
+def test_sampling_options_and_stop_strings(llm_fp32):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, n=2, logprobs=2)
+    out = llm_fp32.generate("Once upon a time", params)[0]
+    assert len(out.outputs) == 2 and out.outputs[0].token_ids != out.outputs[1].token_ids
+    again = llm_fp32.generate("Once upon a time", params)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]  # seeded
+    assert all(len(o.logprobs) == len(o.token_ids) for o in out.outputs)
+    greedy = llm_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0, max_tokens=32, stop=["France"]))[0].outputs[0]
+    assert greedy.text == "The capital of " and greedy.finish_reason == "stop" and greedy.stop_reason == "France"
