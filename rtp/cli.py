@@ -50,8 +50,9 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+        # one prompt: one decode bucket to compile, not seven
         llm = LLM(model=args.model, dtype=args.dtype, compile=not args.no_compile,
-                  max_model_len=args.max_model_len)
+                  max_model_len=args.max_model_len, max_num_seqs=1)
         if args.chat is not None:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": args.chat})

@@ -126,3 +126,23 @@ def test_sampling_options_and_stop_strings(llm_fp32):
     greedy = llm_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
                            SamplingParams(temperature=0, max_tokens=32, stop=["France"]))[0].outputs[0]
     assert greedy.text == "The capital of " and greedy.finish_reason == "stop" and greedy.stop_reason == "France"
+
+
+def run_cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "rtp", "generate", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_rtp_generate_cli(default_gguf):
+    done = run_cli("--chat", "What is the capital of France?", "--no-compile", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "The capital of France is Paris."
+    for bad, message in [(["--chat", "hi", "--temperature", "-1"], "temperature"),
+                         (["--chat", "hi", "--model", "/nonexistent/model"], "does not exist"),
+                         (["--chat", "hi", "--prompt", "hi"], "exactly one"),
+                         (["--chat", "hi", "--max-tokens", "0"], "max_tokens")]:
+        done = run_cli(*bad, "--no-compile")
+        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -18,6 +18,7 @@ eagerly (their shapes vary too much to capture).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -99,7 +100,7 @@ class ModelRunner:
         for b in sizes:
             self.graphs[b] = _DecodeBucket(b, self.width, self.device)
         if self.device.type == "cpu":
-            inductor_config.freezing = True  # weights as constants, prepacked for oneDNN: 1.7x here
+            inductor_config.freezing = os.environ.get("RTP_FREEZE", "1") == "1"  # weights as constants, prepacked for oneDNN: 1.7x here
             self._compiled = torch.compile(self._decode_logits, fullgraph=True)
         else:
             self._compiled = torch.compile(self._decode_logits, fullgraph=True, mode="reduce-overhead")
