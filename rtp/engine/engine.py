@@ -20,6 +20,7 @@ import torch
 
 from rtp._runtime import FINISH_REASONS, BlockAllocator, RadixCache, Scheduler
 from rtp.config import EngineConfig, ModelConfig
+from rtp.engine.kv_cache import num_kv_blocks
 from rtp.engine.loader import load_model
 from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SamplingBatch
@@ -120,7 +121,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 8192),
                                  mc.max_position_embeddings)
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids))
-        num_blocks = self._num_blocks()
+        num_blocks = num_kv_blocks(mc, block_size=config.block_size, dtype=self.dtype,
+                                   kv_heads=self.model.attention_layers()[0].num_kv_heads,
+                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                                   budget_bytes=config.kv_cache_memory, device=self.device)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
@@ -141,26 +145,6 @@ class LLMEngine:
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                  mc.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks - 1,
                  config.block_size, self.max_model_len)
-
-    def _num_blocks(self) -> int:
-        from rtp.engine.kv_cache import bytes_per_block
-
-        layer = self.model.attention_layers()[0]
-        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype, layer.num_kv_heads)
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.8)
-            else:
-                budget = 1 << 30  # 1 GiB on a CPU: SmolLM2 fits ~46k tokens
-        # never more than max_num_seqs full-length sequences need, plus the null block
-        needed = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
-        blocks = min(budget // per_block, needed)
-        if blocks < -(-self.max_model_len // self.config.block_size) + 1:
-            raise ValueError(f"kv_cache_memory {budget} bytes holds {blocks} blocks of {per_block} bytes: "
-                             f"too few for one sequence of max_model_len {self.max_model_len}")
-        return int(blocks)
 
     # -- requests ---------------------------------------------------------------------------
 

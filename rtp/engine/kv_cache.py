@@ -17,10 +17,29 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv
     return 2 * config.num_hidden_layers * block_size * kv_heads * config.head_dim * itemsize
 
 
-def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int,
-                          budget_bytes: int) -> int:
-    """Blocks (the null block included) that fit in budget_bytes."""
-    return budget_bytes // bytes_per_block(config, block_size, dtype, kv_heads)
+def num_kv_blocks(config: ModelConfig, *, block_size: int, dtype: torch.dtype, kv_heads: int,
+                  max_model_len: int, max_num_seqs: int, budget_bytes: int | None,
+                  device: torch.device) -> int:
+    """Blocks to allocate (the null block included).
+
+    The budget is kv_cache_memory bytes when given; otherwise 80 % of the free
+    device memory on CUDA and 1 GiB on a CPU (SmolLM2 in bf16: about 46k tokens).
+    Never more than max_num_seqs sequences of max_model_len can use, and never too
+    few for one such sequence.
+    """
+    per_block = bytes_per_block(config, block_size, dtype, kv_heads)
+    if budget_bytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget_bytes = int(free * 0.8)
+        else:
+            budget_bytes = 1 << 30
+    per_seq = -(-max_model_len // block_size)
+    blocks = min(budget_bytes // per_block, max_num_seqs * per_seq + 1)
+    if blocks < per_seq + 1:
+        raise ValueError(f"a KV cache of {budget_bytes} bytes holds {blocks} blocks of {per_block} bytes: "
+                         f"too few for one sequence of max_model_len {max_model_len}")
+    return int(blocks)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from rtp._runtime import StepPlan
+from rtp.engine.kv_cache import allocate_kv_cache
 from rtp.models.attention import AttentionMetadata, PrefillRow, forward_context
 
 log = logging.getLogger("rtp.runner")
@@ -75,8 +76,8 @@ class ModelRunner:
         layers = model.attention_layers()
         cfg = model.config
         kv_heads = layers[0].num_kv_heads
-        self.kv_caches = [torch.zeros(2, num_blocks, block_size, kv_heads, cfg.head_dim, dtype=kv_dtype,
-                                      device=device) for _ in layers]
+        self.kv_caches = allocate_kv_cache(len(layers), num_blocks, block_size, kv_heads, cfg.head_dim,
+                                           kv_dtype, device)
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
         self.graphs: dict[int, _DecodeBucket] = {}

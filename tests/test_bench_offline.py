@@ -1,0 +1,23 @@
+"""tools/bench_offline.py runs end to end at the tiniest settings (figures are not asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_offline_tiny_prints_a_json_last_line(default_gguf):
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_offline.py"), "--quick", "--no-compile",
+           "--model", str(default_gguf), "--threads", "1", "--dtypes", "bf16",
+           "--requests", "2", "--prompt-lens", "8-16", "--output-lens", "2-4", "--hf-batch-sizes", "2",
+           "--single-tokens", "3", "--decode-batch", "4", "--decode-prompt", "8", "--decode-tokens", "3"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert set(figures) >= {"config", "rtp", "transformers_generate", "transformers_continuous", "vllm",
+                            "ratios", "targets_met"}
+    assert "error" not in figures["rtp"]["bf16"]
+    assert figures["rtp"]["bf16"]["lengths_ok"]
+    assert "not_run" in figures["vllm"]
+    assert "Throughput" in out  # the table for people comes first

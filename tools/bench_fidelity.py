@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""How faithful is rtp's bf16 to the fp32 reference, next to transformers' own bf16?
+
+Small models have top-2 logit margins of a few bf16 steps, so bf16 greedy output
+drifts from fp32 sooner or later. rtp keeps the residual stream, norms, softmax
+and logits in fp32; this tool checks that its default dtype matches transformers'
+fp32 greedy continuations at least as often as transformers' bf16 does.
+
+For each prompt (chat questions through the template), greedy continuations from:
+    reference   transformers, fp32 (the default GGUF dequantized)
+    hf-bf16     transformers, bf16
+    rtp-auto    rtp in its default dtype (bf16 on this CPU)
+    rtp-fp32    rtp in fp32 (should equal the reference)
+and, against the reference: the share of prompts continued identically, and the
+mean share of tokens produced before the first divergence.
+
+    python tools/bench_fidelity.py              # 32 prompts x 48 tokens, a few minutes
+    python tools/bench_fidelity.py --prompts 8 --tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
+    "What is 12 times 7?", "Translate 'good morning' into Spanish.", "Give me one tip for learning to code.",
+    "Who wrote Romeo and Juliet?", "Describe a cat in one sentence.", "Why is the sky blue?",
+    "List two benefits of exercise.", "What does a compiler do?", "Explain photosynthesis simply.",
+    "What is the boiling point of water?", "Suggest a name for a pet goldfish.",
+    "How many legs does a spider have?", "What is the largest planet?", "Write a short greeting card message.",
+    "What is machine learning?", "Give a synonym for 'happy'.", "How do airplanes fly?",
+    "What is the square root of 81?", "Recommend a book for a long flight.", "What causes rain?",
+    "Summarise the plot of Cinderella.", "What is an API?", "Write a limerick about a frog.",
+    "Which ocean is the deepest?", "How do I boil an egg?", "What is the speed of light?",
+    "Name a famous painter.", "What is a prime number?", "Tell me a fun fact about octopuses.",
+]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def hf_greedy(model, prompts, tokens, eos):
+    outs = []
+    for i, ids in enumerate(prompts):
+        print(f"\r  transformers {next(model.parameters()).dtype}: {i + 1}/{len(prompts)}", end="", file=sys.stderr)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0])
+        outs.append(out[0, len(ids):].tolist())
+    print(file=sys.stderr)
+    return outs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=32, help="how many chat prompts (at most 32)")
+    ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
+    ap.add_argument("--compile", action="store_true", help="run rtp with its compiled decode graphs")
+    args = ap.parse_args(argv)
+
+    import transformers
+
+    from rtp import LLM, SamplingParams
+    from rtp.engine.default_model import default_model_path
+
+    start = time.perf_counter()
+    path = default_model_path()
+    questions = QUESTIONS[: args.prompts]
+    params = SamplingParams(temperature=0, max_tokens=args.tokens)
+    runs: dict[str, list[list[int]]] = {}
+    for name, dtype in (("rtp-fp32", "float32"), ("rtp-auto", "auto")):
+        llm = LLM(model=str(path), dtype=dtype, compile=args.compile, max_num_seqs=8, max_model_len=1024)
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True)
+                   for q in questions]
+        eos = llm.engine.eos_token_ids
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        resolved = str(llm.engine.dtype).removeprefix("torch.")
+        del llm
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    runs["reference"] = hf_greedy(hf, prompts, args.tokens, eos)
+    runs["hf-bf16"] = hf_greedy(hf.to(torch.bfloat16), prompts, args.tokens, eos)
+
+    ref = runs["reference"]
+    figures = {}
+    print(f"greedy fidelity against transformers fp32: {len(questions)} chat prompts x {args.tokens} tokens "
+          f"(rtp-auto ran in {resolved}, compile={args.compile})")
+    print(f"{'run':<12}{'identical':>12}{'tokens before divergence':>28}")
+    for name in ("hf-bf16", "rtp-auto", "rtp-fp32"):
+        same = sum(r == o for r, o in zip(ref, runs[name]))
+        prefix = sum(common_prefix(r, o) / max(1, len(r)) for r, o in zip(ref, runs[name])) / len(ref)
+        figures[name] = {"identical": same, "of": len(ref), "mean_prefix_share": round(prefix, 4)}
+        print(f"{name:<12}{f'{same}/{len(ref)}':>12}{prefix:>27.1%}")
+    ok = figures["rtp-auto"]["identical"] >= figures["hf-bf16"]["identical"]
+    print(f"target: rtp-auto identical >= hf-bf16 identical: {'met' if ok else 'NOT met'} "
+          f"({time.perf_counter() - start:.0f} s)")
+    print(json.dumps({"fidelity": figures, "rtp_auto_dtype": resolved, "tokens": args.tokens,
+                      "target_met": ok, "compile": args.compile}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
