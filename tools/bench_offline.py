@@ -248,6 +248,18 @@ def count_files(path: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(path))
 
 
+def cpu_description() -> str | None:
+    """The CPU model and the matmul extensions that decide bf16 speed (AMX, AVX512_BF16)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    extras = [f for f in ("amx_bf16", "avx512_bf16", "avx512f") if f in flags]
+    return f"{name} ({', '.join(extras) or 'no AVX-512'})"
+
+
 def error_text(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip()
     text = " ".join(text.split())
@@ -324,9 +336,13 @@ def bench_single(llm, ids: np.ndarray, args: argparse.Namespace) -> dict:
                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         first = None
         produced = 0
+        step_times: list[float] = []  # decode steps only (after the first token)
         while engine.has_unfinished_requests():
+            t = time.perf_counter()
             outs = engine.step()
             now = time.perf_counter()
+            if first is not None:
+                step_times.append(now - t)
             for o in outs:
                 produced = len(o.outputs[0].token_ids)
                 if first is None and produced:
@@ -336,6 +352,8 @@ def bench_single(llm, ids: np.ndarray, args: argparse.Namespace) -> dict:
     decode = end - (first if first is not None else t0)
     res = {"prompt_tokens": len(prompt), "new_tokens": produced, "ttft_ms": round(((first or end) - t0) * 1e3, 2),
            "decode_tok_s": round(steps / decode, 2), "ms_per_step": round(decode / steps * 1e3, 3),
+           # far below the mean: a few slow steps (a recompile?) dominate the decode time
+           "ms_per_step_median": round(statistics.median(step_times) * 1e3, 3) if step_times else None,
            "end_to_end_tok_s": round(produced / (end - t0), 2),
            "compiled_steps": engine.runner.compiled_steps - compiled0, "other_cpu_s": cpu.other_cpu_s}
     note(f"rtp single request: {res['decode_tok_s']:.1f} tok/s ({res['ms_per_step']:.1f} ms/step)")
@@ -730,7 +748,8 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
           f"{cfg['prompt_lens'][1]} tokens, outputs {cfg['output_lens'][0]}-{cfg['output_lens'][1]}; "
           f"{cfg['prompt_tokens']:,} prompt + {cfg['output_tokens']:,} generated tokens; seed {cfg['seed']}; "
           f"{cfg['threads']} threads{'; QUICK: not comparable with a full run' if cfg['quick'] else ''})")
-    print(f"model {cfg['model']}; torch {cfg['torch']}, transformers {cfg.get('transformers') or '-'}")
+    print(f"model {cfg['model']}; torch {cfg['torch']}, transformers {cfg.get('transformers') or '-'}; "
+          f"CPU {cfg.get('cpu') or '?'}")
     print()
     print("1. Throughput over the whole workload (greedy, eos ignored, same tokens for every system)")
     print(f"   {'system':<34}{'gen tok/s':>11}{'total tok/s':>13}{'wall s':>9}{'start-up s':>12}"
@@ -753,7 +772,7 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
     if _status(hg):
         row("transformers generate (static)", hg)
     else:
-        row(f"transformers generate, B={hg['best_batch_size']}", hg)
+        row(f"transformers generate, B={hg['best_batch_size']}", hg, startup=results.get("transformers_load_s"))
     hc = results.get("transformers_continuous")
     row("transformers continuous batching", hc, startup=_get(hc, "startup_s"))
     vl = results.get("vllm")
@@ -769,6 +788,9 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
                          f"{c['files_written']} written)")
             print(f"   rtp {key} start-up {r['startup_s']:.1f} s = load {r['load_s']:.1f} s + compile warm-up "
                   f"{r['warmup_s']:.1f} s{extra}; {r['engine_steps']} engine steps, {r['preemptions']} preemptions")
+    if results.get("transformers_load_s") is not None:
+        print(f"   transformers start-up: model load {results['transformers_load_s']:.1f} s (GGUF dequantized to bf16; "
+              f"shared by generate and continuous batching, whose column shows its manager's start-up)")
     if _status(hg) is None:
         print("   transformers generate, per static batch size (useful = each request's own output; raw = "
               "every row to its batch's longest):")
@@ -785,7 +807,8 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
         print("2. rtp bf16 decode")
         if single:
             print(f"   single request (prompt {single['prompt_tokens']}, {single['new_tokens']} new): "
-                  f"{single['decode_tok_s']:,.1f} tok/s, {single['ms_per_step']:.2f} ms/step decode only; "
+                  f"{single['decode_tok_s']:,.1f} tok/s, {single['ms_per_step']:.2f} ms/step decode only "
+                  f"(median step {_fmt(single.get('ms_per_step_median'), '.2f')} ms); "
                   f"time to first token {single['ttft_ms']:.1f} ms; {single['compiled_steps']} compiled steps")
         if batch and "error" not in batch:
             print(f"   batch {batch['batch']} (prompt {args.decode_prompt}, {args.decode_tokens} new): "
@@ -959,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"requests": len(work), "prompt_lens": list(args.prompt_lens), "output_lens": list(args.output_lens),
                    "prompt_tokens": work.prompt_tokens, "output_tokens": work.output_tokens, "seed": args.seed,
                    "quick": args.quick, "compile": not args.no_compile, "threads": torch.get_num_threads(),
-                   "cores": ncpu, "model": str(model_path), "torch": torch.__version__, "transformers": tf_version,
+                   "cores": ncpu, "cpu": cpu_description(), "model": str(model_path), "torch": torch.__version__, "transformers": tf_version,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "rtp": {},
     }
