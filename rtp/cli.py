@@ -51,7 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
         # one prompt: one decode bucket to compile, not seven
-        llm = LLM(model=args.model, dtype=args.dtype, compile=not args.no_compile,
+        llm = LLM(model=args.model, dtype=args.dtype, compile=args.compile,
                   max_model_len=args.max_model_len, max_num_seqs=1)
         if args.chat is not None:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bfloat16 where the hardware computes it natively, else float32")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
-    p.add_argument("--no-compile", action="store_true", help="run eagerly (no torch.compile warm-up)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode graphs (default: on CUDA only; --no-compile runs eagerly)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     p.set_defaults(func=_generate)
 

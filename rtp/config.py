@@ -116,7 +116,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"   # fcfs | lpm
-    compile: bool = True
+    # torch.compile the decode buckets. None (auto): on CUDA (CUDA graphs) but not on a CPU,
+    # where Inductor's graphs do not yet beat eager here (see README, "Performance")
+    compile: bool | None = None
     seed: int = 0
 
     def validate(self) -> None:

@@ -107,9 +107,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        if config.compile:
-            _use_rtp_compile_cache()
         self.device = resolve_device(config.device)
+        self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
+        if self.compile:
+            _use_rtp_compile_cache()
         self.dtype = resolve_dtype(config.dtype, self.device)
         path = Path(config.model).expanduser() if config.model else _default_model()
         if not path.exists():
@@ -129,7 +130,7 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, kv_dtype=self.dtype, device=self.device,
-                                  compile=config.compile)
+                                  compile=self.compile)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.cache = RadixCache(self.allocator) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(self.allocator, self.runner.plan, cache=self.cache,

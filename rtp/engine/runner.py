@@ -101,7 +101,9 @@ class ModelRunner:
         for b in sizes:
             self.graphs[b] = _DecodeBucket(b, self.width, self.device)
         if self.device.type == "cpu":
-            inductor_config.freezing = os.environ.get("RTP_FREEZE", "1") == "1"  # weights as constants, prepacked for oneDNN: 1.7x here
+            # Weights are graph inputs, not frozen constants: with freezing (weights prepacked for
+            # oneDNN) Inductor's cache refuses the graphs and every start recompiles for minutes.
+            inductor_config.freezing = os.environ.get("RTP_FREEZE") == "1"
             self._compiled = torch.compile(self._decode_logits, fullgraph=True)
         else:
             self._compiled = torch.compile(self._decode_logits, fullgraph=True, mode="reduce-overhead")
