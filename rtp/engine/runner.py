@@ -92,10 +92,14 @@ class ModelRunner:
         import torch._dynamo
         import torch._inductor.config as inductor_config
 
-        # one cache entry per bucket (and the dynamic width): well past dynamo's default limit
+        # one cache entry per bucket: well past dynamo's default limit
         for knob in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, knob):
                 setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
+        # The batch size of each bucket stays static: left on, "automatic dynamic" would turn
+        # it symbolic as soon as a second bucket runs and serve every bucket from one slower
+        # generic graph. Only the block-table width is dynamic, marked where it is passed.
+        torch._dynamo.config.automatic_dynamic_shapes = False
         top = next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1])
         sizes = [b for b in BUCKETS if b <= top]
         for b in sizes:
@@ -138,7 +142,7 @@ class ModelRunner:
             width = self.width  # static shapes for CUDA graphs
         tables = g.block_tables[:, :width]
         if self.device.type == "cpu":
-            torch._dynamo.maybe_mark_dynamic(tables, 1)
+            torch._dynamo.mark_dynamic(tables, 1)
         meta = AttentionMetadata(slot_mapping=g.slot_mapping, block_size=self.block_size, num_decode=g.size,
                                  decode_block_tables=tables, decode_seq_lens=g.seq_lens)
         with forward_context(meta):
