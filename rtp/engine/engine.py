@@ -75,6 +75,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
              "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
              "fp32": torch.float32, "float": torch.float32}
     if name != "auto":
+        if table[name] == torch.float16 and device.type == "cpu":
+            log.warning("float16 on a CPU runs at a small fraction of bfloat16's speed "
+                        "(no native fp16 matmul); prefer --dtype bfloat16 or auto")
         return table[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
