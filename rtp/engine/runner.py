@@ -152,7 +152,7 @@ class ModelRunner:
         p = self.plan
         nd, nr, ns = p.num_decode_rows, p.num_rows, p.num_samples
         g = self.graphs[next(b for b in self.graphs if b >= nd)]
-        width = max(2, -(-int(p.seq_lens[:nd].max()) // self.block_size))  # 2: a size-1 dim would specialise
+        width = max(2, self._decode_width())  # 2: a size-1 dim would specialise
         g.fill(p, nd, width)
         logits = self._run_bucket(g, width)
         self.compiled_steps += 1
@@ -173,6 +173,11 @@ class ModelRunner:
         dpart.copy_(part, non_blocking=True)
         return dpart
 
+    def _decode_width(self) -> int:
+        """Block-table columns the step's longest decode row uses."""
+        p = self.plan
+        return -(-int(p.seq_lens[: p.num_decode_rows].max()) // self.block_size)
+
     def metadata(self, first_token: int = 0) -> AttentionMetadata:
         """Attention metadata of the plan's rows whose tokens start at first_token (0: all;
         the decode rows' count: only the prefill rows). Host-side numpy reads only."""
@@ -184,8 +189,7 @@ class ModelRunner:
         slots = self._to_device("slot_mapping", p.num_tokens)[first_token:]
         meta = AttentionMetadata(slot_mapping=slots, block_size=bs, num_decode=0 if first_token else nd)
         if meta.num_decode:
-            width = -(-int(seq_lens[:nd].max()) // bs)
-            meta.decode_block_tables = self._to_device("block_tables", (nd, width))
+            meta.decode_block_tables = self._to_device("block_tables", (nd, self._decode_width()))
             meta.decode_seq_lens = self._to_device("seq_lens", nd)
         if nr > nd:
             tables = self._to_device("block_tables", (nr, p.width))

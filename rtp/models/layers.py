@@ -28,6 +28,11 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """For replicated parameters without a loader of their own (norm weights)."""
+    _copy_checked(param.data, loaded, "replicated parameter")
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32; returns the input dtype."""
 

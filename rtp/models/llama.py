@@ -23,6 +23,7 @@ from rtp.models.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
+    default_weight_loader,
 )
 from rtp.models.rotary import get_rope, rope_config_from_hf
 
@@ -146,15 +147,12 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
-            loader = getattr(param, "weight_loader", None)
+            loader = getattr(param, "weight_loader", default_weight_loader)
             with torch.no_grad():
-                if loader is not None:
+                try:
                     loader(param, tensor, shard)
-                elif param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit "
-                                     f"{tuple(param.shape)}")
-                else:
-                    param.data.copy_(tensor)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from e
             loaded.add(target if shard is None else f"{target}#{shard}")
         return loaded
 
