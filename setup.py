@@ -1,16 +1,18 @@
-"""Builds the compiled runtime, rtp._runtime, from rtp/_runtime.pyx.
+"""Builds the compiled parts: the runtime (rtp/_runtime.pyx) and the CPU decode
+kernels (rtp/_cpu_kernels.pyx over rtp/csrc/cpu_kernels.c).
 
 Everything else about the package lives in pyproject.toml. Set RTP_ANNOTATE=1 to
 write Cython's annotated HTML (rtp/_runtime.html) and check that the hot paths
 stay free of Python interaction (no yellow lines).
 """
 import os
+import platform
 
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-extension = Extension(
+runtime = Extension(
     "rtp._runtime",
     sources=["rtp/_runtime.pyx"],
     include_dirs=[np.get_include()],
@@ -18,9 +20,21 @@ extension = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
 )
 
+# The kernels carry their own target attributes (AVX-512 BF16) and are only called
+# when the CPU reports the feature, so the module builds and imports anywhere x86.
+# -fopenmp links libgomp.so.1, which resolves to the copy torch has already loaded.
+cpu_kernels = Extension(
+    "rtp._cpu_kernels",
+    sources=["rtp/_cpu_kernels.pyx", "rtp/csrc/cpu_kernels.c"],
+    include_dirs=["rtp/csrc"],
+    extra_compile_args=["-O3", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+)
+extensions = [runtime] + ([cpu_kernels] if platform.machine() in ("x86_64", "AMD64") else [])
+
 setup(
     ext_modules=cythonize(
-        [extension],
+        extensions,
         language_level=3,
         annotate=os.environ.get("RTP_ANNOTATE") == "1",
         compiler_directives={

@@ -300,6 +300,28 @@ class GGUFCheckpoint(GGUFFile):
             yield name, w
 
 
+    def quantized(self) -> Iterator[tuple[str, "BlockQuantized"]]:
+        """(HF name, packed blocks) of every Q4_1 / Q8_0 weight matrix, q/k rows unpermuted
+        like `tensors()`: the checkpoint's own bytes, for rtp's small-batch CPU kernels."""
+        from gguf import GGMLQuantizationType as Q
+
+        from rtp.models.quant import BlockQuantized
+
+        kinds = {Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
+        permute = self.architecture in _PERMUTED_QK
+        heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
+        for t in sorted(self.reader.tensors, key=lambda t: t.data_offset):
+            if t.tensor_type not in kinds or t.name in _SKIPPED or not t.name.endswith(".weight"):
+                continue
+            name = hf_tensor_name(t.name)
+            rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+            packed = BlockQuantized.from_gguf(kinds[t.tensor_type], t.data, rows)
+            proj = name.rsplit(".", 2)[-2]
+            if permute and proj in heads:
+                packed = packed.rows(_unpermute_qk(torch.arange(rows), heads[proj]))
+            yield name, packed
+
+
 def _quant_types():
     from gguf import GGMLQuantizationType as Q
     from gguf import quants

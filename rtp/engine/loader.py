@@ -96,6 +96,47 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[to
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     model.eval()
+    if path.suffix == ".gguf" and dtype == torch.bfloat16 and device.type == "cpu":
+        _attach_quantized(model, path)
     log.info("loaded %s (%s, %.1f M params) in %.1f s", path.name, config.architecture,
              sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - start)
     return model, config
+
+
+def _attach_quantized(model: torch.nn.Module, path: Path) -> None:
+    """Give linear layers the GGUF's packed blocks for small-batch decode (rtp/models/quant.py).
+
+    A fused layer (qkv, gate_up) gets them only when every part is packed in one format;
+    the LM head of a tied model takes the embedding's."""
+    from rtp.engine.gguf import GGUFCheckpoint
+    from rtp.models import cpu_kernels
+    from rtp.models.quant import BlockQuantized
+
+    if not cpu_kernels.available():
+        return
+    packed = dict(GGUFCheckpoint(path).quantized())
+    mapping = getattr(model, "packed_modules_mapping", {})
+    fused: dict[str, dict] = {}
+    for name, blocks in packed.items():
+        module, shard = name.removesuffix(".weight"), None
+        for part, (target, shard_id) in mapping.items():
+            if module.endswith(f".{part}"):
+                module, shard = module.removesuffix(part) + target, shard_id
+                break
+        fused.setdefault(module, {})[shard] = blocks
+    modules = dict(model.named_modules())
+    if getattr(model.config, "tie_word_embeddings", False) and "model.embed_tokens" in fused:
+        fused.setdefault("lm_head", fused["model.embed_tokens"])
+    attached = 0
+    for name, parts in fused.items():
+        layer = modules.get(name)
+        if layer is None or not hasattr(layer, "quant"):
+            continue
+        order = getattr(layer, "shard_order", ()) or (None,)
+        if set(parts) != set(order):
+            continue
+        blocks = BlockQuantized.cat([parts[s] for s in order])
+        if blocks is not None and blocks.shape == tuple(layer.weight.shape):
+            layer.quant = blocks
+            attached += 1
+    log.info("%s: %d layers also keep their GGUF blocks for small-batch decode", path.name, attached)

@@ -6,9 +6,11 @@ block_size + offset) and then attends:
 
 | rows                     | query tokens          | how                                            |
 |--------------------------|-----------------------|------------------------------------------------|
-| decode, [0, num_decode)  | one each, [0, nd)     | gather each row's blocks, grouped matmul + fp32 |
-|                          |                       | softmax (on CPU 5-12x faster than bf16 SDPA,   |
-|                          |                       | see PERF_NOTES.md), masked by seq_lens         |
+| decode, [0, num_decode)  | one each, [0, nd)     | on a CPU with AVX-512 BF16: rtp's paged kernel |
+|                          |                       | (reads blocks in place, online fp32 softmax);  |
+|                          |                       | else gather each row's blocks, grouped matmul  |
+|                          |                       | + fp32 softmax (on CPU 5-12x faster than bf16  |
+|                          |                       | SDPA, see PERF_NOTES.md), masked by seq_lens   |
 | prefill chunks           | a range each          | gather the row's blocks (cached prefix + the   |
 |                          |                       | chunk), scaled_dot_product_attention, causal   |
 |                          |                       | from the chunk's offset                        |
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rtp.models import cpu_kernels
 
 
 @dataclass
@@ -130,7 +134,11 @@ class PagedAttention(nn.Module):
         q = q.to(k_cache.dtype)
         nd = meta.num_decode
         parts = []
-        if nd:
+        if nd and cpu_kernels.attention_supported(q, k_cache):
+            parts.append(cpu_kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                self.sliding_window or 0))
+        elif nd:
             parts.append(decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                           meta.decode_seq_lens, self.scale, self.sliding_window))
         for row in meta.prefill:

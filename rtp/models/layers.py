@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtp.distributed import tp_rank, tp_size
+from rtp.models.cpu_kernels import QUANT_MAX_ROWS
+from rtp.models.quant import BlockQuantized
 
 
 def _shard(full: torch.Tensor, dim: int) -> torch.Tensor:
@@ -48,7 +50,11 @@ class RMSNorm(nn.Module):
 
 
 class LinearBase(nn.Module):
+    """y = x W^T + b. With `quant` set (a GGUF checkpoint's packed blocks, on a CPU with
+    rtp's kernels), batches of up to QUANT_MAX_ROWS rows multiply the packed weights."""
+
     shard_dim: int | None = None  # None: replicated
+    shard_order: tuple = ()       # fused layers: checkpoint parts in row order
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -57,6 +63,7 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+        self.quant: BlockQuantized | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.shard_dim is not None and tp_size() > 1 and not (param is self.bias and self.shard_dim == 1):
@@ -64,6 +71,8 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
+            return self.quant.linear(x, self.bias, x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -91,7 +100,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() > 1:
             raise NotImplementedError("tensor parallelism arrives with rtp.distributed")
-        return F.linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -99,6 +108,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
         self.out_sizes = [s // tp_size() for s in out_sizes]
+        self.shard_order = tuple(range(len(out_sizes)))
         super().__init__(in_features, sum(out_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -113,6 +123,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; kv heads are replicated when there are fewer than ranks."""
+
+    shard_order = ("q", "k", "v")
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
         self.head_dim = head_dim
@@ -155,7 +167,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; shares the embedding's weight when the model ties them."""
 
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__(vocab_size, dim)
+        self.quant: BlockQuantized | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
+            return self.quant.linear(hidden, None, torch.float32)
         # bf16 matmul where the weights are bf16, logits returned in fp32 for sampling
         return F.linear(hidden.to(self.weight.dtype), self.weight).float()
 

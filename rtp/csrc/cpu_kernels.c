@@ -1,0 +1,352 @@
+/* CPU kernels for the decode step: where oneDNN and eager PyTorch lose to the memory bus.
+ *
+ * A decode step at small batch is a stream of weights: every weight is read once
+ * and used for a handful of rows. oneDNN's bf16 GEMV streams them at 10-20 GB/s
+ * on this CPU class (2 cores, about 70 GB/s to memory); these kernels read each
+ * weight tile once, multiply it with every activation row while it sits in L1,
+ * and run at the bus's pace. The paged attention kernel reads each row's KV
+ * blocks where they lie (no gather copy) with an online softmax in fp32.
+ *
+ * Plain C with AVX-512 BF16 intrinsics and OpenMP; no Python, no torch. The
+ * functions are compiled for avx512bf16 and only called after
+ * rtp_cpu_kernels_supported() said yes. OpenMP resolves to the libgomp that
+ * torch already loaded (same soname), so both share one thread pool.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+int rtp_cpu_kernels_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512bf16");
+}
+
+TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Round-to-nearest-even fp32 -> bf16, as torch does. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Linear: out[m, n] = sum_k x[m, k] * w[n, k] + bias[n]
+ * x bf16 [M, K] (row stride ldx), w bf16 [N, K] contiguous, bias fp32 [N] or NULL,
+ * out [M, N] (row stride ldo) in fp32 (out_bf16 = 0) or bf16 (out_bf16 = 1).
+ * Tiles of 4 weight rows; each tile meets every activation row, 4 rows at a time
+ * (16 accumulators), while it is in L1. Products accumulate in fp32.
+ * ------------------------------------------------------------------------------------------- */
+#define NR 4
+#define MR 4
+
+/* Always inlined and called with a constant mr, so each row count gets its own unrolled code. */
+TARGET static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
+                               const float *bias, void *out, int64_t ldo, int out_bf16,
+                               int64_t m0, int64_t mr, int64_t n0, int64_t nr) {
+    __m512 acc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    const uint16_t *wr[NR];
+    for (int j = 0; j < NR; j++) wr[j] = w + (n0 + (j < nr ? j : 0)) * K;
+    const uint16_t *xr[MR];
+    for (int i = 0; i < mr; i++) xr[i] = x + (m0 + i) * ldx;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[NR];
+        for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
+        for (int i = 0; i < mr; i++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[i] + k);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    if (k < K) {
+        __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh wv[NR];
+        for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[j] + k);
+        for (int i = 0; i < mr; i++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xr[i] + k);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        for (int j = 0; j < nr; j++) {
+            float v = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);
+            int64_t at = (m0 + i) * ldo + n0 + j;
+            if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
+            else ((float *)out)[at] = v;
+        }
+    }
+}
+
+TARGET void rtp_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias,
+                            void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K) {
+    int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            switch (M - m0 < MR ? M - m0 : MR) {
+            case 1: linear_tile(x, ldx, w, K, bias, out, ldo, out_bf16, m0, 1, n0, nr); break;
+            case 2: linear_tile(x, ldx, w, K, bias, out, ldo, out_bf16, m0, 2, n0, nr); break;
+            case 3: linear_tile(x, ldx, w, K, bias, out, ldo, out_bf16, m0, 3, n0, nr); break;
+            default: linear_tile(x, ldx, w, K, bias, out, ldo, out_bf16, m0, 4, n0, nr); break;
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Linear over GGUF block-quantized weights, repacked at load into plain arrays:
+ *   Q4_1: qs uint8 [N, K/2] (block of 32: byte j holds weight j low, weight j+16 high),
+ *         d, m fp32 [N, K/32]; weight = d * q + m, q in 0..15.
+ *   Q8_0: qs int8 [N, K], d fp32 [N, K/32]; weight = d * q.
+ * The checkpoint's exact weights, at 0.625 (Q4_1) or 1.06 (Q8_0) bytes each instead of
+ * bf16's 2: a small-batch step reads a third of the bytes. Q4_1 takes bf16 activations
+ * (q is exact in bf16: one dot instruction per block, the scale applied in fp32);
+ * Q8_0 takes fp32 activations (the final hidden state feeding the LM head).
+ * K is a multiple of 32. out is fp32 or bf16 [M, N] (row stride ldo).
+ * ------------------------------------------------------------------------------------------- */
+#define QK 32
+
+/* 16 bytes of nibbles -> the block's 32 weights (0..15) as bf16. vpermw reads only the low five
+ * bits of each index and the table repeats 0..15 twice, so the low-nibble lanes need no mask. */
+TARGET static inline __m512bh q4_block_bf16(const uint8_t *qs, __m512i table) {
+    __m512i idx = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs)));
+    idx = _mm512_mask_srli_epi16(idx, (__mmask32)0xffff0000u, idx, 4);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, table);
+}
+
+TARGET static inline __attribute__((always_inline)) void q4_1_tile(
+        const uint16_t *x, int64_t ldx, const float *xsum, const uint8_t *qs, const float *d,
+        const float *mn, int64_t K, const float *bias, void *out, int64_t ldo, int out_bf16,
+        int64_t m0, int mr, int64_t n0, int64_t nr, __m512i table) {
+    int64_t nb = K / QK;
+    __m512 acc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t rows[NR];
+    for (int j = 0; j < NR; j++) rows[j] = n0 + (j < nr ? j : 0);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512bh xv[MR];
+        for (int i = 0; i < mr; i++) xv[i] = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * ldx + b * QK);
+        for (int j = 0; j < NR; j++) {
+            __m512bh wv = q4_block_bf16(qs + rows[j] * (K / 2) + b * (QK / 2), table);
+            __m512 scale = _mm512_set1_ps(d[rows[j] * nb + b]);
+            for (int i = 0; i < mr; i++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv[i], wv), scale, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        const float *xs = xsum + (m0 + i) * nb;
+        for (int j = 0; j < nr; j++) {
+            const float *mr_ = mn + (n0 + j) * nb;
+            float offset = 0.0f; /* sum over blocks of m * sum(x in block) */
+            for (int64_t b = 0; b < nb; b++) offset += mr_[b] * xs[b];
+            float v = _mm512_reduce_add_ps(acc[i][j]) + offset + (bias ? bias[n0 + j] : 0.0f);
+            int64_t at = (m0 + i) * ldo + n0 + j;
+            if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
+            else ((float *)out)[at] = v;
+        }
+    }
+}
+
+/* xsum: caller-provided scratch of M * K/32 floats (per-block sums of each activation row). */
+TARGET void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
+                            const float *mn, const float *bias, float *xsum, void *out, int64_t ldo,
+                            int out_bf16, int64_t M, int64_t N, int64_t K) {
+    int64_t nb = K / QK;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            __m512 lo = bf16x16_to_f32(x + i * ldx + b * QK), hi = bf16x16_to_f32(x + i * ldx + b * QK + 16);
+            xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        }
+    uint16_t tv[32];
+    for (int i = 0; i < 32; i++) tv[i] = f32_to_bf16((float)(i & 15));
+    __m512i table = _mm512_loadu_si512(tv);
+    int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            switch (M - m0 < MR ? M - m0 : MR) {
+            case 1: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, table); break;
+            case 2: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, table); break;
+            case 3: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, table); break;
+            default: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, table); break;
+            }
+        }
+    }
+}
+
+TARGET static inline __attribute__((always_inline)) void q8_0_tile(
+        const float *x, int64_t ldx, const int8_t *qs, const float *d, int64_t K, const float *bias,
+        void *out, int64_t ldo, int out_bf16, int64_t m0, int mr, int64_t n0, int64_t nr) {
+    int64_t nb = K / QK;
+    __m512 acc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t rows[NR];
+    for (int j = 0; j < NR; j++) rows[j] = n0 + (j < nr ? j : 0);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int j = 0; j < NR; j++) {
+            const int8_t *q = qs + rows[j] * K + b * QK;
+            __m512 scale = _mm512_set1_ps(d[rows[j] * nb + b]);
+            __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), scale);
+            __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), scale);
+            for (int i = 0; i < mr; i++) {
+                const float *xr = x + (m0 + i) * ldx + b * QK;
+                acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            float v = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);
+            int64_t at = (m0 + i) * ldo + n0 + j;
+            if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
+            else ((float *)out)[at] = v;
+        }
+}
+
+TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
+                            const float *bias, void *out, int64_t ldo, int out_bf16,
+                            int64_t M, int64_t N, int64_t K) {
+    int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            switch (M - m0 < MR ? M - m0 : MR) {
+            case 1: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, m0, 1, n0, nr); break;
+            case 2: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, m0, 2, n0, nr); break;
+            case 3: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, m0, 3, n0, nr); break;
+            default: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, m0, 4, n0, nr); break;
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Decode attention over the paged KV cache: one query token per row.
+ * q bf16 [B, H, D] contiguous; k_cache / v_cache bf16 with token stride `tok_stride`
+ * (elements between consecutive slots; slot = block * block_size + offset) and head
+ * stride D; block_tables int32 [B, ldt]; seq_lens int32 [B]; out bf16 [B, H, D].
+ * Each (row, kv head) task keeps its G = H / Hkv query heads' running max, sum and
+ * output in fp32 (online softmax), one block of keys at a time. A row of length 0
+ * (bucket padding) writes zeros. window > 0 limits each row to its last `window` keys.
+ * ------------------------------------------------------------------------------------------- */
+
+/* exp(x) for x <= 0 (softmax arguments), max rel. error about 2e-7. */
+TARGET static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define KEYS 16 /* keys scored per softmax update */
+
+TARGET void rtp_paged_decode_attention_bf16(
+        const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
+        const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
+        int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window) {
+    int64_t G = H / Hkv;
+    int64_t dv = D / 16; /* D is a multiple of 16, at most MAX_DIM */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * Hkv; task++) {
+        int64_t b = task / Hkv, h = task % Hkv;
+        int64_t len = seq_lens[b];
+        uint16_t *o = out + (b * H + h * G) * D;
+        if (len <= 0) {
+            memset(o, 0, (size_t)(G * D) * sizeof(uint16_t));
+            continue;
+        }
+        int64_t first = window > 0 && len > window ? len - window : 0;
+        __m512 qv[MAX_GROUP][MAX_DIM / 16];
+        float m[MAX_GROUP], l[MAX_GROUP];
+        __m512 acc[MAX_GROUP][MAX_DIM / 16];
+        for (int64_t g = 0; g < G; g++) {
+            const uint16_t *qr = q + (b * H + h * G + g) * D;
+            for (int64_t c = 0; c < dv; c++) {
+                qv[g][c] = _mm512_mul_ps(bf16x16_to_f32(qr + 16 * c), _mm512_set1_ps(scale));
+                acc[g][c] = _mm512_setzero_ps();
+            }
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
+        }
+        const int32_t *table = block_tables + b * ldt;
+        for (int64_t t0 = first; t0 < len; t0 += KEYS) {
+            int64_t nt = len - t0 < KEYS ? len - t0 : KEYS;
+            const uint16_t *kp[KEYS], *vp[KEYS];
+            for (int64_t i = 0; i < nt; i++) {
+                int64_t t = t0 + i;
+                int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+                kp[i] = k_cache + slot * tok_stride + h * D;
+                vp[i] = v_cache + slot * tok_stride + h * D;
+            }
+            /* scores: each key converted once, dotted with all G query heads */
+            float s[MAX_GROUP][KEYS];
+            for (int64_t i = 0; i < nt; i++) {
+                __m512 kv[MAX_DIM / 16];
+                for (int64_t c = 0; c < dv; c++) kv[c] = bf16x16_to_f32(kp[i] + 16 * c);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 d = _mm512_mul_ps(qv[g][0], kv[0]);
+                    for (int64_t c = 1; c < dv; c++) d = _mm512_fmadd_ps(qv[g][c], kv[c], d);
+                    s[g][i] = _mm512_reduce_add_ps(d);
+                }
+            }
+            __mmask16 valid = (__mmask16)((1u << nt) - 1);
+            float pw[MAX_GROUP][KEYS];
+            for (int64_t g = 0; g < G; g++) {
+                __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s[g]);
+                float mnew = fmaxf(m[g], _mm512_reduce_max_ps(sv));
+                float corr = expf(m[g] - mnew); /* exp(-inf) = 0 on the first block */
+                __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+                l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
+                m[g] = mnew;
+                _mm512_storeu_ps(pw[g], p);
+                __m512 cv = _mm512_set1_ps(corr);
+                for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
+            }
+            /* values: each converted once, accumulated into all G outputs */
+            for (int64_t i = 0; i < nt; i++) {
+                __m512 vv[MAX_DIM / 16];
+                for (int64_t c = 0; c < dv; c++) vv[c] = bf16x16_to_f32(vp[i] + 16 * c);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 pi = _mm512_set1_ps(pw[g][i]);
+                    for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(pi, vv[c], acc[g][c]);
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+            for (int64_t c = 0; c < dv; c++) {
+                __m512 r = _mm512_mul_ps(acc[g][c], inv);
+                __m256bh h16 = _mm512_cvtneps_pbh(r);
+                _mm256_storeu_si256((__m256i *)(o + g * D + 16 * c), (__m256i)h16);
+            }
+        }
+    }
+}

@@ -1,0 +1,106 @@
+"""rtp's CPU decode kernels against plain PyTorch on the same operands."""
+
+import numpy as np
+import pytest
+import torch
+
+from rtp.models import cpu_kernels
+from rtp.models.attention import decode_attention
+from rtp.models.quant import BlockQuantized
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> BlockQuantized:
+    g = torch.Generator().manual_seed(seed)
+    d = torch.rand(n, k // 32, generator=g) * 0.02 + 0.001
+    if kind == "q4_1":
+        qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        return BlockQuantized(kind, qs, d, torch.randn(n, k // 32, generator=g) * 0.05)
+    qs = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    return BlockQuantized(kind, qs, d, None)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_linear_matches_dequantized_weights(kind, rows, bias):
+    n, k = 37, 160  # a partial tile of rows; five blocks per row
+    w = random_blocks(kind, n, k)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(rows, k)
+    x_in = x.bfloat16() if kind == "q4_1" else x
+    ref = x_in.float() @ w.dequantize().T + (b if bias else 0)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = w.linear(x_in, b, out_dtype)
+        assert out.dtype == out_dtype and out.shape == (rows, n)
+        tol = 1e-4 * ref.abs().max().item() if out_dtype == torch.float32 else 1e-2 * ref.abs().max().item()
+        assert (out.float() - ref).abs().max().item() <= tol
+
+
+def test_q4_1_nibble_order_is_ggufs(default_gguf):
+    """Packed blocks read from the real default model dequantize to what gguf's own
+    dequantizer gives, with the q/k rows unpermuted like the fp32 tensors."""
+    from rtp.engine.gguf import GGUFCheckpoint
+
+    ckpt = GGUFCheckpoint(default_gguf)
+    wanted = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+              "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"}
+    packed = {name: p for name, p in ckpt.quantized() if name in wanted}
+    dense = {name: t for name, t in ckpt.tensors() if name in wanted}
+    assert set(packed) == wanted
+    assert packed["model.embed_tokens.weight"].kind == "q8_0"
+    for name in wanted:
+        assert torch.equal(packed[name].dequantize(), dense[name]), name
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 1, 32)])
+@pytest.mark.parametrize("window", [0, 20])
+def test_paged_decode_attention_matches_torch(heads, kv_heads, dim, window):
+    g = torch.Generator().manual_seed(1)
+    blocks, block_size, batch, width = 40, 16, 6, 7
+    kv = torch.randn(2, blocks, block_size, kv_heads, dim, generator=g).bfloat16()
+    tables = torch.randint(1, blocks, (batch, width), dtype=torch.int32, generator=g)
+    lens = torch.tensor([1, 16, 17, 100, width * block_size, 0], dtype=torch.int32)  # 0: a padding row
+    q = torch.randn(batch, heads, dim, generator=g).bfloat16()
+    ref = decode_attention(q.float(), kv[0].float(), kv[1].float(), tables, lens, dim**-0.5, window or None)
+    out = cpu_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, dim**-0.5, window)
+    assert out.dtype == torch.bfloat16
+    live = lens > 0
+    # bf16 output rounding: half an ulp of values below 1 in magnitude
+    assert (out.float() - ref)[live].abs().max().item() < 8e-3
+    assert torch.all(out[~live] == 0)
+
+
+def test_paged_decode_attention_reads_a_table_view():
+    """The runner passes a column slice of a wider table (row stride > width)."""
+    g = torch.Generator().manual_seed(2)
+    kv = torch.randn(2, 20, 16, 2, 64, generator=g).bfloat16()
+    wide = torch.randint(1, 20, (3, 10), dtype=torch.int32, generator=g)
+    lens = torch.tensor([40, 48, 5], dtype=torch.int32)
+    q = torch.randn(3, 4, 64, generator=g).bfloat16()
+    a = cpu_kernels.paged_decode_attention(q, kv[0], kv[1], wide[:, :3], lens, 0.125, 0)
+    b = cpu_kernels.paged_decode_attention(q, kv[0], kv[1], wide[:, :3].contiguous(), lens, 0.125, 0)
+    assert torch.equal(a, b)
+
+
+def test_quantized_linear_compiles():
+    w = random_blocks("q4_1", 64, 96)
+    x = torch.randn(2, 96).bfloat16()
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.relu(w.linear(x, None, torch.float32)) + 1
+
+    assert torch.allclose(f(x), torch.relu(w.linear(x, None, torch.float32)) + 1)
+
+
+def test_from_gguf_layout():
+    """One Q4_1 block built by hand: d, m as fp16, byte j = weight j (low) | weight j + 16 (high)."""
+    q = np.arange(32) % 16
+    raw = np.zeros(20, dtype=np.uint8)
+    raw[0:2] = np.frombuffer(np.float16(0.5).tobytes(), dtype=np.uint8)
+    raw[2:4] = np.frombuffer(np.float16(-1.0).tobytes(), dtype=np.uint8)
+    raw[4:] = (q[:16] | (q[16:] << 4)).astype(np.uint8)
+    w = BlockQuantized.from_gguf("q4_1", raw, rows=1)
+    assert torch.equal(w.dequantize()[0], torch.tensor(q * 0.5 - 1.0, dtype=torch.float32))
