@@ -27,7 +27,7 @@ cpu_kernels = Extension(
     "rtp._cpu_kernels",
     sources=["rtp/_cpu_kernels.pyx", "rtp/csrc/cpu_kernels.c"],
     include_dirs=["rtp/csrc"],
-    extra_compile_args=["-O3", "-fopenmp"],
+    extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
     extra_link_args=["-fopenmp"],
 )
 extensions = [runtime] + ([cpu_kernels] if platform.machine() in ("x86_64", "AMD64") else [])

@@ -17,6 +17,13 @@ cdef extern from "cpu_kernels.h":
     void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
                          const float *bias, void *out, int64_t ldo, int out_bf16,
                          int64_t M, int64_t N, int64_t K) nogil
+    void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, int delta_bf16, int64_t ldd,
+                          const void *weight, int weight_bf16, float eps, void *out, int out_bf16, int64_t ldo,
+                          int64_t T, int64_t H) nogil
+    void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions,
+                           const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
+                           uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
+                           int64_t T, int64_t H, int64_t Hkv, int64_t D) nogil
     void rtp_paged_decode_attention_bf16(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
         const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
@@ -65,3 +72,22 @@ def paged_decode_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, 
                                         <const uint16_t *>v_cache, tok_stride,
                                         <const int32_t *>block_tables, ldt, <const int32_t *>seq_lens,
                                         <uint16_t *>out, b, h, hkv, d, block_size, scale, window)
+
+
+def add_rms_norm(intptr_t residual, int64_t ldr, intptr_t delta, bint delta_bf16, int64_t ldd,
+                 intptr_t weight, bint weight_bf16, float eps, intptr_t out, bint out_bf16, int64_t ldo, int64_t t,
+                 int64_t h) -> None:
+    """residual += delta (0: none); out = rmsnorm(residual) * weight."""
+    with nogil:
+        rtp_add_rms_norm(<float *>residual, ldr, <const void *>delta, delta_bf16, ldd,
+                         <const void *>weight, weight_bf16, eps, <void *>out, out_bf16, ldo, t, h)
+
+
+def rope_store_kv(intptr_t qkv, int64_t ldq, intptr_t positions, intptr_t cos_sin, int64_t rot,
+                  intptr_t q_out, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride,
+                  intptr_t slots, int64_t t, int64_t h, int64_t hkv, int64_t d) -> None:
+    """Rotate q, k of a fused qkv output; q to q_out, k and v into the cache at slots."""
+    with nogil:
+        rtp_rope_store_kv(<const uint16_t *>qkv, ldq, <const int32_t *>positions,
+                          <const float *>cos_sin, rot, <uint16_t *>q_out, <uint16_t *>k_cache,
+                          <uint16_t *>v_cache, tok_stride, <const int64_t *>slots, t, h, hkv, d)

@@ -104,3 +104,54 @@ def test_from_gguf_layout():
     raw[4:] = (q[:16] | (q[16:] << 4)).astype(np.uint8)
     w = BlockQuantized.from_gguf("q4_1", raw, rows=1)
     assert torch.equal(w.dequantize()[0], torch.tensor(q * 0.5 - 1.0, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_add_rms_norm_matches_torch(delta_dtype, out_dtype, weight_dtype, tokens):
+    from rtp.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = (torch.randn(96, generator=g) + 1).to(weight_dtype)
+    residual = torch.randn(tokens, 96, generator=g) * 4
+    delta = None if delta_dtype is None else torch.randn(tokens, 96, generator=g).to(delta_dtype)
+    want_res = residual + (0 if delta is None else delta.float())
+    want = norm(want_res).to(out_dtype)
+    got_res, got = norm.add_norm(residual.clone(), delta, out_dtype)
+    assert torch.equal(got_res, want_res)
+    assert got.dtype == out_dtype
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # an ulp of fp32 difference may round to the neighbouring bf16 value
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128)])
+def test_rope_and_store_matches_torch(heads, kv_heads, dim):
+    """The fused kernel (rotate q, k; write k, v at their slots) equals rotary + index_copy."""
+    from rtp.models.attention import AttentionMetadata, PagedAttention, forward_context
+    from rtp.models.rotary import get_rope
+
+    g = torch.Generator().manual_seed(4)
+    tokens, blocks, block_size = 5, 8, 4
+    rope = get_rope(dim, None, 256, 10000.0, None)
+    attn = PagedAttention(heads, kv_heads, dim, dim**-0.5)
+    attn.kv_cache = torch.zeros(2, blocks, block_size, kv_heads, dim, dtype=torch.bfloat16)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    positions = torch.tensor([0, 7, 100, 255, 31], dtype=torch.int32)
+    slots = torch.tensor([4, 9, 31, 5, 12], dtype=torch.int64)
+    assert attn.can_rope_and_store(qkv, positions, rope)
+    with forward_context(AttentionMetadata(slot_mapping=slots, block_size=block_size)):
+        q = attn.rope_and_store(qkv, positions, rope)
+    q_ref, k_ref, v_ref = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q_ref, k_ref = rope(positions, q_ref.view(tokens, heads, dim), k_ref.view(tokens, kv_heads, dim))
+    assert torch.equal(q, q_ref)
+    flat = attn.kv_cache.view(2, -1, kv_heads, dim)
+    assert torch.equal(flat[0, slots], k_ref)
+    assert torch.equal(flat[1, slots], v_ref.view(tokens, kv_heads, dim))
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.all(flat[:, untouched] == 0)

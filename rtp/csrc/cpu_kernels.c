@@ -350,3 +350,77 @@ TARGET void rtp_paged_decode_attention_bf16(
         }
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Residual add + RMSNorm, one pass over each row (the two ops every layer runs twice):
+ *   residual[t] += delta[t]              (delta NULL: skip; fp32 or bf16)
+ *   out[t] = residual[t] * rsqrt(mean(residual[t]^2) + eps) * weight      (fp32 or bf16 out)
+ * residual fp32 [T, H] row stride ldr; weight fp32 or bf16 [H]; H a multiple of 16.
+ * ------------------------------------------------------------------------------------------- */
+TARGET void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, int delta_bf16, int64_t ldd,
+                             const void *weight, int weight_bf16, float eps, void *out, int out_bf16,
+                             int64_t ldo, int64_t T, int64_t H) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        float *r = residual + t * ldr;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t c = 0; c < H; c += 16) {
+            __m512 v = _mm512_loadu_ps(r + c);
+            if (delta) {
+                __m512 dv = delta_bf16 ? bf16x16_to_f32((const uint16_t *)delta + t * ldd + c)
+                                       : _mm512_loadu_ps((const float *)delta + t * ldd + c);
+                v = _mm512_add_ps(v, dv);
+                _mm512_storeu_ps(r + c, v);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps);
+        __m512 iv = _mm512_set1_ps(inv);
+        for (int64_t c = 0; c < H; c += 16) {
+            __m512 w = weight_bf16 ? bf16x16_to_f32((const uint16_t *)weight + c) : _mm512_loadu_ps((const float *)weight + c);
+            __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(r + c), iv), w);
+            if (out_bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + t * ldo + c), (__m256i)_mm512_cvtneps_pbh(y));
+            else
+                _mm512_storeu_ps((float *)out + t * ldo + c, y);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * After the qkv projection: rotate q and k (RoPE, rotate-half convention, the first `rot`
+ * dims of each head, in fp32), write q out and k, v into the paged cache at slot_mapping.
+ *   qkv bf16 [T, (H + 2 Hkv) * D] row stride ldq; positions int32 [T];
+ *   cos_sin fp32 [max_position, rot] (cos in the first half of a row, sin in the second);
+ *   q_out bf16 [T, H, D]; k_cache / v_cache bf16, token stride tok_stride, head stride D.
+ * rot / 2 is a multiple of 16.
+ * ------------------------------------------------------------------------------------------- */
+TARGET static inline void rope_head(const uint16_t *x, const float *cs, int64_t rot, int64_t D,
+                                    uint16_t *dst) {
+    int64_t half = rot / 2;
+    for (int64_t i = 0; i < half; i += 16) {
+        __m512 x1 = bf16x16_to_f32(x + i), x2 = bf16x16_to_f32(x + half + i);
+        __m512 c = _mm512_loadu_ps(cs + i), s = _mm512_loadu_ps(cs + half + i);
+        /* separate products, as torch computes x1 * cos - x2 * sin (no fused multiply-add) */
+        __m512 a = _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s));
+        __m512 b = _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s));
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(a));
+        _mm256_storeu_si256((__m256i *)(dst + half + i), (__m256i)_mm512_cvtneps_pbh(b));
+    }
+    if (rot < D) memcpy(dst + rot, x + rot, (size_t)(D - rot) * sizeof(uint16_t));
+}
+
+TARGET void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions,
+                              const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
+                              uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
+                              int64_t T, int64_t H, int64_t Hkv, int64_t D) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *row = qkv + t * ldq;
+        const float *cs = cos_sin + (int64_t)positions[t] * rot;
+        for (int64_t h = 0; h < H; h++) rope_head(row + h * D, cs, rot, D, q_out + (t * H + h) * D);
+        uint16_t *kd = k_cache + slots[t] * tok_stride, *vd = v_cache + slots[t] * tok_stride;
+        for (int64_t h = 0; h < Hkv; h++) rope_head(row + (H + h) * D, cs, rot, D, kd + h * D);
+        memcpy(vd, row + (H + Hkv) * D, (size_t)(Hkv * D) * sizeof(uint16_t));
+    }
+}

@@ -123,14 +123,28 @@ class PagedAttention(nn.Module):
         # bound by the runner once the cache is allocated: [2, blocks, block_size, Hkv, D]
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+    def can_rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, rotary) -> bool:
+        """Whether rope_and_store takes this fused qkv output (rtp's CPU kernel)."""
+        return (rotary.rotary_dim == self.head_dim and qkv.shape[-1] == (self.num_heads + 2 * self.num_kv_heads)
+                * self.head_dim and cpu_kernels.rope_supported(qkv, self.kv_cache, rotary.cos_sin_cache,
+                                                                positions, self.head_dim))
+
+    def rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+        """Rotate q and k of qkv [T, (H + 2 Hkv) D] in one pass, write k and v into the cache;
+        returns q [T, H, D]. Attend with forward(q, None, None)."""
+        meta = get_forward_context()
+        return cpu_kernels.rope_store_kv(qkv, positions, rotary.cos_sin_cache, self.kv_cache,
+                                         meta.slot_mapping, self.num_heads, self.num_kv_heads)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (None: rope_and_store already wrote them) -> [T, H * D]."""
         meta = get_forward_context()
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        if k is not None:
+            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+            flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
         q = q.to(k_cache.dtype)
         nd = meta.num_decode
         parts = []

@@ -1,10 +1,12 @@
 """Torch-facing wrappers of rtp's CPU decode kernels (rtp/csrc/cpu_kernels.c).
 
-Each kernel is a torch custom op, so a `torch.compile`d decode graph calls it
-as one opaque node, and eager code calls the same function. The wrappers check
-dtypes and contiguity; the C side trusts them. `available()` is False off
-x86, on CPUs without AVX-512 BF16, or with RTP_CPU_KERNELS=0 (to measure the
-plain PyTorch path), and then nothing here is called.
+Each kernel is registered as a torch custom op, so a `torch.compile`d decode
+graph calls it as one opaque node; eager code calls the implementation
+directly (the custom-op dispatcher costs more than a small kernel). The
+wrappers allocate outputs and pass addresses; callers check operands with the
+`*_supported` predicates, and the C side trusts them. `available()` is False
+off x86, on CPUs without AVX-512 BF16, or with RTP_CPU_KERNELS=0 (to measure
+the plain PyTorch path); then nothing here is called.
 """
 
 from __future__ import annotations
@@ -30,23 +32,38 @@ def _probe() -> bool:
 
 # Decided once at import: a constant is what torch.compile can trace through.
 _AVAILABLE = _probe()
+if _AVAILABLE:
+    from rtp import _cpu_kernels as _k
 
 
 def available() -> bool:
     return _AVAILABLE
 
 
-def _k():
-    from rtp import _cpu_kernels
-
-    return _cpu_kernels
-
-
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-@torch.library.custom_op("rtp::linear_q4_1", mutates_args=())
+def _op(name: str, mutates: tuple[str, ...], fake):
+    """Register fn as custom op rtp::name; the returned function picks op or fn."""
+    def register(fn):
+        op = torch.library.custom_op(f"rtp::{name}", fn, mutates_args=mutates)
+        op.register_fake(fake)
+
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+        call.__doc__ = fn.__doc__
+        call.op = op
+        return call
+
+    return register
+
+
+# -- linear over GGUF blocks ----------------------------------------------------------------------
+
+@_op("linear_q4_1", (), lambda x, qs, d, m, bias, out_dtype: x.new_empty(x.shape[0], qs.shape[0],
+                                                                        dtype=out_dtype))
 def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] bf16 @ Q4_1 weight [N, K].T (+ bias fp32) -> [M, N] in out_dtype."""
@@ -55,17 +72,13 @@ def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
     n = qs.shape[0]
     out = torch.empty(rows, n, dtype=out_dtype)
     xsum = torch.empty(rows, k // 32, dtype=torch.float32)
-    _k().linear_q4_1(x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), _ptr(bias),
-                     xsum.data_ptr(), out.data_ptr(), n, out_dtype == torch.bfloat16, rows, n, k)
+    _k.linear_q4_1(x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), _ptr(bias),
+                   xsum.data_ptr(), out.data_ptr(), n, out_dtype == torch.bfloat16, rows, n, k)
     return out
 
 
-@linear_q4_1.register_fake
-def _(x, qs, d, m, bias, out_dtype):
-    return x.new_empty(x.shape[0], qs.shape[0], dtype=out_dtype)
-
-
-@torch.library.custom_op("rtp::linear_q8_0", mutates_args=())
+@_op("linear_q8_0", (), lambda x, qs, d, bias, out_dtype: x.new_empty(x.shape[0], qs.shape[0],
+                                                                     dtype=out_dtype))
 def linear_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] fp32 @ Q8_0 weight [N, K].T (+ bias fp32) -> [M, N] in out_dtype."""
@@ -73,17 +86,77 @@ def linear_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.
     rows, k = x.shape
     n = qs.shape[0]
     out = torch.empty(rows, n, dtype=out_dtype)
-    _k().linear_q8_0(x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), _ptr(bias), out.data_ptr(), n,
-                     out_dtype == torch.bfloat16, rows, n, k)
+    _k.linear_q8_0(x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), _ptr(bias), out.data_ptr(), n,
+                   out_dtype == torch.bfloat16, rows, n, k)
     return out
 
 
-@linear_q8_0.register_fake
-def _(x, qs, d, bias, out_dtype):
-    return x.new_empty(x.shape[0], qs.shape[0], dtype=out_dtype)
+# -- residual add + RMSNorm -----------------------------------------------------------------------
+
+def norm_supported(residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_AVAILABLE and residual.device.type == "cpu" and residual.dtype == torch.float32
+            and weight.dtype in (torch.float32, torch.bfloat16) and residual.dim() == 2 and residual.stride(1) == 1
+            and residual.shape[1] % 16 == 0)
 
 
-@torch.library.custom_op("rtp::paged_decode_attention", mutates_args=())
+@_op("add_rms_norm", ("residual",),
+     lambda residual, delta, weight, eps, out_dtype: torch.empty_like(residual, dtype=out_dtype))
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """residual (fp32, updated in place) += delta; returns rmsnorm(residual) * weight in out_dtype."""
+    t, h = residual.shape
+    out = torch.empty(t, h, dtype=out_dtype)
+    if delta is not None:
+        delta = delta.contiguous()
+    _k.add_rms_norm(residual.data_ptr(), residual.stride(0), _ptr(delta),
+                    delta is not None and delta.dtype == torch.bfloat16, h, weight.data_ptr(),
+                    weight.dtype == torch.bfloat16, eps,
+                    out.data_ptr(), out_dtype == torch.bfloat16, h, t, h)
+    return out
+
+
+# -- RoPE + KV cache write ------------------------------------------------------------------------
+
+def rope_supported(qkv: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
+                   positions: torch.Tensor, head_dim: int) -> bool:
+    rot = cos_sin.shape[1]
+    return (_AVAILABLE and qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16
+            and kv_cache.dtype == torch.bfloat16 and cos_sin.dtype == torch.float32
+            and positions.dtype == torch.int32 and qkv.stride(1) == 1 and (rot // 2) % 16 == 0
+            and rot <= head_dim and kv_cache.is_contiguous())
+
+
+@_op("rope_store_kv", ("kv_cache",),
+     lambda qkv, positions, cos_sin, kv_cache, slot_mapping, heads, kv_heads:
+     qkv.new_empty(qkv.shape[0], heads, kv_cache.shape[-1]))
+def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """Rotate the q and k parts of qkv [T, (H + 2 Hkv) D] bf16; returns q [T, H, D]; writes k and v
+    into kv_cache [2, blocks, block_size, Hkv, D] at slot_mapping (int64)."""
+    t = qkv.shape[0]
+    d = kv_cache.shape[-1]
+    q = torch.empty(t, heads, d, dtype=qkv.dtype)
+    slots = slot_mapping.contiguous()
+    pos = positions.contiguous()
+    _k.rope_store_kv(qkv.data_ptr(), qkv.stride(0), pos.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[1],
+                     q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_heads * d,
+                     slots.data_ptr(), t, heads, kv_heads, d)
+    return q
+
+
+# -- decode attention over the paged cache ---------------------------------------------------------
+
+def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention takes these operands."""
+    d = q.shape[-1]
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    return (_AVAILABLE and q.device.type == "cpu" and k_cache.dtype == torch.bfloat16
+            and d % 16 == 0 and d <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
+            and k_cache.stride(-1) == 1 and k_cache.stride(-2) == d)
+
+
+@_op("paged_decode_attention", (),
+     lambda q, k_cache, v_cache, block_tables, seq_lens, scale, window: torch.empty_like(q))
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            window: int) -> torch.Tensor:
@@ -95,22 +168,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     lens = seq_lens.contiguous()
     out = torch.empty_like(q)
-    _k().paged_decode_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                     k_cache.stride(1), tables.data_ptr(), tables.stride(0),
-                                     lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size,
-                                     scale, window)
+    _k.paged_decode_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   k_cache.stride(1), tables.data_ptr(), tables.stride(0),
+                                   lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size,
+                                   scale, window)
     return out
-
-
-@paged_decode_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
-    return torch.empty_like(q)
-
-
-def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode_attention takes these operands."""
-    d = q.shape[-1]
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
-    return (available() and q.device.type == "cpu" and k_cache.dtype == torch.bfloat16
-            and d % 16 == 0 and d <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
-            and k_cache.stride(-1) == 1 and k_cache.stride(-2) == d)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtp.distributed import tp_rank, tp_size
+from rtp.models import cpu_kernels
 from rtp.models.cpu_kernels import QUANT_MAX_ROWS
 from rtp.models.quant import BlockQuantized
 
@@ -47,6 +48,16 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.weight.float()).to(x.dtype)
+
+    def add_norm(self, residual: torch.Tensor, delta: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, norm(residual + delta) in out_dtype) for an fp32 residual stream;
+        one fused pass on CPUs with rtp's kernels (the residual is then updated in place)."""
+        if cpu_kernels.norm_supported(residual, self.weight):
+            return residual, cpu_kernels.add_rms_norm(residual, delta, self.weight, self.eps, out_dtype)
+        if delta is not None:
+            residual = residual + delta.float()
+        return residual, self(residual).to(out_dtype)
 
 
 class LinearBase(nn.Module):

@@ -47,7 +47,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None and self.attn.can_rope_and_store(qkv, positions, self.rotary_emb):
+            q = self.attn.rope_and_store(qkv, positions, self.rotary_emb)
+            return self.o_proj(self.attn(q, None, None))
+        q, k, v = qkv.split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
              self.num_kv_heads * self.head_dim], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -79,13 +83,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual: [T, hidden] fp32, returned updated (fp32)."""
+    def forward(self, positions: torch.Tensor, residual: torch.Tensor,
+                delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual [T, hidden] fp32 and the previous layer's output `delta` (not yet added:
+        the add fuses into this layer's first norm) -> (residual, this layer's output)."""
         dtype = self.mlp.down_proj.weight.dtype
-        h = self.self_attn(positions, self.input_layernorm(residual).to(dtype))
-        residual = residual + h.float()
-        h = self.mlp(self.post_attention_layernorm(residual).to(dtype))
-        return residual + h.float()
+        residual, x = self.input_layernorm.add_norm(residual, delta, dtype)
+        h = self.self_attn(positions, x)
+        residual, x = self.post_attention_layernorm.add_norm(residual, h, dtype)
+        return residual, self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -96,10 +102,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids).float()
+        # .float() copies bf16 embeddings; fp32 ones are cloned, as the residual is updated in place
+        embeds = self.embed_tokens(input_ids)
+        residual = embeds.float() if embeds.dtype != torch.float32 else embeds.clone()
+        delta = None
         for layer in self.layers:
-            residual = layer(positions, residual)
-        return self.norm(residual)  # fp32
+            residual, delta = layer(positions, residual, delta)
+        return self.norm.add_norm(residual, delta, torch.float32)[1]
 
 
 class LlamaForCausalLM(nn.Module):
