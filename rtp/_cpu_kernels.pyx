@@ -9,8 +9,6 @@ from libc.stdint cimport int8_t, int32_t, int64_t, intptr_t, uint8_t, uint16_t
 
 cdef extern from "cpu_kernels.h":
     int rtp_cpu_kernels_supported() nogil
-    void rtp_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias,
-                         void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K) nogil
     void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
                          const float *mn, const float *bias, float *xsum, void *out, int64_t ldo,
                          int out_bf16, int64_t M, int64_t N, int64_t K) nogil
@@ -34,14 +32,6 @@ cdef extern from "cpu_kernels.h":
 def supported() -> bool:
     """True when this CPU has AVX-512 BF16 (the kernels are compiled for nothing less)."""
     return bool(rtp_cpu_kernels_supported())
-
-
-def linear_bf16(intptr_t x, int64_t ldx, intptr_t w, intptr_t bias, intptr_t out, int64_t ldo,
-                bint out_bf16, int64_t m, int64_t n, int64_t k) -> None:
-    """out[m, n] = x[m, k] @ w[n, k].T (+ bias[n], fp32); x and w bf16; out fp32 or bf16."""
-    with nogil:
-        rtp_linear_bf16(<const uint16_t *>x, ldx, <const uint16_t *>w, <const float *>bias,
-                        <void *>out, ldo, out_bf16, m, n, k)
 
 
 def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, intptr_t bias,

@@ -1,11 +1,12 @@
-/* CPU kernels for the decode step: where oneDNN and eager PyTorch lose to the memory bus.
+/* CPU kernels for the decode step: what eager PyTorch and oneDNN leave on the table here.
  *
- * A decode step at small batch is a stream of weights: every weight is read once
- * and used for a handful of rows. oneDNN's bf16 GEMV streams them at 10-20 GB/s
- * on this CPU class (2 cores, about 70 GB/s to memory); these kernels read each
- * weight tile once, multiply it with every activation row while it sits in L1,
- * and run at the bus's pace. The paged attention kernel reads each row's KV
- * blocks where they lie (no gather copy) with an online softmax in fp32.
+ * A decode step at a small batch is a stream of weights: every weight is read once
+ * and used for a handful of rows, so the bytes read set the pace (about 17 GB/s on
+ * this 2-core VM). The linear kernels multiply a GGUF checkpoint's Q4_1 / Q8_0
+ * blocks in place (0.6-1.1 bytes per weight instead of bf16's 2); the paged
+ * attention kernel reads each row's KV blocks where they lie (no gather copy) with
+ * an online softmax in fp32; two small fused kernels (residual add + RMSNorm, RoPE +
+ * KV-cache write) replace a dozen eager ops each.
  *
  * Plain C with AVX-512 BF16 intrinsics and OpenMP; no Python, no torch. The
  * functions are compiled for avx512bf16 and only called after
@@ -39,71 +40,10 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* ---------------------------------------------------------------------------------------------
- * Linear: out[m, n] = sum_k x[m, k] * w[n, k] + bias[n]
- * x bf16 [M, K] (row stride ldx), w bf16 [N, K] contiguous, bias fp32 [N] or NULL,
- * out [M, N] (row stride ldo) in fp32 (out_bf16 = 0) or bf16 (out_bf16 = 1).
- * Tiles of 4 weight rows; each tile meets every activation row, 4 rows at a time
- * (16 accumulators), while it is in L1. Products accumulate in fp32.
- * ------------------------------------------------------------------------------------------- */
+/* Tiles of the quantized linears: NR weight rows meet MR activation rows (16 accumulators)
+ * while the rows sit in L1, so each weight byte is read from memory once per call. */
 #define NR 4
 #define MR 4
-
-/* Always inlined and called with a constant mr, so each row count gets its own unrolled code. */
-TARGET static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
-                               const float *bias, void *out, int64_t ldo, int out_bf16,
-                               int64_t m0, int64_t mr, int64_t n0, int64_t nr) {
-    __m512 acc[MR][NR];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
-    const uint16_t *wr[NR];
-    for (int j = 0; j < NR; j++) wr[j] = w + (n0 + (j < nr ? j : 0)) * K;
-    const uint16_t *xr[MR];
-    for (int i = 0; i < mr; i++) xr[i] = x + (m0 + i) * ldx;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m512bh wv[NR];
-        for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
-        for (int i = 0; i < mr; i++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[i] + k);
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-        }
-    }
-    if (k < K) {
-        __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-        __m512bh wv[NR];
-        for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[j] + k);
-        for (int i = 0; i < mr; i++) {
-            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xr[i] + k);
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-        }
-    }
-    for (int i = 0; i < mr; i++) {
-        for (int j = 0; j < nr; j++) {
-            float v = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);
-            int64_t at = (m0 + i) * ldo + n0 + j;
-            if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
-            else ((float *)out)[at] = v;
-        }
-    }
-}
-
-TARGET void rtp_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias,
-                            void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K) {
-    int64_t tiles = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            switch (M - m0 < MR ? M - m0 : MR) {
-            case 1: linear_tile(x, ldx, w, K, bias, out, ldo, out_bf16, m0, 1, n0, nr); break;
-            case 2: linear_tile(x, ldx, w, K, bias, out, ldo, out_bf16, m0, 2, n0, nr); break;
-            case 3: linear_tile(x, ldx, w, K, bias, out, ldo, out_bf16, m0, 3, n0, nr); break;
-            default: linear_tile(x, ldx, w, K, bias, out, ldo, out_bf16, m0, 4, n0, nr); break;
-            }
-        }
-    }
-}
 
 /* ---------------------------------------------------------------------------------------------
  * Linear over GGUF block-quantized weights, repacked at load into plain arrays:

@@ -3,8 +3,6 @@
 #include <stdint.h>
 
 int rtp_cpu_kernels_supported(void);
-void rtp_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias,
-                     void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K);
 void rtp_paged_decode_attention_bf16(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
     const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
