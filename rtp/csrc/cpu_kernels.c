@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 
 int rtp_cpu_kernels_supported(void) {
     __builtin_cpu_init();
@@ -48,8 +48,8 @@ static inline uint16_t f32_to_bf16(float f) {
 /* ---------------------------------------------------------------------------------------------
  * Linear over GGUF block-quantized weights, repacked at load into plain arrays:
  *   Q4_1: qs uint8 [N, K/2] (block of 32: byte j holds weight j low, weight j+16 high),
- *         d, m fp32 [N, K/32]; weight = d * q + m, q in 0..15.
- *   Q8_0: qs int8 [N, K], d fp32 [N, K/32]; weight = d * q.
+ *         d, m fp16 [N, K/32]; weight = d * q + m, q in 0..15.
+ *   Q8_0: qs int8 [N, K], d fp16 [N, K/32]; weight = d * q.
  * The checkpoint's exact weights, at 0.625 (Q4_1) or 1.06 (Q8_0) bytes each instead of
  * bf16's 2: a small-batch step reads a third of the bytes. Q4_1 takes bf16 activations
  * (q is exact in bf16: one dot instruction per block, the scale applied in fp32);
@@ -67,8 +67,8 @@ TARGET static inline __m512bh q4_block_bf16(const uint8_t *qs, __m512i table) {
 }
 
 TARGET static inline __attribute__((always_inline)) void q4_1_tile(
-        const uint16_t *x, int64_t ldx, const float *xsum, const uint8_t *qs, const float *d,
-        const float *mn, int64_t K, const float *bias, void *out, int64_t ldo, int out_bf16,
+        const uint16_t *x, int64_t ldx, const float *xsum, const uint8_t *qs, const uint16_t *d,
+        const uint16_t *mn, int64_t K, const float *bias, void *out, int64_t ldo, int out_bf16,
         int64_t m0, int mr, int64_t n0, int64_t nr, __m512i table) {
     int64_t nb = K / QK;
     __m512 acc[MR][NR];
@@ -81,7 +81,7 @@ TARGET static inline __attribute__((always_inline)) void q4_1_tile(
         for (int i = 0; i < mr; i++) xv[i] = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * ldx + b * QK);
         for (int j = 0; j < NR; j++) {
             __m512bh wv = q4_block_bf16(qs + rows[j] * (K / 2) + b * (QK / 2), table);
-            __m512 scale = _mm512_set1_ps(d[rows[j] * nb + b]);
+            __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[rows[j] * nb + b]));
             for (int i = 0; i < mr; i++)
                 acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv[i], wv), scale, acc[i][j]);
         }
@@ -89,9 +89,9 @@ TARGET static inline __attribute__((always_inline)) void q4_1_tile(
     for (int i = 0; i < mr; i++) {
         const float *xs = xsum + (m0 + i) * nb;
         for (int j = 0; j < nr; j++) {
-            const float *mr_ = mn + (n0 + j) * nb;
+            const uint16_t *mr_ = mn + (n0 + j) * nb;
             float offset = 0.0f; /* sum over blocks of m * sum(x in block) */
-            for (int64_t b = 0; b < nb; b++) offset += mr_[b] * xs[b];
+            for (int64_t b = 0; b < nb; b++) offset += _cvtsh_ss(mr_[b]) * xs[b];
             float v = _mm512_reduce_add_ps(acc[i][j]) + offset + (bias ? bias[n0 + j] : 0.0f);
             int64_t at = (m0 + i) * ldo + n0 + j;
             if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
@@ -101,8 +101,8 @@ TARGET static inline __attribute__((always_inline)) void q4_1_tile(
 }
 
 /* xsum: caller-provided scratch of M * K/32 floats (per-block sums of each activation row). */
-TARGET void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
-                            const float *mn, const float *bias, float *xsum, void *out, int64_t ldo,
+TARGET void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const uint16_t *d,
+                            const uint16_t *mn, const float *bias, float *xsum, void *out, int64_t ldo,
                             int out_bf16, int64_t M, int64_t N, int64_t K) {
     int64_t nb = K / QK;
     for (int64_t i = 0; i < M; i++)
@@ -129,7 +129,7 @@ TARGET void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, c
 }
 
 TARGET static inline __attribute__((always_inline)) void q8_0_tile(
-        const float *x, int64_t ldx, const int8_t *qs, const float *d, int64_t K, const float *bias,
+        const float *x, int64_t ldx, const int8_t *qs, const uint16_t *d, int64_t K, const float *bias,
         void *out, int64_t ldo, int out_bf16, int64_t m0, int mr, int64_t n0, int64_t nr) {
     int64_t nb = K / QK;
     __m512 acc[MR][NR];
@@ -140,7 +140,7 @@ TARGET static inline __attribute__((always_inline)) void q8_0_tile(
     for (int64_t b = 0; b < nb; b++) {
         for (int j = 0; j < NR; j++) {
             const int8_t *q = qs + rows[j] * K + b * QK;
-            __m512 scale = _mm512_set1_ps(d[rows[j] * nb + b]);
+            __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[rows[j] * nb + b]));
             __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), scale);
             __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), scale);
             for (int i = 0; i < mr; i++) {
@@ -159,7 +159,7 @@ TARGET static inline __attribute__((always_inline)) void q8_0_tile(
         }
 }
 
-TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
+TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const uint16_t *d,
                             const float *bias, void *out, int64_t ldo, int out_bf16,
                             int64_t M, int64_t N, int64_t K) {
     int64_t tiles = (N + NR - 1) / NR;
