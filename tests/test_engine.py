@@ -146,3 +146,55 @@ def test_rtp_generate_cli(default_gguf):
                          (["--chat", "hi", "--max-tokens", "0"], "max_tokens")]:
         done = run_cli(*bad, "--no-compile")
         assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.fixture(scope="module")
+def llm_bf16(default_gguf):
+    """The default dtype on this CPU (bf16), eager: rtp's CPU kernels where the CPU has them."""
+    llm = LLM(model=str(default_gguf), compile=False, max_model_len=512, max_num_seqs=16)
+    assert llm.engine.dtype == torch.bfloat16 or not _cpu_has_bf16()
+    return llm
+
+
+def _cpu_has_bf16():
+    from rtp.engine.engine import _cpu_has_native_bf16
+
+    return _cpu_has_native_bf16()
+
+
+def test_bf16_greedy_is_as_faithful_as_transformers_bf16(llm_bf16, hf_model, reference):
+    """Greedy output in the default dtype matches the fp32 reference at least as often as
+    transformers' own bf16 does (small models have top-2 margins of a few bf16 steps)."""
+    import copy
+
+    from rtp.models import cpu_kernels
+
+    if cpu_kernels.available():  # the GGUF's own blocks serve small-batch decode
+        assert llm_bf16.engine.model.model.layers[0].mlp.gate_up_proj.quant is not None
+    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    eos = llm_bf16.engine.eos_token_ids
+    prompts = [chat_ids(llm_bf16, q) for q in QUESTIONS]
+    outs = llm_bf16.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    ours = sum(o.outputs[0].token_ids[: len(reference[q])] == reference[q] for q, o in zip(QUESTIONS, outs))
+    theirs = sum(hf_greedy(hf_bf16, p, eos) == reference[q] for q, p in zip(QUESTIONS, prompts))
+    assert ours >= theirs, (ours, theirs)
+    # 16 rows: past the quantized kernels' batch limit, oneDNN's bf16 GEMM on dequantized weights
+    outs = llm_bf16.generate(prompts * 2, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs[:8]] == [o.outputs[0].token_ids for o in outs[8:]]
+    ours = sum(o.outputs[0].token_ids[: len(reference[q])] == reference[q] for q, o in zip(QUESTIONS, outs))
+    assert ours >= theirs, (ours, theirs)
+    france = llm_bf16.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0, max_tokens=32))
+    assert france[0].outputs[0].text == "The capital of France is Paris."
+
+
+def test_compiled_bf16_decode_equals_eager(default_gguf, llm_bf16):
+    """The bucket-1 decode graph (Inductor on CPU, rtp's kernels as custom ops inside) gives the
+    eager engine's tokens."""
+    llm = LLM(model=str(default_gguf), compile=True, max_model_len=512, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for q in QUESTIONS[:3]:
+        got = llm.generate([chat_ids(llm, q)], params)[0].outputs[0].token_ids
+        want = llm_bf16.generate([chat_ids(llm_bf16, q)], params)[0].outputs[0].token_ids
+        assert got == want, q
+    assert llm.engine.runner.compiled_steps > 0
