@@ -9,10 +9,10 @@ from libc.stdint cimport int8_t, int32_t, int64_t, intptr_t, uint8_t, uint16_t
 
 cdef extern from "cpu_kernels.h":
     int rtp_cpu_kernels_supported() nogil
-    void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const uint16_t *d,
-                         const uint16_t *mn, const float *bias, float *xsum, void *out, int64_t ldo,
+    void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
+                         const float *mn, const float *bias, void *out, int64_t ldo,
                          int out_bf16, int64_t M, int64_t N, int64_t K) nogil
-    void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const uint16_t *d,
+    void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
                          const float *bias, void *out, int64_t ldo, int out_bf16,
                          int64_t M, int64_t N, int64_t K) nogil
     void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, int delta_bf16, int64_t ldd,
@@ -35,12 +35,11 @@ def supported() -> bool:
 
 
 def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, intptr_t bias,
-                intptr_t xsum, intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n,
-                int64_t k) -> None:
-    """out = x @ dequant(Q4_1 weight).T (+ bias); x bf16; xsum: rows * k/32 fp32 scratch."""
+                intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
+    """out = x @ dequant(Q4_1 weight).T (+ bias); x bf16."""
     with nogil:
-        rtp_linear_q4_1(<const uint16_t *>x, ldx, <const uint8_t *>qs, <const uint16_t *>d,
-                        <const uint16_t *>m, <const float *>bias, <float *>xsum, <void *>out, ldo,
+        rtp_linear_q4_1(<const uint16_t *>x, ldx, <const uint8_t *>qs, <const float *>d,
+                        <const float *>m, <const float *>bias, <void *>out, ldo,
                         out_bf16, rows, n, k)
 
 
@@ -48,7 +47,7 @@ def linear_q8_0(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t bias,
                 int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
     """out = x @ dequant(Q8_0 weight).T (+ bias); x fp32."""
     with nogil:
-        rtp_linear_q8_0(<const float *>x, ldx, <const int8_t *>qs, <const uint16_t *>d,
+        rtp_linear_q8_0(<const float *>x, ldx, <const int8_t *>qs, <const float *>d,
                         <const float *>bias, <void *>out, ldo, out_bf16, rows, n, k)
 
 

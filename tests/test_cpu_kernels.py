@@ -13,10 +13,10 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> BlockQuantized:
     g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half()
+    d = torch.rand(n, k // 32, generator=g) * 0.02 + 0.001
     if kind == "q4_1":
         qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-        return BlockQuantized(kind, qs, d, (torch.randn(n, k // 32, generator=g) * 0.05).half())
+        return BlockQuantized(kind, qs, d, torch.randn(n, k // 32, generator=g) * 0.05)
     qs = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
     return BlockQuantized(kind, qs, d, None)
 

@@ -15,10 +15,11 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 int rtp_cpu_kernels_supported(void) {
     __builtin_cpu_init();
@@ -48,8 +49,10 @@ static inline uint16_t f32_to_bf16(float f) {
 /* ---------------------------------------------------------------------------------------------
  * Linear over GGUF block-quantized weights, repacked at load into plain arrays:
  *   Q4_1: qs uint8 [N, K/2] (block of 32: byte j holds weight j low, weight j+16 high),
- *         d, m fp16 [N, K/32]; weight = d * q + m, q in 0..15.
- *   Q8_0: qs int8 [N, K], d fp16 [N, K/32]; weight = d * q.
+ *         d, m fp32 [N, K/32]; weight = d * q + m, q in 0..15.
+ *   Q8_0: qs int8 [N, K], d fp32 [N, K/32]; weight = d * q.
+ * Scales are fp32 (the file's fp16 values, exactly): a broadcast straight from memory costs
+ * no shuffle-port work, and that port, not memory, bounds these loops.
  * The checkpoint's exact weights, at 0.625 (Q4_1) or 1.06 (Q8_0) bytes each instead of
  * bf16's 2: a small-batch step reads a third of the bytes. Q4_1 takes bf16 activations
  * (q is exact in bf16: one dot instruction per block, the scale applied in fp32);
@@ -57,79 +60,103 @@ static inline uint16_t f32_to_bf16(float f) {
  * K is a multiple of 32. out is fp32 or bf16 [M, N] (row stride ldo).
  * ------------------------------------------------------------------------------------------- */
 #define QK 32
+#define PREFETCH_TILES 4
 
-/* 16 bytes of nibbles -> the block's 32 weights (0..15) as bf16. vpermw reads only the low five
- * bits of each index and the table repeats 0..15 twice, so the low-nibble lanes need no mask. */
-TARGET static inline __m512bh q4_block_bf16(const uint8_t *qs, __m512i table) {
-    __m512i idx = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs)));
-    idx = _mm512_mask_srli_epi16(idx, (__mmask32)0xffff0000u, idx, 4);
-    return (__m512bh)_mm512_permutexvar_epi16(idx, table);
+/* Prefetch part `step` of `steps` of the bytes [p, p + n) (harmless past the end of an array:
+ * prefetches never fault). */
+TARGET static inline void prefetch_part(const void *p, int64_t n, int64_t step, int64_t steps) {
+    int64_t lines = (n + 63) / 64, per = (lines + steps - 1) / steps;
+    const char *c = (const char *)p;
+    for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++) _mm_prefetch(c + l * 64, _MM_HINT_T0);
+}
+
+/* 16 bytes of nibbles -> the block's 32 weights as bf16 of 128 + q. With 128's exponent,
+ * bf16's 7 mantissa bits hold q exactly, so an OR builds each weight (no table lookup on the
+ * shuffle port, which bounds this loop); the kernel takes 128 * sum(x) back out per block. */
+TARGET static inline __m512bh q4_block_plus128(const uint8_t *qs) {
+    __m512i v = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs)));
+    v = _mm512_mask_srli_epi16(v, (__mmask32)0xffff0000u, v, 4);       /* high lanes: byte >> 4 */
+    return (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000f), _mm512_set1_epi16(0x4300),
+                                               0xEA);                       /* (v & 15) | bf16(128) */
 }
 
 TARGET static inline __attribute__((always_inline)) void q4_1_tile(
-        const uint16_t *x, int64_t ldx, const float *xsum, const uint8_t *qs, const uint16_t *d,
-        const uint16_t *mn, int64_t K, const float *bias, void *out, int64_t ldo, int out_bf16,
-        int64_t m0, int mr, int64_t n0, int64_t nr, __m512i table) {
+        const uint16_t *x, int64_t ldx, const float *xsum, const uint8_t *qs, const float *d,
+        const float *mn, int64_t K, const float *bias, void *out, int64_t ldo, int out_bf16,
+        int64_t m0, int mr, int64_t n0, int64_t nr) {
     int64_t nb = K / QK;
     __m512 acc[MR][NR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
     int64_t rows[NR];
     for (int j = 0; j < NR; j++) rows[j] = n0 + (j < nr ? j : 0);
+    /* a later tile's bytes, spread over this tile's block steps: the hardware prefetcher alone
+     * leaves the loop waiting on memory (it ran at half its in-cache speed without) */
+    int64_t ahead = n0 + PREFETCH_TILES * NR;
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_part(qs + ahead * (K / 2), NR * (K / 2), b, nb);
+        prefetch_part(d + ahead * nb, NR * nb * 4, b, nb);
+        prefetch_part(mn + ahead * nb, NR * nb * 4, b, nb);
         __m512bh xv[MR];
         for (int i = 0; i < mr; i++) xv[i] = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * ldx + b * QK);
         for (int j = 0; j < NR; j++) {
-            __m512bh wv = q4_block_bf16(qs + rows[j] * (K / 2) + b * (QK / 2), table);
-            __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[rows[j] * nb + b]));
+            __m512bh wv = q4_block_plus128(qs + rows[j] * (K / 2) + b * (QK / 2));
+            __m512 scale = _mm512_set1_ps(d[rows[j] * nb + b]);
             for (int i = 0; i < mr; i++)
                 acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv[i], wv), scale, acc[i][j]);
         }
     }
-    for (int i = 0; i < mr; i++) {
-        const float *xs = xsum + (m0 + i) * nb;
-        for (int j = 0; j < nr; j++) {
-            const uint16_t *mr_ = mn + (n0 + j) * nb;
-            float offset = 0.0f; /* sum over blocks of m * sum(x in block) */
-            for (int64_t b = 0; b < nb; b++) offset += _cvtsh_ss(mr_[b]) * xs[b];
-            float v = _mm512_reduce_add_ps(acc[i][j]) + offset + (bias ? bias[n0 + j] : 0.0f);
+    /* sum_b d_b * sum(x (128 + q)) + sum_b (m_b - 128 d_b) * sum(x)_b = sum(x (d q + m)) */
+    for (int j = 0; j < nr; j++) {
+        const float *dr = d + (n0 + j) * nb, *mr_ = mn + (n0 + j) * nb;
+        for (int i = 0; i < mr; i++) {
+            const float *xs = xsum + (m0 + i) * nb;
+            __m512 v = acc[i][j];
+            for (int64_t b = 0; b < nb; b += 16) {
+                __mmask16 k = nb - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nb - b)) - 1);
+                __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), _mm512_maskz_loadu_ps(k, dr + b),
+                                              _mm512_maskz_loadu_ps(k, mr_ + b));
+                v = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(k, xs + b), v);
+            }
+            float y = _mm512_reduce_add_ps(v) + (bias ? bias[n0 + j] : 0.0f);
             int64_t at = (m0 + i) * ldo + n0 + j;
-            if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
-            else ((float *)out)[at] = v;
+            if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(y);
+            else ((float *)out)[at] = y;
         }
     }
 }
 
-/* xsum: caller-provided scratch of M * K/32 floats (per-block sums of each activation row). */
-TARGET void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const uint16_t *d,
-                            const uint16_t *mn, const float *bias, float *xsum, void *out, int64_t ldo,
+TARGET void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
+                            const float *mn, const float *bias, void *out, int64_t ldo,
                             int out_bf16, int64_t M, int64_t N, int64_t K) {
     int64_t nb = K / QK;
+    /* per-block sums of each activation row, on the stack up to 64 KiB */
+    float stack[16384];
+    float *xsum = M * nb <= 16384 ? stack : (float *)malloc((size_t)(M * nb) * sizeof(float));
+    if (!xsum) return;
     for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < nb; b++) {
             __m512 lo = bf16x16_to_f32(x + i * ldx + b * QK), hi = bf16x16_to_f32(x + i * ldx + b * QK + 16);
             xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
         }
-    uint16_t tv[32];
-    for (int i = 0; i < 32; i++) tv[i] = f32_to_bf16((float)(i & 15));
-    __m512i table = _mm512_loadu_si512(tv);
     int64_t tiles = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             switch (M - m0 < MR ? M - m0 : MR) {
-            case 1: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, table); break;
-            case 2: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, table); break;
-            case 3: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, table); break;
-            default: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, table); break;
+            case 1: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 1, n0, nr); break;
+            case 2: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 2, n0, nr); break;
+            case 3: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 3, n0, nr); break;
+            default: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 4, n0, nr); break;
             }
         }
     }
+    if (xsum != stack) free(xsum);
 }
 
 TARGET static inline __attribute__((always_inline)) void q8_0_tile(
-        const float *x, int64_t ldx, const int8_t *qs, const uint16_t *d, int64_t K, const float *bias,
+        const float *x, int64_t ldx, const int8_t *qs, const float *d, int64_t K, const float *bias,
         void *out, int64_t ldo, int out_bf16, int64_t m0, int mr, int64_t n0, int64_t nr) {
     int64_t nb = K / QK;
     __m512 acc[MR][NR];
@@ -137,10 +164,13 @@ TARGET static inline __attribute__((always_inline)) void q8_0_tile(
         for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
     int64_t rows[NR];
     for (int j = 0; j < NR; j++) rows[j] = n0 + (j < nr ? j : 0);
+    int64_t ahead = n0 + PREFETCH_TILES * NR;
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_part(qs + ahead * K, NR * K, b, nb);
+        prefetch_part(d + ahead * nb, NR * nb * 4, b, nb);
         for (int j = 0; j < NR; j++) {
             const int8_t *q = qs + rows[j] * K + b * QK;
-            __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[rows[j] * nb + b]));
+            __m512 scale = _mm512_set1_ps(d[rows[j] * nb + b]);
             __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), scale);
             __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), scale);
             for (int i = 0; i < mr; i++) {
@@ -159,7 +189,7 @@ TARGET static inline __attribute__((always_inline)) void q8_0_tile(
         }
 }
 
-TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const uint16_t *d,
+TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
                             const float *bias, void *out, int64_t ldo, int out_bf16,
                             int64_t M, int64_t N, int64_t K) {
     int64_t tiles = (N + NR - 1) / NR;

@@ -7,10 +7,10 @@ void rtp_paged_decode_attention_bf16(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
     const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window);
-void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const uint16_t *d,
-                     const uint16_t *mn, const float *bias, float *xsum, void *out, int64_t ldo,
+void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
+                     const float *mn, const float *bias, void *out, int64_t ldo,
                      int out_bf16, int64_t M, int64_t N, int64_t K);
-void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const uint16_t *d,
+void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
                      const float *bias, void *out, int64_t ldo, int out_bf16,
                      int64_t M, int64_t N, int64_t K);
 void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, int delta_bf16, int64_t ldd,

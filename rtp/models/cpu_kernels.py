@@ -71,9 +71,8 @@ def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
     rows, k = x.shape
     n = qs.shape[0]
     out = torch.empty(rows, n, dtype=out_dtype)
-    xsum = torch.empty(rows, k // 32, dtype=torch.float32)
     _k.linear_q4_1(x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), _ptr(bias),
-                   xsum.data_ptr(), out.data_ptr(), n, out_dtype == torch.bfloat16, rows, n, k)
+                   out.data_ptr(), n, out_dtype == torch.bfloat16, rows, n, k)
     return out
 
 

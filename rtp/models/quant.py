@@ -8,9 +8,10 @@ packed blocks (a third to a half of bf16's bytes) and multiply them directly wit
 rtp's CPU kernels: fewer bytes, and the checkpoint's exact weights.
 
 Packed layout (per matrix of N rows by K columns, K a multiple of 32):
-  q4_1: qs uint8 [N, K/2], d fp16 [N, K/32], m fp16 [N, K/32]   (w = d * q + m)
-  q8_0: qs int8  [N, K],   d fp16 [N, K/32]                      (w = d * q)
-(d and m stay fp16 as in the file: a third less scale traffic than fp32, and exact.)
+  q4_1: qs uint8 [N, K/2], d fp32 [N, K/32], m fp32 [N, K/32]   (w = d * q + m)
+  q8_0: qs int8  [N, K],   d fp32 [N, K/32]                      (w = d * q)
+(d and m are the file's fp16 values widened: more bytes, but the kernels are bound by
+shuffle work per block, which fp16 scales would add to.)
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ class BlockQuantized:
     def from_gguf(cls, kind: str, raw: np.ndarray, rows: int) -> "BlockQuantized":
         """Repack a GGUF tensor's raw blocks (any shape, row-major, `rows` rows)."""
         b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, _BLOCK_BYTES[kind])
-        d = torch.from_numpy(np.ascontiguousarray(np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[..., 0]))
+        d = torch.from_numpy(np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32))
         if kind == "q4_1":
-            m = torch.from_numpy(np.ascontiguousarray(np.ascontiguousarray(b[:, :, 2:4]).view(np.float16)[..., 0]))
+            m = torch.from_numpy(np.ascontiguousarray(b[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32))
             qs = torch.from_numpy(np.ascontiguousarray(b[:, :, 4:]).reshape(rows, -1))
             return cls(kind, qs, d, m)
         qs = torch.from_numpy(np.ascontiguousarray(b[:, :, 2:]).reshape(rows, -1).view(np.int8))
@@ -71,9 +72,9 @@ class BlockQuantized:
         if self.kind == "q4_1":
             q = torch.stack([self.qs & 15, self.qs >> 4], dim=-1)  # byte j: weights j and j + 16
             q = q.view(n, k // BLOCK, BLOCK // 2, 2).transpose(2, 3).reshape(n, k // BLOCK, BLOCK)
-            w = q.float() * self.d.float()[..., None] + self.m.float()[..., None]
+            w = q.float() * self.d[..., None] + self.m[..., None]
         else:
-            w = self.qs.view(n, k // BLOCK, BLOCK).float() * self.d.float()[..., None]
+            w = self.qs.view(n, k // BLOCK, BLOCK).float() * self.d[..., None]
         return w.reshape(n, k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
