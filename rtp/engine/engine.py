@@ -53,6 +53,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    error: Exception | None = None  # set when processing this request failed; the others go on
 
 
 @dataclass
@@ -226,7 +227,10 @@ class LLMEngine:
         for k, seq in enumerate(seqs):
             if seq.rid not in self._seqs:
                 continue  # aborted while the step ran
-            self._append(seq, k, int(tokens[k]), sampled)
+            try:
+                self._append(seq, k, int(tokens[k]), sampled)
+            except Exception as e:  # a detokenizer or stop-string failure ends this request alone
+                self._fail(seq.request, e)
             touched[seq.request.request_id] = seq.request
         finish = self.scheduler.event_finish
         for i in range(n):
@@ -299,6 +303,12 @@ class LLMEngine:
         if all(o.finish_reason is not None for o in request.outputs):
             request.finished = True
             self._requests.pop(request.request_id, None)
+
+    def _fail(self, request: RequestOutput, error: Exception) -> None:
+        log.error("request %s failed: %r", request.request_id, error, exc_info=error)
+        self.abort_request(request.request_id)
+        request.error = error
+        request.finished = True
 
     def stats(self) -> dict:
         return self.scheduler.stats()

@@ -1,0 +1,366 @@
+"""`rtp bench serve`: load any OpenAI-compatible server and report what `vllm bench serve` reports.
+
+Requests go out at a fixed Poisson rate (--request-rate) or all at once, capped at
+--max-concurrency in flight (a fixed concurrency when the rate is inf). Every
+request streams (SSE, with stream_options.include_usage), so the client times
+each token: TTFT (time to first token), TPOT (time per output token after the
+first, per request), ITL (the gap between successive chunks), E2EL (end to end).
+Token counts are the server's own `usage`.
+
+Datasets:
+  random         prompts of random tokens, --input-len tokens each (--range-ratio spreads it)
+  shared-prefix  --num-prefixes system prompts of --prefix-len tokens, each followed by
+                 questions of --input-len tokens: request i uses prefix i mod N
+
+Prompts are random token ids of --tokenizer (default: rtp's default model) decoded to
+text, so the same run works against any server. Against `rtp serve`, the CPU time
+its process and its event loop thread (the HTTP side) used during the run is read
+from its /metrics and reported too. The table goes to stdout, followed by one line
+with the figures as a JSON object; --save-result also writes them, with every
+request's figures, to --result-file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                   help="the API to load (default /v1/completions)")
+    p.add_argument("--model", help="model name to send (default: the first the server lists at /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as Authorization: Bearer (default: $OPENAI_API_KEY)")
+    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+    p.add_argument("--num-prompts", type=int, default=200, help="requests to send (default 200)")
+    p.add_argument("--input-len", "--random-input-len", type=int, default=256,
+                   help="prompt tokens (shared-prefix: the question's) (default 256)")
+    p.add_argument("--output-len", "--random-output-len", type=int, default=128,
+                   help="max_tokens of each request (default 128)")
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
+                   help="draw lengths uniformly from [len*(1-r), len*(1+r)] (default 0: fixed)")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of each system prompt")
+    p.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: how many system prompts")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight (default: no limit)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask the server to run every request to --output-len tokens (vLLM's extension)")
+    p.add_argument("--tokenizer", help="tokenizer for the random prompts: HF directory or .gguf "
+                   "(default: rtp's default model)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival times")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
+    p.add_argument("--save-result", action="store_true", help="write the figures as JSON to --result-file")
+    p.add_argument("--result-file", help="default: bench-serve-<date>.json in the current directory")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+@dataclass
+class Request:
+    prompt: str | None = None           # /v1/completions
+    system: str | None = None           # /v1/chat/completions: the system prompt, if any
+    user: str | None = None
+    max_tokens: int = 128
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+# -- the workload -------------------------------------------------------------------------------------
+
+
+def make_requests(args, tokenizer) -> list[Request]:
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed)
+    special = set(tokenizer.backend.get_added_tokens_decoder())
+    vocab = np.array([t for t in range(tokenizer.backend.get_vocab_size()) if t not in special])
+
+    def text(n: int) -> str:
+        # decoded random ids re-encode to about as many tokens; the server's usage reports the truth
+        return tokenizer.decode(rng.choice(vocab, size=max(1, n)).tolist())
+
+    def length(n: int) -> int:
+        lo, hi = int(n * (1 - args.range_ratio)), int(n * (1 + args.range_ratio))
+        return int(rng.integers(max(1, lo), max(1, hi) + 1))
+
+    chat = args.endpoint.endswith("chat/completions")
+    prefixes = [text(args.prefix_len) for _ in range(args.num_prefixes)] if args.dataset == "shared-prefix" else []
+    requests = []
+    for i in range(args.num_prompts):
+        question, out = text(length(args.input_len)), length(args.output_len)
+        system = prefixes[i % len(prefixes)] if prefixes else None
+        if chat:
+            requests.append(Request(system=system, user=question, max_tokens=out))
+        else:
+            requests.append(Request(prompt=(system + "\n" if system else "") + question, max_tokens=out))
+    return requests
+
+
+def _payload(args, model: str, req: Request) -> dict:
+    body = {"model": model, "max_tokens": req.max_tokens, "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if req.prompt is not None:
+        body["prompt"] = req.prompt
+    else:
+        messages = [{"role": "system", "content": req.system}] if req.system else []
+        body["messages"] = messages + [{"role": "user", "content": req.user}]
+    return body
+
+
+# -- the client ----------------------------------------------------------------------------------------
+
+
+async def _send(client, url: str, headers: dict, body: bytes) -> Result:
+    import msgspec
+
+    result = Result()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, content=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = msgspec.json.decode(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message"))
+                    return result
+                usage = chunk.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens", 0)
+                    result.output_tokens = usage.get("completion_tokens", 0)
+                for choice in chunk.get("choices") or ():
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if piece:  # the chat role chunk carries no text: it is not a token
+                        now = time.perf_counter()
+                        if result.ttft == 0.0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+    except Exception as e:  # a failed request is counted, never fatal to the run
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2el = time.perf_counter() - start
+    if result.ttft == 0.0:  # no chunk carried text (e.g. only special tokens)
+        result.ttft = result.e2el
+    if result.output_tokens == 0:  # a server without usage: count the chunks
+        result.output_tokens = len(result.itl) + 1
+    result.ok = True
+    return result
+
+
+async def _run(args, model: str, requests: list[Request]) -> tuple[list[Result], float]:
+    import httpx
+    import msgspec
+    import numpy as np
+
+    url = args.base_url.rstrip("/") + args.endpoint
+    headers = {"Content-Type": "application/json"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    bodies = [msgspec.json.encode(_payload(args, model, r)) for r in requests]
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=None)
+    bar = None
+    if not args.disable_tqdm:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr)
+    gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    rng = np.random.default_rng(args.seed + 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        # one short request first: a wrong URL or model fails here, not 200 times
+        probe = await _send(client, url, headers, msgspec.json.encode(
+            {**_payload(args, model, requests[0]), "max_tokens": 4}))
+        if not probe.ok:
+            raise RuntimeError(f"the test request failed: {probe.error}")
+
+        async def one(body: bytes) -> Result:
+            if gate is None:
+                result = await _send(client, url, headers, body)
+            else:
+                async with gate:
+                    result = await _send(client, url, headers, body)
+            if bar is not None:
+                bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for body in bodies:
+            tasks.append(asyncio.create_task(one(body)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return results, duration
+
+
+_CPU_METRICS = ("rtp:event_loop_cpu_seconds_total", "process_cpu_seconds_total")
+
+
+async def server_cpu(args) -> dict[str, float]:
+    """rtp serve's CPU counters from /metrics ({} from a server without them)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            text = (await client.get(args.base_url.rstrip("/") + "/metrics", headers=headers)).text
+    except httpx.HTTPError:
+        return {}
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.split("{")[0] in _CPU_METRICS:
+            found[name.split("{")[0]] = float(value)
+    return found if len(found) == len(_CPU_METRICS) else {}
+
+
+async def _first_model(args) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.get(args.base_url.rstrip("/") + "/v1/models", headers=headers)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+
+# -- the report ----------------------------------------------------------------------------------------
+
+
+def summarize(args, model: str, results: list[Result], duration: float) -> dict:
+    import numpy as np
+
+    done = [r for r in results if r.ok]
+    output = sum(r.output_tokens for r in done)
+    prompt = sum(r.prompt_tokens for r in done)
+    figures = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "base_url": args.base_url, "endpoint": args.endpoint,
+        "model": model, "dataset": args.dataset, "num_prompts": len(results),
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "max_concurrency": args.max_concurrency, "duration": duration,
+        "completed": len(done), "failed": len(results) - len(done),
+        "total_input_tokens": prompt, "total_output_tokens": output,
+        "request_throughput": len(done) / duration, "output_throughput": output / duration,
+        "total_token_throughput": (prompt + output) / duration,
+    }
+    series = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.e2el for r in done],
+    }
+    for name, values in series.items():
+        ms = np.asarray(values or [0.0]) * 1000
+        figures[f"mean_{name}_ms"] = float(ms.mean())
+        figures[f"median_{name}_ms"] = float(np.median(ms))
+        figures[f"std_{name}_ms"] = float(ms.std())
+        figures[f"p90_{name}_ms"] = float(np.percentile(ms, 90))
+        figures[f"p99_{name}_ms"] = float(np.percentile(ms, 99))
+    return figures
+
+
+def print_table(f: dict) -> None:
+    def row(label, value, fmt="{:.2f}"):
+        print(f"{label:<40}{fmt.format(value) if value is not None else '-':>10}")
+
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
+    row("Successful requests:", f["completed"], "{}")
+    row("Failed requests:", f["failed"], "{}")
+    row("Maximum request concurrency:", f["max_concurrency"], "{}")
+    row("Request rate (req/s):", f["request_rate"], "{}")
+    row("Benchmark duration (s):", f["duration"])
+    row("Total input tokens:", f["total_input_tokens"], "{}")
+    row("Total generated tokens:", f["total_output_tokens"], "{}")
+    row("Request throughput (req/s):", f["request_throughput"])
+    row("Output token throughput (tok/s):", f["output_throughput"])
+    row("Total token throughput (tok/s):", f["total_token_throughput"])
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        for stat in ("mean", "median", "p90", "p99"):
+            row(f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {name.upper()} (ms):",
+                f[f"{stat}_{name}_ms"])
+    if "server_cpu_s" in f:
+        print("{s:{c}^{n}}".format(s="Server CPU (rtp serve's /metrics)", n=50, c="-"))
+        row("Process CPU (s):", f["server_cpu_s"])
+        row("Event loop thread CPU (s):", f["server_event_loop_cpu_s"])
+        row("Event loop share of process CPU (%):", 100 * f["server_event_loop_cpu_share"])
+        row("Event loop CPU per token (us):", f["server_event_loop_us_per_output_token"], "{:.1f}")
+    print("=" * 50)
+
+
+def main(args: argparse.Namespace) -> int:
+    import msgspec
+
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        print("rtp bench serve: --num-prompts and --max-concurrency must be positive", file=sys.stderr)
+        return 2
+    from rtp.engine.tokenizer import Tokenizer
+
+    if args.tokenizer:
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer)
+    else:
+        from rtp.engine.default_model import default_model_path
+
+        tokenizer = Tokenizer.from_pretrained(default_model_path())
+    try:
+        model = args.model or asyncio.run(_first_model(args))
+        requests = make_requests(args, tokenizer)
+        cpu_before = asyncio.run(server_cpu(args))
+        results, duration = asyncio.run(_run(args, model, requests))
+        cpu_after = asyncio.run(server_cpu(args))
+    except Exception as e:
+        print(f"rtp bench serve: {e}", file=sys.stderr)
+        return 1
+    figures = summarize(args, model, results, duration)
+    if cpu_before and cpu_after:
+        # rtp serve: what its HTTP side (event loop thread) cost, next to the whole process
+        loop, process = (cpu_after[m] - cpu_before[m] for m in _CPU_METRICS)
+        figures["server_cpu_s"] = process
+        figures["server_event_loop_cpu_s"] = loop
+        figures["server_event_loop_cpu_share"] = loop / process if process else 0.0
+        figures["server_event_loop_us_per_output_token"] = 1e6 * loop / max(1, figures["total_output_tokens"])
+    print_table(figures)
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        print(f"{len(errors)} requests failed; the first: {errors[0]}", file=sys.stderr)
+    if args.save_result:
+        path = args.result_file or f"bench-serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        detail = {**figures, "input_lens": [r.prompt_tokens for r in results],
+                  "output_lens": [r.output_tokens for r in results], "ttfts": [r.ttft for r in results],
+                  "itls": [r.itl for r in results], "e2els": [r.e2el for r in results], "errors": errors}
+        with open(path, "wb") as out:
+            out.write(msgspec.json.format(msgspec.json.encode(detail), indent=2))
+        print(f"results written to {path}", file=sys.stderr)
+    print(msgspec.json.encode(figures).decode())
+    return 0 if figures["completed"] else 1

@@ -1,0 +1,307 @@
+"""AsyncEngine: the LLMEngine on its own thread, fed and drained from the event loop.
+
+    event loop (HTTP handlers)                 engine thread
+    --------------------------                 -------------
+    submit() / abort()  --- commands (SimpleQueue) --->  add_request / abort_request
+                                                          step()  -> text deltas per request
+    Stream.put()  <--- call_soon_threadsafe, once per step ---
+
+The engine thread owns the LLMEngine outright; the loop never touches it (only the
+tokenizer, which is read-only, and the stats snapshot the thread publishes). When
+nothing is running the thread blocks on the command queue, so an idle server
+burns no CPU. Commands are taken between steps, so an abort takes effect before
+the next step and its KV blocks are free again at once.
+
+The engine's outputs are cumulative; the thread turns them into deltas (it owns
+the offsets), so what crosses to the loop is small and immutable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from rtp.engine.engine import LLMEngine, RequestOutput
+from rtp.sampling_params import SamplingParams
+
+log = logging.getLogger("rtp.serve")
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int                                # choice index within its prompt
+    text: str                                 # text added since the last delta
+    num_tokens: int                           # tokens added since the last delta
+    logprobs: list[dict[int, float]] | None   # their {token id: logprob} entries, sampled token first
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class Update:
+    """What one engine step produced for one prompt of a stream."""
+
+    prompt: int                       # index of the prompt within the HTTP request
+    choices: list[ChoiceDelta]
+    num_cached_tokens: int = 0
+    finished: bool = False
+    error: Exception | None = None    # the prompt failed; its other fields are empty
+
+
+class EngineDead(RuntimeError):
+    """A step failed outside any one request; nothing more can be trusted to run."""
+
+
+class Stream:
+    """One HTTP request's view of its engine requests (one per prompt), in the loop thread.
+
+    Updates queue up in a list; a reader that falls behind takes them all at once,
+    so a slow client costs one wake-up, not one per token.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]]):
+        self.engine = engine
+        self.request_id = request_id
+        self.prompts = prompts
+        self.arrival = time.monotonic()
+        self.first_token: list[float | None] = [None] * len(prompts)
+        self.last_token: list[float] = [0.0] * len(prompts)
+        self.unfinished = len(prompts)
+        self.generated = 0  # tokens, all prompts and choices
+        self.closed = False
+        self._items: list[Update] = []
+        self._ready = asyncio.Event()
+
+    def engine_ids(self) -> list[str]:
+        return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
+
+    def put(self, update: Update) -> None:
+        self._items.append(update)
+        if update.finished:
+            self.unfinished -= 1
+        self._ready.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> list[Update]:
+        """The updates that arrived since the last call; StopAsyncIteration after the last."""
+        while not self._items:
+            if self.unfinished == 0 or self.closed:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        items, self._items = self._items, []
+        return items
+
+    def close(self) -> None:
+        """Abort whatever is still running; safe to call twice and after the end."""
+        if not self.closed:
+            self.closed = True
+            self.engine._close(self)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics=None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer  # read-only: the loop tokenizes with it
+        self.model_path = engine.model_path
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.metrics = metrics            # rtp.serve.metrics.ServerMetrics or None
+        self.stats: dict = engine.stats()  # replaced (never mutated) by the engine thread
+        self.num_unstarted = 0             # prompts submitted that have not produced a token yet
+        self.dead: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="rtp-engine", daemon=True)
+
+    # -- event loop side ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever still runs and end the engine thread (from any thread)."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
+        """Queue one engine request per prompt; their updates arrive on the returned Stream."""
+        if self.dead is not None:
+            raise EngineDead(f"the engine failed: {self.dead!r}")
+        stream = Stream(self, request_id, prompts)
+        self.num_unstarted += len(prompts)
+        for i, (engine_id, ids) in enumerate(zip(stream.engine_ids(), prompts)):
+            self._commands.put(("add", stream, i, engine_id, ids, params))
+        return stream
+
+    def _close(self, stream: Stream) -> None:
+        unstarted = sum(t is None for t in stream.first_token)
+        self.num_unstarted -= unstarted
+        if stream.unfinished:
+            self._commands.put(("abort", stream.engine_ids()))
+            if self.metrics is not None:
+                self.metrics.on_abort(stream)
+            log.info("request %s aborted after %d generated tokens (client gone or server draining)",
+                     stream.request_id, stream.generated)
+
+    def _deliver(self, batch: list[tuple[Stream, Update]], step_started: float) -> None:
+        now = time.monotonic()
+        for stream, update in batch:
+            if stream.closed:
+                continue  # the client left; its abort is already queued
+            i = update.prompt
+            if stream.first_token[i] is None:
+                stream.first_token[i] = now
+                self.num_unstarted -= 1
+                if self.metrics is not None and update.error is None:
+                    self.metrics.on_first_token(stream, i, now, step_started)
+            elif self.metrics is not None:
+                self.metrics.on_token(now - stream.last_token[i])
+            stream.last_token[i] = now
+            for choice in update.choices:
+                stream.generated += choice.num_tokens
+            if self.metrics is not None:
+                self.metrics.on_update(stream, update, now)
+            stream.put(update)
+            if stream.unfinished == 0:
+                stream.closed = True
+                log.info("request %s finished: %d prompt + %d generated tokens in %.3f s (first token %.3f s)",
+                         stream.request_id, sum(map(len, stream.prompts)), stream.generated,
+                         now - stream.arrival, stream.first_token[0] - stream.arrival)
+
+    def _post(self, batch: list[tuple[Stream, Update]], step_started: float) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, batch, step_started)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    # -- engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._once():
+                pass
+        except BaseException as e:  # a bug here, not in a request: say so on /health, fail what runs
+            log.exception("the engine thread failed")
+            self._die(e)
+
+    def _once(self) -> bool:
+        """Take the waiting commands, then run one step; False once told to stop."""
+        # block only when nothing can run: a running batch must not wait for commands
+        idle = self.dead is not None or not self.engine.has_unfinished_requests()
+        for command in self._take_commands(block=idle):
+            if command[0] == "add":
+                self._add(*command[1:])
+            elif command[0] == "abort":
+                for engine_id in command[1]:
+                    if self._live.pop(engine_id, None) is not None:
+                        self.engine.abort_request(engine_id)
+            else:  # stop
+                for engine_id in list(self._live):
+                    self.engine.abort_request(engine_id)
+                self._live.clear()
+                return False
+        if self.dead is None and self.engine.has_unfinished_requests():
+            self._step()
+        self.stats = self.engine.stats()
+        return True
+
+    def _take_commands(self, block: bool) -> list[tuple]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, stream: Stream, prompt: int, engine_id: str, ids: list[int],
+             params: SamplingParams) -> None:
+        if self.dead is not None:
+            self._post([(stream, Update(prompt, [], finished=True, error=EngineDead(repr(self.dead))))],
+                       time.monotonic())
+            return
+        try:
+            self.engine.add_request(engine_id, ids, params)
+        except Exception as e:  # ValueError: the input; anything else: ours. Either way this request alone.
+            self._post([(stream, Update(prompt, [], finished=True, error=e))], time.monotonic())
+            return
+        self._live[engine_id] = _Live(stream, prompt, params)
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # not attributable to one request (the engine isolates those), so nothing more can be
+            # trusted to run: fail them all, and stay up to answer /health with the cause
+            log.exception("engine step failed")
+            self._die(e)
+            return
+        batch = []
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            try:
+                update = live.update(out)
+            except Exception as e:  # turning this output into a delta failed: end this request only
+                log.exception("request %s failed", out.request_id)
+                self.engine.abort_request(out.request_id)
+                update = Update(live.prompt, [], finished=True, error=e)
+            batch.append((live.stream, update))
+            if update.finished:
+                del self._live[out.request_id]
+        if batch:
+            self._post(batch, started)
+
+    def _die(self, error: BaseException) -> None:
+        self.dead = error
+        dead = EngineDead(repr(error))
+        self._post([(live.stream, Update(live.prompt, [], finished=True, error=dead))
+                    for live in self._live.values()], time.monotonic())
+        self._live.clear()
+
+
+class _Live:
+    """Per running engine request, in the engine thread: how much of its output was sent."""
+
+    __slots__ = ("done", "prompt", "sent_text", "sent_tokens", "stop_token_ids", "stream")
+
+    def __init__(self, stream: Stream, prompt: int, params: SamplingParams):
+        self.stream = stream
+        self.prompt = prompt
+        self.stop_token_ids = params.stop_token_ids
+        self.sent_text = [0] * params.n
+        self.sent_tokens = [0] * params.n
+        self.done = [False] * params.n
+
+    def update(self, out: RequestOutput) -> Update:
+        if out.error is not None:
+            return Update(self.prompt, [], finished=True, error=out.error)
+        choices = []
+        for o in out.outputs:
+            i = o.index
+            if self.done[i]:
+                continue
+            start, end = self.sent_tokens[i], len(o.token_ids)
+            if end == start and o.finish_reason is None:
+                continue
+            text = o.text[self.sent_text[i]:]
+            self.sent_text[i] = len(o.text)
+            self.sent_tokens[i] = end
+            self.done[i] = o.finish_reason is not None
+            logprobs = o.logprobs[start:end] if o.logprobs is not None else None
+            stop = o.stop_reason
+            if isinstance(stop, int) and stop not in self.stop_token_ids:
+                stop = None  # as vLLM: eos is no stop reason, only a stop string or a requested stop id
+            choices.append(ChoiceDelta(i, text, end - start, logprobs, o.finish_reason, stop))
+        return Update(self.prompt, choices, out.num_cached_tokens, out.finished)

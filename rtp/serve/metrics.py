@@ -1,0 +1,121 @@
+"""Prometheus metrics, named as vLLM names them with an `rtp:` prefix.
+
+Latencies are histograms observed on the event loop as the engine's updates
+arrive (so they include the hop from the engine thread, as a client would see
+it). Engine state -- running and waiting requests, KV blocks, preemptions,
+prefix-cache counters -- is read at scrape time from the snapshot the engine
+thread publishes after every step, so a scrape never touches the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.model_name = model_name
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"rtp:{name}", doc, list(labels), buckets=buckets,
+                             registry=self.registry).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(f"rtp:{name}", doc, list(labels), registry=self.registry).labels(**labels)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             _REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               "Time from arrival to the start of the engine step that gave the first "
+                               "token (long prompts prefilled in chunks count their earlier chunks).",
+                               _REQUEST_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._success = Counter("rtp:request_success", "Finished sequences by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._success_by_reason = {reason: self._success.labels(model_name, reason)
+                                   for reason in ("stop", "length", "abort", "error")}
+        self.read_stats: Callable[[], dict] = dict  # set by whoever owns the engine
+        self.registry.register(_EngineCollector(self))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and friends
+
+    # -- called by AsyncEngine on the event loop ---------------------------------------------------
+
+    def on_first_token(self, stream, prompt: int, now: float, step_started: float) -> None:
+        self.ttft.observe(now - stream.arrival)
+        self.queue.observe(max(0.0, step_started - stream.arrival))
+        self.prompt_tokens.inc(len(stream.prompts[prompt]))
+
+    def on_token(self, gap: float) -> None:
+        self.itl.observe(gap)
+
+    def on_update(self, stream, update, now: float) -> None:
+        if update.error is not None:
+            self._success_by_reason["error"].inc()
+            return
+        tokens = 0
+        for choice in update.choices:
+            tokens += choice.num_tokens
+            if choice.finish_reason is not None:
+                self._success_by_reason.get(choice.finish_reason, self._success_by_reason["stop"]).inc()
+        if tokens:
+            self.generation_tokens.inc(tokens)
+        if update.finished:
+            self.e2e.observe(now - stream.arrival)
+
+    def on_abort(self, stream) -> None:
+        self._success_by_reason["abort"].inc(stream.unfinished)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine thread's latest stats snapshot."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.read_stats()
+        name = [self.metrics.model_name]
+
+        def gauge(metric, doc, value):
+            g = GaugeMetricFamily(f"rtp:{metric}", doc, labels=["model_name"])
+            g.add_metric(name, value)
+            return g
+
+        def counter(metric, doc, value):
+            c = CounterMetricFamily(f"rtp:{metric}", doc, labels=["model_name"])
+            c.add_metric(name, value)
+            return c
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", s.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.get("num_waiting", 0))
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                    s.get("kv_cache_usage", 0.0))
+        # free = truly free + evictable (cached by the prefix cache, unreferenced): what can be allocated
+        yield gauge("num_free_blocks", "KV blocks free to allocate, evictable cached ones included.",
+                    s.get("free_blocks", 0) + s.get("evictable_blocks", 0))
+        yield counter("num_preemptions", "Sequences preempted (recomputed) for want of KV blocks.",
+                      s.get("num_preemptions", 0))
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.get("prefix_cache_query_tokens", 0))
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.get("prefix_cache_hit_tokens", 0))
+        # scrapes run on the event loop's thread, so this is the CPU the HTTP side has used
+        # (parsing, tokenizing, SSE encoding, metrics): the server's own overhead next to
+        # process_cpu_seconds_total, which adds the engine's threads
+        yield counter("event_loop_cpu_seconds", "CPU time of the event loop thread.", time.thread_time())

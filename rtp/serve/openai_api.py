@@ -1,0 +1,408 @@
+"""The OpenAI-compatible HTTP API: Starlette routes over an AsyncEngine.
+
+Handlers run on the event loop and do only cheap work: decode the body
+(msgspec), check it, tokenize, hand the prompt to the engine thread and stream
+back what it sends. Every rejection is an OpenAI-shaped error body
+`{"error": {"message", "type", "param", "code"}}`; nothing a client sends can
+raise past a handler, so one bad request never takes the server down.
+
+    POST /v1/completions, /v1/chat/completions   generate (SSE when "stream": true)
+    GET  /v1/models, /health, /metrics
+    POST /tokenize, /detokenize
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from rtp.sampling_params import SamplingParams
+from rtp.serve.async_engine import AsyncEngine, EngineDead, Stream
+from rtp.serve.metrics import ServerMetrics
+from rtp.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    encoder,
+)
+from rtp.serve.render import ChatRender, CompletionRender
+
+log = logging.getLogger("rtp.serve")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+                503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def body(self) -> bytes:
+        return encoder.encode(ErrorResponse(ErrorInfo(self.message, _ERROR_TYPES.get(self.status, "error"),
+                                                      self.param, self.status)))
+
+    def response(self) -> Response:
+        return Response(self.body(), self.status, self.headers, media_type="application/json")
+
+
+def _engine_error(e: Exception) -> APIError:
+    """The error an engine-side failure of one request shows its client."""
+    if isinstance(e, ValueError):  # the engine refused the input
+        return APIError(400, str(e), _param_of(str(e)))
+    if isinstance(e, EngineDead):
+        return APIError(503, f"the engine is down: {e}")
+    return APIError(500, f"the request failed: {e!r}")
+
+
+_SAMPLING_FIELDS = set(SamplingParams.__struct_fields__) | {"stop"}
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams and the engine name the field first ("top_p must be ...")."""
+    word = message.split(" ", 1)[0]
+    return word if word in _SAMPLING_FIELDS else None
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends: done, client gone, or cancelled.
+
+    Starlette cancels the body iterator when the client disconnects; the iterator
+    may not even have started, so its own `finally` is not enough to abort.
+    """
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _until_disconnected(request: Request, work) -> None:
+    """Await `work`, but give up (_ClientGone) as soon as the client hangs up."""
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((job, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not job.done():
+            job.cancel()
+    if not job.done() or job.cancelled():
+        raise _ClientGone()
+    job.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, *, model_names: list[str],
+                 api_key: str | None = None, max_body_bytes: int = 8 << 20, max_queue: int = 512):
+        self.engine = engine
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_names = model_names
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.max_queue = max_queue
+        self.draining = False
+        self.created = int(time.time())
+
+    def routes(self) -> list[Route]:
+        api = self._api
+        return [
+            Route("/v1/completions", api(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", api(self.chat_completions), methods=["POST"]),
+            Route("/v1/models", api(self.models), methods=["GET"]),
+            Route("/tokenize", api(self.tokenize), methods=["POST"]),
+            Route("/detokenize", api(self.detokenize), methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+        ]
+
+    def _api(self, handler):
+        """Wrap a handler: API key first; every failure becomes an OpenAI error body."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                self._authorize(request)
+                return await handler(request)
+            except APIError as e:
+                return e.response()
+            except (_ClientGone, ClientDisconnect):
+                return Response(status_code=499)  # nobody reads it; the request was aborted
+            except Exception as e:
+                log.exception("%s %s failed", request.method, request.url.path)
+                return APIError(500, f"internal error: {e!r}").response()
+
+        return endpoint
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or incorrect API key (send Authorization: Bearer <key>)",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    async def _decode(self, request: Request, kind: type):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise APIError(413, f"the body has {length} bytes, more than the limit of {self.max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # counted as it comes: chunked bodies carry no length
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"the body exceeds the limit of {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            return msgspec.json.decode(b"".join(chunks), type=kind)
+        except msgspec.ValidationError as e:
+            # "Expected `int`, got `str` - at `$.n`", "Object missing required field `prompt`"
+            where = re.search(r"`\$\.(\w+)|required field `(\w+)`", str(e))
+            raise APIError(400, str(e), where and (where.group(1) or where.group(2))) from None
+        except msgspec.DecodeError as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
+
+    def _model(self, name: str | None) -> str:
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise APIError(400, f"the model `{name}` does not exist; this server serves "
+                           f"{', '.join(self.model_names)}", "model")
+        return name
+
+    # -- generation --------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._decode(request, CompletionRequest)
+        model = self._model(body.model)
+        texts, prompts = self._completion_prompts(body.prompt)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
+        params = self._params(body, body.max_tokens, body.logprobs)
+        for ids in prompts:
+            self._check_length(len(ids), body.max_tokens, "prompt")
+        stream = self._submit("cmpl", prompts, params)
+        echo = [t if t is not None else self.tokenizer.decode(p) for t, p in zip(texts, prompts)] \
+            if body.echo else None
+        render = CompletionRender(stream.request_id, model, self.tokenizer, prompts, params.n,
+                                  logprobs=body.logprobs is not None, echo=echo)
+        return await self._respond(request, body, stream, render)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._decode(request, ChatCompletionRequest)
+        model = self._model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        self._check_length(len(ids), max_tokens, "messages")
+        stream = self._submit("chatcmpl", [ids], params)
+        render = ChatRender(stream.request_id, model, self.tokenizer, [ids], params.n,
+                            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        return await self._respond(request, body, stream, render)
+
+    def _completion_prompts(self, prompt) -> tuple[list[str | None], list[list[int]]]:
+        """(texts, token ids) of each prompt of a completion request, checked."""
+        if isinstance(prompt, str) or not prompt or all(isinstance(t, int) for t in prompt):
+            items = [prompt]  # one prompt ([] is one empty prompt)
+        elif all(isinstance(p, (str, list)) for p in prompt):
+            items = prompt
+        else:
+            raise APIError(400, "prompt must be a string, a list of strings, a list of token ids "
+                           "or a list of token id lists", "prompt")
+        texts, prompts = [], []
+        for item in items:
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else item
+            if not ids:
+                raise APIError(400, "the prompt is empty", "prompt")
+            if isinstance(item, list) and not all(0 <= t < self.engine.vocab_size for t in item):
+                raise APIError(400, f"prompt token ids must be in [0, {self.engine.vocab_size})", "prompt")
+            texts.append(item if isinstance(item, str) else None)
+            prompts.append(ids)
+        return texts, prompts
+
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     kwargs: dict | None) -> list[int]:
+        if not messages:
+            raise APIError(400, "messages is empty", "messages")
+        plain = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, "only text content parts are supported", "messages")
+                content = "\n".join(part.text or "" for part in content)
+            message = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            plain.append(message)
+        try:
+            ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, **(kwargs or {}))
+        except Exception as e:  # the template rejected these messages (raise_exception, bad roles)
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+        if not ids:
+            raise APIError(400, "the prompt is empty", "messages")
+        return ids
+
+    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        def given(value, default):
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=body.n, temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
+                top_k=given(body.top_k, 0), min_p=given(body.min_p, 0.0),
+                presence_penalty=given(body.presence_penalty, 0.0),
+                frequency_penalty=given(body.frequency_penalty, 0.0),
+                repetition_penalty=given(body.repetition_penalty, 1.0), seed=body.seed,
+                max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
+                stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output)
+        except ValueError as e:
+            raise APIError(400, str(e), _param_of(str(e))) from None
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                           f"prompt has {prompt_len} tokens, which leaves no room for a completion.", param)
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                           f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                           f"{max_tokens} in the completion). Please reduce the length.", "max_tokens")
+
+    def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        if self.engine.num_unstarted >= self.max_queue:
+            raise APIError(503, f"the server is overloaded: {self.engine.num_unstarted} requests are "
+                           f"waiting (limit {self.max_queue}); retry later", headers={"Retry-After": "1"})
+        try:
+            return self.engine.submit(f"{kind}-{uuid.uuid4().hex}", prompts, params)
+        except EngineDead as e:
+            raise APIError(503, str(e)) from None
+
+    async def _respond(self, request: Request, body, stream: Stream, render) -> Response:
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventStream(self._events(stream, render, usage), on_close=stream.close)
+        try:
+            await _until_disconnected(request, self._collect(stream, render))
+        finally:
+            stream.close()
+        return Response(encoder.encode(render.response()), media_type="application/json")
+
+    async def _collect(self, stream: Stream, render) -> None:
+        async for updates in stream:
+            for update in updates:
+                if update.error is not None:
+                    raise _engine_error(update.error)
+                render.add(update)
+
+    async def _events(self, stream: Stream, render, include_usage: bool) -> AsyncIterator[bytes]:
+        opening = render.opening()
+        if opening:
+            yield opening
+        async for updates in stream:
+            buf = bytearray()
+            for update in updates:
+                if update.error is not None:
+                    # the status line is long gone: the error travels as an event, then the stream ends
+                    error = _engine_error(update.error)
+                    log.warning("stream %s failed: %s", stream.request_id, error.message)
+                    yield bytes(buf) + b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
+                    return
+                render.write_chunks(update, buf)
+            if buf:
+                yield bytes(buf)
+        if include_usage:
+            yield render.usage_chunk()
+        yield b"data: [DONE]\n\n"
+
+    # -- the rest ---------------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        cards = [ModelCard(id=name, created=self.created, root=str(self.engine.model_path),
+                           max_model_len=self.max_model_len) for name in self.model_names]
+        return Response(encoder.encode(ModelList(cards)), media_type="application/json")
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._decode(request, TokenizeRequest)
+        self._model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = self._chat_prompt(body.messages, body.add_generation_prompt, None)
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return Response(encoder.encode(TokenizeResponse(len(ids), self.max_model_len, ids)),
+                        media_type="application/json")
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._decode(request, DetokenizeRequest)
+        self._model(body.model)
+        if not all(0 <= t < self.engine.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {self.engine.vocab_size})", "tokens")
+        return Response(encoder.encode(DetokenizeResponse(self.tokenizer.decode(body.tokens))),
+                        media_type="application/json")
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.dead is not None:
+            return APIError(503, f"the engine is down: {self.engine.dead!r}").response()
+        if self.draining:
+            return APIError(503, "the server is shutting down").response()
+        return Response(status_code=200)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return APIError(exc.status_code, exc.detail or "error").response()
+
+
+def build_app(serving: OpenAIServing, lifespan=None) -> Starlette:
+    return Starlette(routes=serving.routes(), exception_handlers={HTTPException: _http_error},
+                     lifespan=lifespan)

@@ -1,0 +1,104 @@
+"""`rtp serve`: load the engine, serve the OpenAI API on hypercorn, drain on SIGTERM.
+
+Shutdown: SIGTERM (or SIGINT) marks the server draining -- new requests get 503,
+/health turns 503 -- and hypercorn stops accepting connections, then waits up to
+the grace period for in-flight requests to finish. Whatever still runs after it
+is cancelled (which aborts it in the engine), the engine thread stops, and the
+process exits 0. A second signal exits at once, with status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+from rtp.config import EngineConfig
+
+log = logging.getLogger("rtp.serve")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    max_queue: int = 512
+    grace_period: float = 30.0
+
+
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    from rtp.engine.engine import LLMEngine
+    from rtp.serve.async_engine import AsyncEngine
+    from rtp.serve.metrics import ServerMetrics
+    from rtp.serve.openai_api import OpenAIServing
+
+    _check_bindable(options.host, options.port)  # fail now, not after loading the model
+    engine = LLMEngine(config)
+    names = options.served_model_names or [config.model or DEFAULT_MODEL_NAME]
+    metrics = ServerMetrics(names[0])
+    async_engine = AsyncEngine(engine, metrics)
+    metrics.read_stats = lambda: async_engine.stats
+    serving = OpenAIServing(async_engine, metrics, model_names=names, api_key=options.api_key,
+                            max_body_bytes=options.max_body_bytes, max_queue=options.max_queue)
+    asyncio.run(_run(serving, options))
+    log.info("server stopped")
+    return 0
+
+
+def _check_bindable(host: str, port: int) -> None:
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+async def _run(serving, options: ServeOptions) -> None:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    from rtp.serve.openai_api import build_app
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        serving.engine.start()  # the engine thread delivers into this loop
+        try:
+            yield
+        finally:
+            serving.engine.stop()
+
+    config = Config()
+    host = f"[{options.host}]" if ":" in options.host and not options.host.startswith("[") else options.host
+    config.bind = [f"{host}:{options.port}"]
+    config.graceful_timeout = options.grace_period
+    config.accesslog = None  # rtp logs one line per request itself
+    config.errorlog = logging.getLogger("hypercorn.error")
+
+    stop = asyncio.Event()
+
+    def drain(signame: str) -> None:
+        if stop.is_set():  # a second signal: the operator does not want to wait
+            log.warning("%s again: exiting without draining", signame)
+            os._exit(1)
+        log.info("%s: draining, up to %.0f s for %d in-flight requests", signame, options.grace_period,
+                 serving.engine.num_unstarted + serving.engine.stats.get("num_running", 0))
+        serving.draining = True
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, drain, sig.name)
+    app = build_app(serving, lifespan)
+    log.info("serving %s on http://%s:%d", ", ".join(serving.model_names), options.host, options.port)
+    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
