@@ -22,7 +22,6 @@ cdef extern from "cpu_kernels.h":
                            const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
                            uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
                            int64_t T, int64_t H, int64_t Hkv, int64_t D) nogil
-    void rtp_silu_and_mul_bf16(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t T, int64_t I) nogil
     void rtp_paged_decode_attention_bf16(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
         const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
@@ -81,9 +80,3 @@ def rope_store_kv(intptr_t qkv, int64_t ldq, intptr_t positions, intptr_t cos_si
         rtp_rope_store_kv(<const uint16_t *>qkv, ldq, <const int32_t *>positions,
                           <const float *>cos_sin, rot, <uint16_t *>q_out, <uint16_t *>k_cache,
                           <uint16_t *>v_cache, tok_stride, <const int64_t *>slots, t, h, hkv, d)
-
-
-def silu_and_mul_bf16(intptr_t x, int64_t ldx, intptr_t out, int64_t t, int64_t i) -> None:
-    """out[t] = silu(x[t, :i]) * x[t, i:] (bf16 in and out, fp32 inside)."""
-    with nogil:
-        rtp_silu_and_mul_bf16(<const uint16_t *>x, ldx, <uint16_t *>out, t, i)

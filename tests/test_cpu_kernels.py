@@ -155,19 +155,3 @@ def test_rope_and_store_matches_torch(heads, kv_heads, dim):
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[slots] = False
     assert torch.all(flat[:, untouched] == 0)
-
-
-@pytest.mark.parametrize("tokens", [1, 5, 100])
-def test_silu_and_mul_matches_fp32(tokens):
-    from rtp.models.layers import SiluAndMul
-
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(tokens, 2 * 1536, generator=g) * 6).bfloat16()
-    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])  # saturating exp arguments
-    got = SiluAndMul()(x)
-    gate, up = x.float().chunk(2, dim=-1)
-    want = torch.nn.functional.silu(gate) * up
-    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 1536)
-    assert torch.isfinite(got.float()).all()
-    # one rounding to bf16 of the fp32 result: within half a bf16 ulp (2^-9 relative), plus exp's error
-    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()

@@ -217,7 +217,7 @@ TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const
  * (bucket padding) writes zeros. window > 0 limits each row to its last `window` keys.
  * ------------------------------------------------------------------------------------------- */
 
-/* exp(x), max rel. error about 2e-7; 0 below -87, inf above 88 (scalef saturates). */
+/* exp(x) for x <= 0 (softmax arguments), max rel. error about 2e-7. */
 TARGET static inline __m512 exp_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -392,23 +392,5 @@ TARGET void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *p
         uint16_t *kd = k_cache + slots[t] * tok_stride, *vd = v_cache + slots[t] * tok_stride;
         for (int64_t h = 0; h < Hkv; h++) rope_head(row + (H + h) * D, cs, rot, D, kd + h * D);
         memcpy(vd, row + (H + Hkv) * D, (size_t)(Hkv * D) * sizeof(uint16_t));
-    }
-}
-
-/* ---------------------------------------------------------------------------------------------
- * SiLU-and-multiply after the fused gate/up projection: out[t] = silu(x[t, :I]) * x[t, I:],
- * computed in fp32 and rounded to bf16 once. x bf16 [T, 2I] (row stride ldx); out bf16 [T, I];
- * I a multiple of 16.
- * ------------------------------------------------------------------------------------------- */
-TARGET void rtp_silu_and_mul_bf16(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= 65536)
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *g = x + t * ldx, *u = g + I;
-        for (int64_t i = 0; i < I; i += 16) {
-            __m512 gv = bf16x16_to_f32(g + i);
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)); /* inf for very negative g: 0 out */
-            __m512 y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), bf16x16_to_f32(u + i));
-            _mm256_storeu_si256((__m256i *)(out + t * I + i), (__m256i)_mm512_cvtneps_pbh(y));
-        }
     }
 }

@@ -20,4 +20,3 @@ void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *position
                        const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
                        uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
                        int64_t T, int64_t H, int64_t Hkv, int64_t D);
-void rtp_silu_and_mul_bf16(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t T, int64_t I);

@@ -143,22 +143,6 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     return q
 
 
-# -- SiLU and multiply ----------------------------------------------------------------------------
-
-def silu_and_mul_supported(x: torch.Tensor) -> bool:
-    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
-            and x.stride(1) == 1 and x.shape[1] % 32 == 0)
-
-
-@_op("silu_and_mul", (), lambda x: x.new_empty(x.shape[0], x.shape[1] // 2))
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] bf16 (gate then up) -> silu(gate) * up [T, I] bf16."""
-    t, two_i = x.shape
-    out = torch.empty(t, two_i // 2, dtype=x.dtype)
-    _k.silu_and_mul_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), t, two_i // 2)
-    return out
-
-
 # -- decode attention over the paged cache ---------------------------------------------------------
 
 def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

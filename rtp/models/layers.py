@@ -191,7 +191,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.silu_and_mul_supported(x):
-            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
