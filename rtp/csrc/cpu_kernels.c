@@ -41,6 +41,12 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* One output element of a linear, in its dtype. */
+static inline void store_out(void *out, int64_t at, int out_bf16, float v) {
+    if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
+    else ((float *)out)[at] = v;
+}
+
 /* Tiles of the quantized linears: NR weight rows meet MR activation rows (16 accumulators)
  * while the rows sit in L1, so each weight byte is read from memory once per call. */
 #define NR 4
@@ -119,9 +125,7 @@ TARGET static inline __attribute__((always_inline)) void q4_1_tile(
                 v = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(k, xs + b), v);
             }
             float y = _mm512_reduce_add_ps(v) + (bias ? bias[n0 + j] : 0.0f);
-            int64_t at = (m0 + i) * ldo + n0 + j;
-            if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(y);
-            else ((float *)out)[at] = y;
+            store_out(out, (m0 + i) * ldo + n0 + j, out_bf16, y);
         }
     }
 }
@@ -183,9 +187,7 @@ TARGET static inline __attribute__((always_inline)) void q8_0_tile(
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) {
             float v = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);
-            int64_t at = (m0 + i) * ldo + n0 + j;
-            if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
-            else ((float *)out)[at] = v;
+            store_out(out, (m0 + i) * ldo + n0 + j, out_bf16, v);
         }
 }
 

@@ -114,16 +114,10 @@ def _attach_quantized(model: torch.nn.Module, path: Path) -> None:
 
     if not cpu_kernels.available():
         return
-    packed = dict(GGUFCheckpoint(path).quantized())
-    mapping = getattr(model, "packed_modules_mapping", {})
     fused: dict[str, dict] = {}
-    for name, blocks in packed.items():
-        module, shard = name.removesuffix(".weight"), None
-        for part, (target, shard_id) in mapping.items():
-            if module.endswith(f".{part}"):
-                module, shard = module.removesuffix(part) + target, shard_id
-                break
-        fused.setdefault(module, {})[shard] = blocks
+    for name, blocks in GGUFCheckpoint(path).quantized():
+        target, shard = model.fused_target(name)
+        fused.setdefault(target.removesuffix(".weight"), {})[shard] = blocks
     modules = dict(model.named_modules())
     if getattr(model.config, "tie_word_embeddings", False) and "model.embed_tokens" in fused:
         fused.setdefault("lm_head", fused["model.embed_tokens"])

@@ -139,6 +139,14 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def fused_target(self, name: str) -> tuple[str, str | int | None]:
+        """(our parameter name, shard id) of a checkpoint tensor: q/k/v and gate/up parts go
+        to their fused projection; everything else maps to itself (shard None)."""
+        for part, (fused, shard_id) in self.packed_modules_mapping.items():
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard_id
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into parameters; returns the parameters loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -148,11 +156,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            target, shard = name, None
-            for part, (fused, shard_id) in self.packed_modules_mapping.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
-                    break
+            target, shard = self.fused_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rtp.models import cpu_kernels
+
 BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
 
@@ -78,8 +80,6 @@ class BlockQuantized:
         return w.reshape(n, k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-        from rtp.models import cpu_kernels
-
         b = None if bias is None else bias.float()
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out_dtype)
