@@ -93,6 +93,18 @@ def test_shared_system_prompt_recomputes_only_new_tokens(llm_fp32):
     assert first.outputs[0].text
 
 
+def test_one_token_requests_finish_with_their_cached_count(llm_fp32):
+    # a request that ends on its first token leaves the scheduler inside that step
+    system = "You are a helpful assistant who answers briefly. " * 8
+    prompts = [llm_fp32.tokenizer.encode(system + q) for q in ("One?", "Two?")]
+    outs = llm_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=1))
+    again = llm_fp32.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1))[0]
+    for out in outs + [again]:
+        assert out.error is None and out.finished
+        assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    assert again.num_cached_tokens >= 64  # the shared system text came from the prefix cache
+
+
 def test_tiny_kv_budget_preempts_and_still_matches(default_gguf, reference):
     # 12 blocks of 16 tokens (fp32: 737,280 bytes each) for 8 requests of ~70 tokens:
     # even with the shared preamble deduplicated they must preempt and recompute

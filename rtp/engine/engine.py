@@ -222,6 +222,10 @@ class LLMEngine:
         seqs = [self._seqs[rid] for rid in self.runner.sample_req_ids().tolist()]
         sampled = self.sampler(logits, self._batch(seqs)) if seqs else None
         tokens = sampled.token_ids.cpu().numpy() if sampled is not None else np.zeros(0, dtype=np.int64)
+        for seq in seqs:
+            # read before update(): a request that finishes on its first token leaves the scheduler there
+            if not seq.out_ids and seq.output.index == 0:
+                seq.request.num_cached_tokens = self.scheduler.cached_prompt_tokens(seq.rid)
         n = self.scheduler.update(tokens)
         touched: dict[str, RequestOutput] = {}
         for k, seq in enumerate(seqs):
@@ -261,8 +265,6 @@ class LLMEngine:
                     entry.setdefault(int(ids[k, j]), float(values[k, j]))
             out.logprobs.append(entry)
             out.cumulative_logprob += entry[token]
-        if len(seq.out_ids) == 1 and seq.output.index == 0:
-            seq.request.num_cached_tokens = self.scheduler.cached_prompt_tokens(seq.rid)
         self._add_text(seq, seq.detok.add(token))
 
     def _add_text(self, seq: _Sequence, piece: str) -> None:
