@@ -270,7 +270,8 @@ class Sampler:
         # One fp32 copy; everything below may work on it in place.
         x = logits.to(torch.float32, copy=True)
         if batch.mask_rows is not None:
-            x[batch.mask_rows, batch.mask_cols] = float("-inf")
+            # the value made on the device: a Python scalar would be a blocking host-to-device copy
+            x.index_put_((batch.mask_rows, batch.mask_cols), x.new_full((), float("-inf")))
         if batch.any_penalty:
             _apply_penalties(x, batch)
 
