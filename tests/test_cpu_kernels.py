@@ -54,14 +54,16 @@ def test_q4_1_nibble_order_is_ggufs(default_gguf):
         assert torch.equal(packed[name].dequantize(), dense[name]), name
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 1, 32)])
-@pytest.mark.parametrize("window", [0, 20])
+# (9, 3, 64) and (4, 4, 128) take unrolled copies of the kernel; the others its generic loop
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 1, 32), (14, 2, 96)])
+@pytest.mark.parametrize("window", [0, 20, 300])
 def test_paged_decode_attention_matches_torch(heads, kv_heads, dim, window):
     g = torch.Generator().manual_seed(1)
-    blocks, block_size, batch, width = 40, 16, 6, 7
+    blocks, block_size, batch, width = 80, 16, 8, 40
     kv = torch.randn(2, blocks, block_size, kv_heads, dim, generator=g).bfloat16()
     tables = torch.randint(1, blocks, (batch, width), dtype=torch.int32, generator=g)
-    lens = torch.tensor([1, 16, 17, 100, width * block_size, 0], dtype=torch.int32)  # 0: a padding row
+    # one key, block edges, softmax spans of 256 keys and their edges; 0: a padding row
+    lens = torch.tensor([1, 16, 17, 100, 256, 257, width * block_size, 0], dtype=torch.int32)
     q = torch.randn(batch, heads, dim, generator=g).bfloat16()
     ref = decode_attention(q.float(), kv[0].float(), kv[1].float(), tables, lens, dim**-0.5, window or None)
     out = cpu_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, dim**-0.5, window)

@@ -211,7 +211,7 @@ TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const
 
 /* ---------------------------------------------------------------------------------------------
  * Decode attention over the paged KV cache: one query token per row.
- * q bf16 [B, H, D] contiguous; k_cache / v_cache bf16 with token stride `tok_stride`
+ * q bf16 [B, H, D] contiguous, D a multiple of 32; k_cache / v_cache bf16 with token stride `tok_stride`
  * (elements between consecutive slots; slot = block * block_size + offset) and head
  * stride D; block_tables int32 [B, ldt]; seq_lens int32 [B]; out bf16 [B, H, D].
  * Each (row, kv head) task keeps its G = H / Hkv query heads' running max, sum and
@@ -238,14 +238,184 @@ TARGET static inline __m512 exp_ps(__m512 x) {
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#define KEYS 16 /* keys scored per softmax update */
+#define KEYS 16  /* keys scored at once (one vector of scores) */
+#define SPAN 256 /* keys per online-softmax update */
+
+/* Sixteen vectors in, one out: lane i = the sum of v[i]'s 16 lanes. A transposing tree
+ * (31 shuffles for 16 sums) instead of 16 horizontal reductions (64 shuffles, each a
+ * dependency chain): the scores of a block of keys come out as one vector. */
+TARGET static inline __m512 sum16x16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++)  /* 128-bit quarters: [v2i(q0+q2), v2i(q1+q3), v2i+1(q0+q2), v2i+1(q1+q3)] */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* quarter j holds four partial sums of key 4i + j */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    __m512 y0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    __m512 y1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    __m512d a = _mm512_castps_pd(y0), b = _mm512_castps_pd(y1);
+    /* lane 4j + e now holds the sum of key 4e + j */
+    __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, z);
+}
+
+/* 32 bf16 at p as two fp32 vectors without a shuffle: the even elements (2j -> lane j)
+ * and the odd ones. Keys and values are read this way; the query and the output use
+ * the same split layout, so nothing is reordered per key. */
+TARGET static inline void bf16x32_split(const uint16_t *p, __m512 *even, __m512 *odd) {
+    __m512i x = _mm512_loadu_si512((const void *)p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* Addresses of the K and V rows of keys [t0, min(t0 + KEYS, len)) of one kv head (at
+ * element offset `head`): one division per call, not one per key. Returns their count. */
+static inline int64_t key_rows(const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
+                               const int32_t *table, int64_t block_size, int64_t head, int64_t t0,
+                               int64_t len, const uint16_t **kp, const uint16_t **vp) {
+    int64_t n = len - t0 < KEYS ? len - t0 : KEYS;
+    if (n <= 0) return 0;
+    int64_t blk = t0 / block_size, off = t0 - blk * block_size;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t slot = (int64_t)table[blk] * block_size + off;
+        kp[i] = k_cache + slot * tok_stride + head;
+        vp[i] = v_cache + slot * tok_stride + head;
+        if (++off == block_size) {
+            off = 0;
+            blk++;
+        }
+    }
+    return n;
+}
+
+/* One (row, kv head) task. Always inlined into call sites with constant G and NC, so the
+ * compiler unrolls the head and dimension loops and keeps the accumulators in registers
+ * (with them as variables every accumulator lived on the stack: 3x slower). */
+TARGET static inline __attribute__((always_inline)) void attend_task(
+        const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
+        const int32_t *table, int64_t len, uint16_t *o, int64_t b, int64_t h, int64_t H, int64_t D,
+        int64_t block_size, float scale, int64_t window, const int64_t G, const int64_t NC) {
+    int64_t first = window > 0 && len > window ? len - window : 0;
+    /* query (scaled) and output accumulators in the even/odd split layout */
+    __m512 qe[MAX_GROUP][MAX_DIM / 32], qo[MAX_GROUP][MAX_DIM / 32];
+    __m512 ae[MAX_GROUP][MAX_DIM / 32], ao[MAX_GROUP][MAX_DIM / 32];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int64_t g = 0; g < G; g++) {
+        const uint16_t *qr = q + (b * H + h * G + g) * D;
+        for (int64_t c = 0; c < NC; c++) {
+            bf16x32_split(qr + 32 * c, &qe[g][c], &qo[g][c]);
+            qe[g][c] = _mm512_mul_ps(qe[g][c], _mm512_set1_ps(scale));
+            qo[g][c] = _mm512_mul_ps(qo[g][c], _mm512_set1_ps(scale));
+            ae[g][c] = ao[g][c] = _mm512_setzero_ps();
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    /* Keys go in spans of SPAN: all scores of a span first (16 at a time), then one softmax
+     * update per span (max, exp and sum as whole-vector passes), then the values. An update
+     * per 16 keys spent more time in its reduction chains than in the dot products. */
+    for (int64_t s0 = first; s0 < len; s0 += SPAN) {
+        int64_t ns = len - s0 < SPAN ? len - s0 : SPAN;
+        int64_t nch = (ns + KEYS - 1) / KEYS;
+        __m512 sc[MAX_GROUP][SPAN / KEYS]; /* scores, then probabilities; 0 past the end */
+        const uint16_t *kp[KEYS], *vp[KEYS], *nkp[KEYS], *nvp[KEYS];
+        key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0, s0 + ns, kp, vp);
+        for (int64_t ch = 0; ch < nch; ch++) {
+            int64_t nt = ns - ch * KEYS < KEYS ? ns - ch * KEYS : KEYS;
+            int64_t nn = key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D,
+                                  s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp);
+            for (int64_t i = 0; i < nn; i++)
+                for (int64_t c = 0; c < D; c += 32) _mm_prefetch((const char *)(nkp[i] + c), _MM_HINT_T0);
+            /* per key and query head a vector of partial dot products, summed 16 at once */
+            __m512 part[MAX_GROUP][KEYS];
+            for (int64_t i = 0; i < KEYS; i++) {
+                if (i >= nt) {
+                    for (int64_t g = 0; g < G; g++) part[g][i] = _mm512_setzero_ps();
+                    continue;
+                }
+                __m512 ke[MAX_DIM / 32], ko[MAX_DIM / 32];
+                for (int64_t c = 0; c < NC; c++) bf16x32_split(kp[i] + 32 * c, &ke[c], &ko[c]);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 d = _mm512_mul_ps(qe[g][0], ke[0]);
+                    d = _mm512_fmadd_ps(qo[g][0], ko[0], d);
+                    for (int64_t c = 1; c < NC; c++) {
+                        d = _mm512_fmadd_ps(qe[g][c], ke[c], d);
+                        d = _mm512_fmadd_ps(qo[g][c], ko[c], d);
+                    }
+                    part[g][i] = d;
+                }
+            }
+            __mmask16 valid = (__mmask16)((1u << nt) - 1);
+            for (int64_t g = 0; g < G; g++)
+                sc[g][ch] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16x16(part[g]));
+            memcpy(kp, nkp, sizeof(kp));
+        }
+        __mmask16 last = (__mmask16)((1u << (ns - (nch - 1) * KEYS)) - 1);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 mx = sc[g][0];
+            for (int64_t ch = 1; ch < nch; ch++) mx = _mm512_max_ps(mx, sc[g][ch]);
+            float mnew = fmaxf(m[g], _mm512_reduce_max_ps(mx));
+            float corr = expf(m[g] - mnew); /* exp(-inf) = 0 on the first span */
+            __m512 mv = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+            for (int64_t ch = 0; ch < nch; ch++) {
+                __m512 p = exp_ps(_mm512_sub_ps(sc[g][ch], mv));
+                if (ch == nch - 1) p = _mm512_maskz_mov_ps(last, p);
+                sc[g][ch] = p;
+                sum = _mm512_add_ps(sum, p);
+            }
+            l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
+            m[g] = mnew;
+            __m512 cv = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < NC; c++) {
+                ae[g][c] = _mm512_mul_ps(ae[g][c], cv);
+                ao[g][c] = _mm512_mul_ps(ao[g][c], cv);
+            }
+        }
+        /* values: each read once, accumulated into all G outputs */
+        key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0, s0 + ns, kp, vp);
+        for (int64_t ch = 0; ch < nch; ch++) {
+            int64_t nt = ns - ch * KEYS < KEYS ? ns - ch * KEYS : KEYS;
+            int64_t nn = key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D,
+                                  s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp);
+            for (int64_t i = 0; i < nn; i++)
+                for (int64_t c = 0; c < D; c += 32) _mm_prefetch((const char *)(nvp[i] + c), _MM_HINT_T0);
+            for (int64_t i = 0; i < nt; i++) {
+                __m512 ve[MAX_DIM / 32], vo[MAX_DIM / 32];
+                for (int64_t c = 0; c < NC; c++) bf16x32_split(vp[i] + 32 * c, &ve[c], &vo[c]);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 pi = _mm512_set1_ps(((const float *)&sc[g][ch])[i]);
+                    for (int64_t c = 0; c < NC; c++) {
+                        ae[g][c] = _mm512_fmadd_ps(pi, ve[c], ae[g][c]);
+                        ao[g][c] = _mm512_fmadd_ps(pi, vo[c], ao[g][c]);
+                    }
+                }
+            }
+            memcpy(vp, nvp, sizeof(vp));
+        }
+    }
+    /* back to element order: interleave even and odd lanes, round to bf16 */
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t g = 0; g < G; g++) {
+        __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+        for (int64_t c = 0; c < NC; c++) {
+            __m512 e = _mm512_mul_ps(ae[g][c], inv), od = _mm512_mul_ps(ao[g][c], inv);
+            __m256bh r0 = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, lo, od));
+            __m256bh r1 = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, hi, od));
+            _mm256_storeu_si256((__m256i *)(o + g * D + 32 * c), (__m256i)r0);
+            _mm256_storeu_si256((__m256i *)(o + g * D + 32 * c + 16), (__m256i)r1);
+        }
+    }
+}
 
 TARGET void rtp_paged_decode_attention_bf16(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
         const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
         int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window) {
     int64_t G = H / Hkv;
-    int64_t dv = D / 16; /* D is a multiple of 16, at most MAX_DIM */
+    int64_t nc = D / 32; /* D is a multiple of 32, at most MAX_DIM */
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * Hkv; task++) {
         int64_t b = task / Hkv, h = task % Hkv;
@@ -255,71 +425,25 @@ TARGET void rtp_paged_decode_attention_bf16(
             memset(o, 0, (size_t)(G * D) * sizeof(uint16_t));
             continue;
         }
-        int64_t first = window > 0 && len > window ? len - window : 0;
-        __m512 qv[MAX_GROUP][MAX_DIM / 16];
-        float m[MAX_GROUP], l[MAX_GROUP];
-        __m512 acc[MAX_GROUP][MAX_DIM / 16];
-        for (int64_t g = 0; g < G; g++) {
-            const uint16_t *qr = q + (b * H + h * G + g) * D;
-            for (int64_t c = 0; c < dv; c++) {
-                qv[g][c] = _mm512_mul_ps(bf16x16_to_f32(qr + 16 * c), _mm512_set1_ps(scale));
-                acc[g][c] = _mm512_setzero_ps();
-            }
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
-        }
         const int32_t *table = block_tables + b * ldt;
-        for (int64_t t0 = first; t0 < len; t0 += KEYS) {
-            int64_t nt = len - t0 < KEYS ? len - t0 : KEYS;
-            const uint16_t *kp[KEYS], *vp[KEYS];
-            for (int64_t i = 0; i < nt; i++) {
-                int64_t t = t0 + i;
-                int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                kp[i] = k_cache + slot * tok_stride + h * D;
-                vp[i] = v_cache + slot * tok_stride + h * D;
-            }
-            /* scores: each key converted once, dotted with all G query heads */
-            float s[MAX_GROUP][KEYS];
-            for (int64_t i = 0; i < nt; i++) {
-                __m512 kv[MAX_DIM / 16];
-                for (int64_t c = 0; c < dv; c++) kv[c] = bf16x16_to_f32(kp[i] + 16 * c);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 d = _mm512_mul_ps(qv[g][0], kv[0]);
-                    for (int64_t c = 1; c < dv; c++) d = _mm512_fmadd_ps(qv[g][c], kv[c], d);
-                    s[g][i] = _mm512_reduce_add_ps(d);
-                }
-            }
-            __mmask16 valid = (__mmask16)((1u << nt) - 1);
-            float pw[MAX_GROUP][KEYS];
-            for (int64_t g = 0; g < G; g++) {
-                __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s[g]);
-                float mnew = fmaxf(m[g], _mm512_reduce_max_ps(sv));
-                float corr = expf(m[g] - mnew); /* exp(-inf) = 0 on the first block */
-                __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
-                l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
-                m[g] = mnew;
-                _mm512_storeu_ps(pw[g], p);
-                __m512 cv = _mm512_set1_ps(corr);
-                for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
-            }
-            /* values: each converted once, accumulated into all G outputs */
-            for (int64_t i = 0; i < nt; i++) {
-                __m512 vv[MAX_DIM / 16];
-                for (int64_t c = 0; c < dv; c++) vv[c] = bf16x16_to_f32(vp[i] + 16 * c);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 pi = _mm512_set1_ps(pw[g][i]);
-                    for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(pi, vv[c], acc[g][c]);
-                }
-            }
+#define ATTEND(g, n) attend_task(q, k_cache, v_cache, tok_stride, table, len, o, b, h, H, D, block_size, scale, window, g, n)
+        /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
+        switch (G * 16 + nc) {
+        case 1 * 16 + 2: ATTEND(1, 2); break;
+        case 2 * 16 + 2: ATTEND(2, 2); break;
+        case 3 * 16 + 2: ATTEND(3, 2); break;
+        case 4 * 16 + 2: ATTEND(4, 2); break;
+        case 5 * 16 + 2: ATTEND(5, 2); break;
+        case 6 * 16 + 2: ATTEND(6, 2); break;
+        case 8 * 16 + 2: ATTEND(8, 2); break;
+        case 1 * 16 + 4: ATTEND(1, 4); break;
+        case 2 * 16 + 4: ATTEND(2, 4); break;
+        case 4 * 16 + 4: ATTEND(4, 4); break;
+        case 6 * 16 + 4: ATTEND(6, 4); break;
+        case 8 * 16 + 4: ATTEND(8, 4); break;
+        default: ATTEND(G, nc); break;
         }
-        for (int64_t g = 0; g < G; g++) {
-            __m512 inv = _mm512_set1_ps(1.0f / l[g]);
-            for (int64_t c = 0; c < dv; c++) {
-                __m512 r = _mm512_mul_ps(acc[g][c], inv);
-                __m256bh h16 = _mm512_cvtneps_pbh(r);
-                _mm256_storeu_si256((__m256i *)(o + g * D + 16 * c), (__m256i)h16);
-            }
-        }
+#undef ATTEND
     }
 }
 

@@ -98,9 +98,23 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[to
     model.eval()
     if path.suffix == ".gguf" and dtype == torch.bfloat16 and device.type == "cpu":
         _attach_quantized(model, path)
+    _pack_cpu_weights(model)
     log.info("loaded %s (%s, %.1f M params) in %.1f s", path.name, config.architecture,
              sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - start)
     return model, config
+
+
+def _pack_cpu_weights(model: torch.nn.Module) -> None:
+    """Give bf16 CPU linears (and the LM head) a oneDNN-prepacked weight (rtp/models/packed.py)."""
+    from rtp.models import packed
+
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "packed") and packed.supported(module.weight):
+            module.packed = packed.pack(module.weight)
+            count += 1
+    if count:
+        log.info("prepacked %d bf16 linear weights for oneDNN", count)
 
 
 def _attach_quantized(model: torch.nn.Module, path: Path) -> None:

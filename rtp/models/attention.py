@@ -96,7 +96,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     n, length = q.shape[0], row.context_len
     k = k_cache[row.block_ids].flatten(0, 1)[:length].transpose(0, 1)  # [Hkv, L, D]
     v = v_cache[row.block_ids].flatten(0, 1)[:length].transpose(0, 1)
-    qh = q.transpose(0, 1)  # [H, n, D]
+    # A leading batch dim of 1: with 4-D operands torch takes its flash kernel on the CPU
+    # (10x the 3-D path, which falls back to the math kernel; README "Performance").
+    qh, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, n, D], [1, Hkv, L, D]
     if n == length and sliding_window is None:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -106,7 +108,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 class PagedAttention(nn.Module):

@@ -150,7 +150,7 @@ def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     d = q.shape[-1]
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     return (_AVAILABLE and q.device.type == "cpu" and k_cache.dtype == torch.bfloat16
-            and d % 16 == 0 and d <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
+            and d % 32 == 0 and d <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
             and k_cache.stride(-1) == 1 and k_cache.stride(-2) == d)
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from rtp.distributed import tp_rank, tp_size
 from rtp.models import cpu_kernels
 from rtp.models.cpu_kernels import QUANT_MAX_ROWS
+from rtp.models import packed
 from rtp.models.quant import BlockQuantized
 
 
@@ -75,6 +76,7 @@ class LinearBase(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
         self.quant: BlockQuantized | None = None
+        self.packed: torch.Tensor | None = None  # oneDNN-prepacked copy (rtp/models/packed.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.shard_dim is not None and tp_size() > 1 and not (param is self.bias and self.shard_dim == 1):
@@ -84,6 +86,8 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
             return self.quant.linear(x, self.bias, x.dtype)
+        if self.packed is not None and not torch.compiler.is_compiling():
+            return packed.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -181,10 +185,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, dim: int):
         super().__init__(vocab_size, dim)
         self.quant: BlockQuantized | None = None
+        self.packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
             return self.quant.linear(hidden, None, torch.float32)
+        if self.packed is not None and not torch.compiler.is_compiling():
+            return packed.linear(hidden.to(self.weight.dtype), self.packed, None).float()
         # bf16 matmul where the weights are bf16, logits returned in fp32 for sampling
         return F.linear(hidden.to(self.weight.dtype), self.weight).float()
 
