@@ -22,6 +22,10 @@ cdef extern from "cpu_kernels.h":
                            const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
                            uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
                            int64_t T, int64_t H, int64_t Hkv, int64_t D) nogil
+    int rtp_amx_supported() nogil
+    int rtp_linear_amx(const uint16_t *x, int64_t ldx, int kind, const uint8_t *weights,
+                       const float *bias, void *out, int64_t ldo, int out_bf16,
+                       int64_t M, int64_t N, int64_t K) nogil
     void rtp_paged_decode_attention_bf16(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
         const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
@@ -41,6 +45,22 @@ def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, in
         rtp_linear_q4_1(<const uint16_t *>x, ldx, <const uint8_t *>qs, <const float *>d,
                         <const float *>m, <const float *>bias, <void *>out, ldo,
                         out_bf16, rows, n, k)
+
+
+def amx_supported() -> bool:
+    """True when this CPU has AMX-BF16 and the kernel granted this process the tile state."""
+    return bool(rtp_amx_supported())
+
+
+def linear_amx(intptr_t x, int64_t ldx, int kind, intptr_t weights, intptr_t bias,
+               intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
+    """out = x @ dequant(weight).T (+ bias) on AMX; kind 0 Q4_1, 1 Q8_0 (tile-order records); x bf16."""
+    cdef int ok
+    with nogil:
+        ok = rtp_linear_amx(<const uint16_t *>x, ldx, kind, <const uint8_t *>weights,
+                            <const float *>bias, <void *>out, ldo, out_bf16, rows, n, k)
+    if not ok:
+        raise MemoryError("rtp_linear_amx: no scratch memory")
 
 
 def linear_q8_0(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t bias, intptr_t out,

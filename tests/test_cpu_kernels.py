@@ -38,6 +38,43 @@ def test_quantized_linear_matches_dequantized_weights(kind, rows, bias):
         assert (out.float() - ref).abs().max().item() <= tol
 
 
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs a CPU with AMX-BF16")
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 15, 17, 64, 65, 100])
+def test_amx_linear_equals_the_models_bf16_weights(kind, rows):
+    """The AMX kernel multiplies exactly the model's bf16 weights (the dequantized blocks,
+    rounded once) with fp32 accumulation: fp32-rounding-level error, any row count."""
+    n, k = 48, 192  # three tiles of 16 rows, six blocks per row
+    w = random_blocks(kind, n, k).with_amx_layout()
+    assert w.tiles is not None and w.tiles.shape == (3, 6, 384 if kind == "q4_1" else 576)
+    b = torch.randn(n)
+    x = torch.randn(rows, k).bfloat16()
+    ref = x.float() @ w.dequantize().bfloat16().float().T + b
+    kind_id = 0 if kind == "q4_1" else 1
+    out = cpu_kernels.linear_amx(x, kind_id, w.tiles, b, torch.float32)
+    assert out.shape == (rows, n) and (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert torch.equal(cpu_kernels.linear_amx(x, kind_id, w.tiles, b, torch.bfloat16), out.bfloat16())
+    if rows >= 2:  # what the layers call: AMX from two rows on (one row: the AVX-512 kernel)
+        assert torch.equal(w.linear(x, b, torch.float32), out)
+
+
+@needs_amx
+def test_amx_linear_reads_a_row_slice_and_compiles():
+    w = random_blocks("q4_1", 32, 64).with_amx_layout()
+    wide = torch.randn(4, 96).bfloat16()
+    x = wide[:, :64]  # a row stride wider than K, as a slice of a fused output
+    assert torch.equal(w.linear(x, None, torch.float32), w.linear(x.contiguous(), None, torch.float32))
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.relu(w.linear(x, None, torch.float32)) + 1
+
+    assert torch.allclose(f(x), torch.relu(w.linear(x, None, torch.float32)) + 1)
+
+
 def test_q4_1_nibble_order_is_ggufs(default_gguf):
     """Packed blocks read from the real default model dequantize to what gguf's own
     dequantizer gives, with the q/k rows unpermuted like the fp32 tensors."""

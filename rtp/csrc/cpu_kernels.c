@@ -416,32 +416,36 @@ TARGET void rtp_paged_decode_attention_bf16(
         int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window) {
     int64_t G = H / Hkv;
     int64_t nc = D / 32; /* D is a multiple of 32, at most MAX_DIM */
+    /* One task per row, its kv heads in turn: a token's K (and V) row of all heads is one
+     * contiguous run, so the row's blocks stream through whole (a task per head read a third
+     * of each run and got 9 GB/s from DRAM; per row, more). */
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * Hkv; task++) {
-        int64_t b = task / Hkv, h = task % Hkv;
+    for (int64_t b = 0; b < B; b++) {
         int64_t len = seq_lens[b];
-        uint16_t *o = out + (b * H + h * G) * D;
         if (len <= 0) {
-            memset(o, 0, (size_t)(G * D) * sizeof(uint16_t));
+            memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
             continue;
         }
         const int32_t *table = block_tables + b * ldt;
+        for (int64_t h = 0; h < Hkv; h++) {
+            uint16_t *o = out + (b * H + h * G) * D;
 #define ATTEND(g, n) attend_task(q, k_cache, v_cache, tok_stride, table, len, o, b, h, H, D, block_size, scale, window, g, n)
-        /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
-        switch (G * 16 + nc) {
-        case 1 * 16 + 2: ATTEND(1, 2); break;
-        case 2 * 16 + 2: ATTEND(2, 2); break;
-        case 3 * 16 + 2: ATTEND(3, 2); break;
-        case 4 * 16 + 2: ATTEND(4, 2); break;
-        case 5 * 16 + 2: ATTEND(5, 2); break;
-        case 6 * 16 + 2: ATTEND(6, 2); break;
-        case 8 * 16 + 2: ATTEND(8, 2); break;
-        case 1 * 16 + 4: ATTEND(1, 4); break;
-        case 2 * 16 + 4: ATTEND(2, 4); break;
-        case 4 * 16 + 4: ATTEND(4, 4); break;
-        case 6 * 16 + 4: ATTEND(6, 4); break;
-        case 8 * 16 + 4: ATTEND(8, 4); break;
-        default: ATTEND(G, nc); break;
+            /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
+            switch (G * 16 + nc) {
+            case 1 * 16 + 2: ATTEND(1, 2); break;
+            case 2 * 16 + 2: ATTEND(2, 2); break;
+            case 3 * 16 + 2: ATTEND(3, 2); break;
+            case 4 * 16 + 2: ATTEND(4, 2); break;
+            case 5 * 16 + 2: ATTEND(5, 2); break;
+            case 6 * 16 + 2: ATTEND(6, 2); break;
+            case 8 * 16 + 2: ATTEND(8, 2); break;
+            case 1 * 16 + 4: ATTEND(1, 4); break;
+            case 2 * 16 + 4: ATTEND(2, 4); break;
+            case 4 * 16 + 4: ATTEND(4, 4); break;
+            case 6 * 16 + 4: ATTEND(6, 4); break;
+            case 8 * 16 + 4: ATTEND(8, 4); break;
+            default: ATTEND(G, nc); break;
+            }
         }
 #undef ATTEND
     }

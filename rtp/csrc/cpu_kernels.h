@@ -1,4 +1,4 @@
-/* Declarations of cpu_kernels.c; see there for layouts and semantics. */
+/* Declarations of cpu_kernels.c and amx_linear.c; see there for layouts and semantics. */
 #pragma once
 #include <stdint.h>
 
@@ -20,3 +20,6 @@ void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *position
                        const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
                        uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
                        int64_t T, int64_t H, int64_t Hkv, int64_t D);
+int rtp_amx_supported(void);
+int rtp_linear_amx(const uint16_t *x, int64_t ldx, int kind, const uint8_t *weights,
+                   const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from rtp import hugepages
 from rtp.config import ModelConfig
 
 
@@ -44,5 +45,7 @@ def num_kv_blocks(config: ModelConfig, *, block_size: int, dtype: torch.dtype, k
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    return [torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)]
+    shape = (2, num_blocks, block_size, kv_heads, head_dim)
+    if device.type == "cpu":  # huge pages: decode reads blocks scattered over the whole cache
+        return [hugepages.zeros(shape, dtype) for _ in range(num_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

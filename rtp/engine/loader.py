@@ -145,6 +145,6 @@ def _attach_quantized(model: torch.nn.Module, path: Path) -> None:
             continue
         blocks = BlockQuantized.cat([parts[s] for s in order])
         if blocks is not None and blocks.shape == tuple(layer.weight.shape):
-            layer.quant = blocks
+            layer.quant = blocks.with_amx_layout()
             attached += 1
     log.info("%s: %d layers also keep their GGUF blocks for small-batch decode", path.name, attached)

@@ -15,10 +15,6 @@ import os
 
 import torch
 
-# Up to this many rows a block-quantized linear streams its packed weights through the
-# kernel; above it oneDNN's bf16 GEMM (AMX where present) on the dequantized copy wins.
-QUANT_MAX_ROWS = 8
-
 
 def _probe() -> bool:
     if os.environ.get("RTP_CPU_KERNELS", "1") == "0":
@@ -87,6 +83,31 @@ def linear_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.
     out = torch.empty(rows, n, dtype=out_dtype)
     _k.linear_q8_0(x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), _ptr(bias), out.data_ptr(), n,
                    out_dtype == torch.bfloat16, rows, n, k)
+    return out
+
+
+# The AMX kernel (rtp/csrc/amx_linear.c) takes any number of rows; decided at import like _AVAILABLE.
+_AMX = _AVAILABLE and os.environ.get("RTP_AMX", "1") != "0" and _k.amx_supported()
+
+
+def amx_available() -> bool:
+    return _AMX
+
+
+@_op("linear_amx", (), lambda x, kind, weights, bias, out_dtype: x.new_empty(
+    x.shape[0], weights.shape[0] * 16, dtype=out_dtype))
+def linear_amx(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] bf16 @ W [N, K].T (+ bias fp32) -> [M, N] in out_dtype, on AMX tiles. W: GGUF
+    blocks in tile order, uint8 [N/16, K/32, record] (BlockQuantized.amx_layout); kind 0
+    Q4_1, 1 Q8_0."""
+    if x.stride(1) != 1 or x.stride(0) % 2:
+        x = x.contiguous()
+    rows, k = x.shape
+    n = weights.shape[0] * 16
+    out = torch.empty(rows, n, dtype=out_dtype)
+    _k.linear_amx(x.data_ptr(), x.stride(0), kind, weights.data_ptr(), _ptr(bias), out.data_ptr(), n,
+                  out_dtype == torch.bfloat16, rows, n, k)
     return out
 
 

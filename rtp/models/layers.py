@@ -15,7 +15,6 @@ from torch import nn
 
 from rtp.distributed import tp_rank, tp_size
 from rtp.models import cpu_kernels
-from rtp.models.cpu_kernels import QUANT_MAX_ROWS
 from rtp.models import packed
 from rtp.models.quant import BlockQuantized
 
@@ -63,7 +62,7 @@ class RMSNorm(nn.Module):
 
 class LinearBase(nn.Module):
     """y = x W^T + b. With `quant` set (a GGUF checkpoint's packed blocks, on a CPU with
-    rtp's kernels), batches of up to QUANT_MAX_ROWS rows multiply the packed weights."""
+    rtp's kernels), decode batches multiply the packed weights (BlockQuantized.takes says which)."""
 
     shard_dim: int | None = None  # None: replicated
     shard_order: tuple = ()       # fused layers: checkpoint parts in row order
@@ -84,7 +83,7 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
+        if self.quant is not None and self.quant.takes(x.shape[0]):
             return self.quant.linear(x, self.bias, x.dtype)
         if self.packed is not None and not torch.compiler.is_compiling():
             return packed.linear(x, self.packed, self.bias)
@@ -188,7 +187,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and hidden.shape[0] <= QUANT_MAX_ROWS:
+        if self.quant is not None and self.quant.takes(hidden.shape[0]):
             return self.quant.linear(hidden, None, torch.float32)
         if self.packed is not None and not torch.compiler.is_compiling():
             return packed.linear(hidden.to(self.weight.dtype), self.packed, None).float()

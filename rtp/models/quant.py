@@ -1,11 +1,15 @@
-"""Block-quantized weights kept in the checkpoint's own format for small-batch decode.
+"""Block-quantized weights kept in the checkpoint's own format for decode batches.
 
 A GGUF checkpoint stores most matrices as Q4_1 or Q8_0 blocks of 32 weights. The
 model is built with dequantized weights (exact in fp32, rounded to bf16), which
-oneDNN multiplies fast for prefill and large batches. A decode step at a small
-batch is instead bound by reading the weights, so the linear layers also keep the
-packed blocks (a third to a half of bf16's bytes) and multiply them directly with
-rtp's CPU kernels: fewer bytes, and the checkpoint's exact weights.
+oneDNN multiplies fast for prefill. A decode step is instead bound by reading the
+weights, so the linear layers also keep the packed blocks (a third to a half of
+bf16's bytes) and multiply them directly with rtp's CPU kernels:
+  - one row: the AVX-512 kernel over the blocks, exact fp32 weights (cpu_kernels.c);
+  - 2 to AMX_MAX_ROWS rows, on CPUs with AMX: the blocks in tile order, dequantized
+    to the model's bf16 weights in L1 and multiplied on the AMX unit (amx_linear.c);
+    past that oneDNN's GEMM, which reuses each weight over more rows, wins.
+Without AMX, the AVX-512 kernel serves up to QUANT_MAX_ROWS rows.
 
 Packed layout (per matrix of N rows by K columns, K a multiple of 32):
   q4_1: qs uint8 [N, K/2], d fp32 [N, K/32], m fp32 [N, K/32]   (w = d * q + m)
@@ -21,10 +25,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rtp import hugepages
 from rtp.models import cpu_kernels
 
 BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
+
+
+# Row ranges where each kernel measured fastest on this machine (README, "Performance").
+QUANT_MAX_ROWS = 4   # the AVX-512 kernel, when there is no AMX
+AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 tile round trip)
+AMX_MAX_ROWS = 64    # past this oneDNN's bf16 GEMM reuses each weight over more rows
 
 
 @dataclass
@@ -33,6 +44,7 @@ class BlockQuantized:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None      # q4_1 only
+    tiles: torch.Tensor | None = None  # the same blocks in AMX tile order (amx_layout), when made
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,6 +80,27 @@ class BlockQuantized:
         return BlockQuantized(parts[0].kind, torch.cat([p.qs for p in parts]),
                               torch.cat([p.d for p in parts]), m)
 
+    def amx_layout(self) -> torch.Tensor:
+        """The blocks regrouped for rtp's AMX kernel (rtp/csrc/amx_linear.c): uint8 [N/16, K/32,
+        record], one record per 16 rows x 1 block: their quant bytes, then d (then m), fp32."""
+        n, k = self.shape
+        nk = k // BLOCK
+
+        def by_tile(t: torch.Tensor) -> torch.Tensor:  # [N, nk, e] -> [N/16, nk, 16 * e] bytes
+            t = t.reshape(n, nk, -1)
+            t = t.contiguous().view(torch.uint8)
+            return t.view(n // 16, 16, nk, -1).transpose(1, 2).reshape(n // 16, nk, -1)
+
+        parts = [by_tile(self.qs), by_tile(self.d)] + ([by_tile(self.m)] if self.m is not None else [])
+        tiles = torch.cat(parts, dim=-1)
+        return hugepages.empty(tuple(tiles.shape), torch.uint8).copy_(tiles)  # streamed every step
+
+    def with_amx_layout(self) -> "BlockQuantized":
+        """This, also holding amx_layout() (when AMX is there and N is a multiple of 16)."""
+        if cpu_kernels.amx_available() and self.shape[0] % 16 == 0:
+            self.tiles = self.amx_layout()
+        return self
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weights [N, K] (for tests and checks)."""
         n, k = self.shape
@@ -79,8 +112,17 @@ class BlockQuantized:
             w = self.qs.view(n, k // BLOCK, BLOCK).float() * self.d[..., None]
         return w.reshape(n, k)
 
+    def takes(self, rows: int) -> bool:
+        """Whether a batch of `rows` rows is faster through the blocks than through oneDNN."""
+        if self.tiles is not None:
+            return rows <= AMX_MAX_ROWS
+        return rows <= QUANT_MAX_ROWS
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         b = None if bias is None else bias.float()
+        if self.tiles is not None and x.shape[0] >= AMX_MIN_ROWS:
+            return cpu_kernels.linear_amx(x.to(torch.bfloat16), 0 if self.kind == "q4_1" else 1, self.tiles,
+                                          b, out_dtype)
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out_dtype)
         return cpu_kernels.linear_q8_0(x.float(), self.qs, self.d, b, out_dtype)

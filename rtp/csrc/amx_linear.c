@@ -1,0 +1,191 @@
+/* Linear layers over GGUF blocks (Q4_1, Q8_0) with Intel AMX, for batches of decode rows.
+ *
+ * Decode on this machine is bound by the bytes of weights read per step: bf16 weights are
+ * 2.4x the bytes of Q4_1 blocks. The AVX-512 kernels in cpu_kernels.c read the blocks but
+ * their multiply work grows with the rows, so past a few rows oneDNN's bf16 GEMM wins. Here
+ * the blocks are dequantized once per step into 16 x 32 bf16 tiles in L1 and every row of
+ * the batch is multiplied on the AMX unit, so the cost stays near the blocks' bytes up to
+ * 64 rows and more.
+ *
+ * The roles are swapped (out^T = W x^T): a weight tile is the AMX "A" operand, whose rows
+ * are exactly one GGUF block each (32 consecutive k of one output feature), so the weights
+ * need no transposition; the activations, small and reused by every weight tile, are laid
+ * out once per call in AMX's pair-interleaved "B" layout.
+ *
+ * Numerics: each weight is dequantized as (float)q * d (+ m) in fp32, separately rounded
+ * (-ffp-contract=off), then rounded to bf16 (nearest even): the same bf16 weights the
+ * model holds. Products are exact in fp32 and accumulated in fp32; out fp32 or bf16.
+ */
+#include "cpu_kernels.h"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define MT_MAX 4 /* row tiles (of 16) per pass: C tiles 0-3, A tile 4, B tile 5 */
+
+int rtp_amx_supported(void) {
+    static int state = -1; /* -1 not probed yet */
+    if (state >= 0) return state;
+    unsigned a, b, c, d;
+    int has = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 22));
+    /* Linux hands out the AMX register state only on request (once per process). */
+    state = has && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+            && rtp_cpu_kernels_supported();
+    return state;
+}
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+AMX_TARGET static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The weights in tile order (rtp/models/quant.py, BlockQuantized.amx_layout): for each group
+ * of 16 output rows and k block, one contiguous record: Q4_1: the 16 rows' 16 quant bytes,
+ * then their 16 d, then their 16 m (fp32): 384 bytes. Q8_0: 16 x 32 quant bytes, 16 d: 576.
+ * Read front to back, the weights are one sequential stream for the hardware prefetcher;
+ * in GGUF's row order a tile gathered from 16 rows x 3 arrays, 48 streams, and stalled. */
+static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : 576; }
+
+/* One 16 x 32 weight tile from its record, as bf16 rows of 64 bytes. */
+AMX_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_t *tile) {
+    const float *d = (const float *)(rec + (kind == 0 ? 256 : 512));
+    const float *mn = d + 16;
+    __m128i mask = _mm_set1_epi8(15);
+    for (int64_t r = 0; r < 16; r++) {
+        __m512 dv = _mm512_set1_ps(d[r]), lo, hi;
+        if (kind == 0) { /* Q4_1: byte j holds weight j (low nibble) and weight j + 16 (high) */
+            __m128i bytes = _mm_load_si128((const __m128i *)(rec + r * 16));
+            lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+            hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+            __m512 mv = _mm512_set1_ps(mn[r]);
+            lo = _mm512_add_ps(_mm512_mul_ps(lo, dv), mv);
+            hi = _mm512_add_ps(_mm512_mul_ps(hi, dv), mv);
+        } else { /* Q8_0: 32 signed bytes */
+            const int8_t *q = (const int8_t *)rec + r * 32;
+            lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)q))), dv);
+            hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16)))), dv);
+        }
+        _mm512_store_si512((void *)(tile + r * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* x rows [m0, m0 + 16) of k block kb in the B layout: row r = the pairs (x[m][2r], x[m][2r+1])
+ * of m = m0..m0+15 (zero past M). */
+AMX_TARGET static inline void pack_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t m0, int64_t kb,
+                                        uint32_t *tile) {
+    int64_t valid = M - m0 < 16 ? M - m0 : 16;
+    __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32((int)(ldx / 2)));
+    const uint32_t *base = (const uint32_t *)(x + m0 * ldx + kb * 32);
+    for (int64_t r = 0; r < 16; r++)
+        _mm512_store_si512((void *)(tile + r * 16),
+                           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, index, base + r, 4));
+}
+
+/* out[m, n0..n0+15] = tile column m (+ bias), for the valid rows of one row tile */
+AMX_TARGET static inline void store_tile(const float *c, int64_t M, int64_t m0, int64_t n0, const float *bias,
+                                         void *out, int64_t ldo, int out_bf16) {
+    __m512i index = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    int64_t valid = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t j = 0; j < valid; j++) {
+        __m512 v = _mm512_add_ps(_mm512_i32gather_ps(index, c + j, 4), b);
+        int64_t m = m0 + j;
+        if (out_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + m * ldo + n0), (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_storeu_ps((float *)out + m * ldo + n0, v);
+    }
+}
+
+/* One pass of up to MT_MAX row tiles over weight rows n0..n0+15: the tile indices of the AMX
+ * instructions are immediates, hence the unrolled cases. */
+AMX_TARGET static void tile_pass(int kind, const uint8_t *recs, int64_t nk, const uint32_t *xt, int64_t mt0,
+                                 int64_t nmt, uint16_t *wtile, float *cbuf) {
+    int64_t rb = record_bytes(kind);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < nk; kb++) {
+        const uint8_t *rec = recs + kb * rb;
+        for (int64_t off = 0; off < rb; off += 64) _mm_prefetch((const char *)(rec + 4 * rb + off), _MM_HINT_T0);
+        dequant_tile(kind, rec, wtile);
+        _tile_loadd(4, wtile, 64);
+        const uint32_t *b = xt + (mt0 * nk + kb) * 256; /* tiles ordered [row tile][k block] */
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nmt > 1) {
+            _tile_loadd(5, b + nk * 256, 64);
+            _tile_dpbf16ps(1, 4, 5);
+        }
+        if (nmt > 2) {
+            _tile_loadd(5, b + 2 * nk * 256, 64);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if (nmt > 3) {
+            _tile_loadd(5, b + 3 * nk * 256, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(1, cbuf + 256, 64);
+    _tile_stored(2, cbuf + 512, 64);
+    _tile_stored(3, cbuf + 768, 64);
+}
+
+/* out [M, N] = x [M, K] bf16 (row stride ldx, even) @ W^T, W [N, K] as GGUF blocks in tile
+ * order (kind 0 Q4_1, 1 Q8_0; records above, 64-byte aligned). N a multiple of 16, K of 32.
+ * Returns 0 when the scratch memory could not be had. */
+AMX_TARGET int rtp_linear_amx(const uint16_t *x, int64_t ldx, int kind, const uint8_t *weights,
+                              const float *bias, void *out, int64_t ldo, int out_bf16,
+                              int64_t M, int64_t N, int64_t K) {
+    int64_t nk = K / 32, nmt = (M + 15) / 16;
+    uint32_t *xt = aligned_alloc(64, (size_t)(nmt * nk) * 1024);
+    if (!xt) return 0;
+    for (int64_t mt = 0; mt < nmt; mt++)
+        for (int64_t kb = 0; kb < nk; kb++) pack_rows(x, ldx, M, mt * 16, kb, xt + (mt * nk + kb) * 256);
+    int64_t ntiles = N / 16;
+#pragma omp parallel
+    {
+        uint16_t wtile[16 * 32] __attribute__((aligned(64)));
+        float cbuf[MT_MAX * 256] __attribute__((aligned(64)));
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < ntiles; t++) {
+            int64_t n0 = t * 16;
+            for (int64_t mt0 = 0; mt0 < nmt; mt0 += MT_MAX) {
+                int64_t cnt = nmt - mt0 < MT_MAX ? nmt - mt0 : MT_MAX;
+                tile_pass(kind, weights + t * nk * record_bytes(kind), nk, xt, mt0, cnt, wtile, cbuf);
+                for (int64_t j = 0; j < cnt; j++)
+                    store_tile(cbuf + j * 256, M, (mt0 + j) * 16, n0, bias, out, ldo, out_bf16);
+            }
+        }
+        _tile_release();
+    }
+    free(xt);
+    return 1;
+}
