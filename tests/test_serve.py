@@ -549,3 +549,36 @@ def test_async_engine_survives_a_failing_step_and_reports_it():
     errors, engine = asyncio.run(run())
     assert all(isinstance(e[0], EngineDead) and "fell over" in str(e[0]) for e in errors)
     assert isinstance(engine.dead, RuntimeError)
+
+
+def test_async_engine_loads_on_the_thread_that_steps_it():
+    """One OpenMP pool: the model is built on the engine thread, not the caller's (AsyncEngine.load)."""
+    from rtp.sampling_params import SamplingParams
+    from rtp.serve.async_engine import AsyncEngine
+
+    threads = {}
+
+    class Recording(StubEngine):
+        def step(self):
+            threads.setdefault("step", threading.current_thread())
+            return super().step()
+
+    def build():
+        threads["build"] = threading.current_thread()
+        return Recording()
+
+    async def run():
+        engine = AsyncEngine.load(build)
+        engine.start()
+        stream = engine.submit("r", [[1, 2]], SamplingParams(max_tokens=1000))
+        await stream.__anext__()
+        stream.close()
+        engine.stop()
+
+    asyncio.run(run())
+    assert threads["build"] is threads["step"] and threads["build"] is not threading.main_thread()
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.load(lambda: (_ for _ in ()).throw(ValueError("no such model")))
+    unstarted = AsyncEngine.load(Recording)
+    unstarted.stop()  # stopping an engine never started ends its thread too
+    assert not unstarted._thread.is_alive()

@@ -42,10 +42,10 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     from rtp.serve.openai_api import OpenAIServing
 
     _check_bindable(options.host, options.port)  # fail now, not after loading the model
-    engine = LLMEngine(config)
     names = options.served_model_names or [config.model or DEFAULT_MODEL_NAME]
     metrics = ServerMetrics(names[0])
-    async_engine = AsyncEngine(engine, metrics)
+    # loaded on the thread that steps it: one OpenMP pool (AsyncEngine.load says why)
+    async_engine = AsyncEngine.load(lambda: LLMEngine(config), metrics)
     metrics.read_stats = lambda: async_engine.stats
     serving = OpenAIServing(async_engine, metrics, model_names=names, api_key=options.api_key,
                             max_body_bytes=options.max_body_bytes, max_queue=options.max_queue)
