@@ -290,6 +290,17 @@ static inline int64_t key_rows(const uint16_t *k_cache, const uint16_t *v_cache,
     return n;
 }
 
+/* The rows of the next block of keys, with its K rows (values 0) or V rows (1) prefetched
+ * while the current block computes. */
+static inline void next_chunk(const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
+                              const int32_t *table, int64_t block_size, int64_t head, int64_t D, int64_t t0,
+                              int64_t end, const uint16_t **kp, const uint16_t **vp, int values) {
+    int64_t n = key_rows(k_cache, v_cache, tok_stride, table, block_size, head, t0, end, kp, vp);
+    const uint16_t **rows = values ? vp : kp;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < D; c += 32) _mm_prefetch((const char *)(rows[i] + c), _MM_HINT_T0);
+}
+
 /* One (row, kv head) task. Always inlined into call sites with constant G and NC, so the
  * compiler unrolls the head and dimension loops and keeps the accumulators in registers
  * (with them as variables every accumulator lived on the stack: 3x slower). */
@@ -324,10 +335,8 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
         key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0, s0 + ns, kp, vp);
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t nt = ns - ch * KEYS < KEYS ? ns - ch * KEYS : KEYS;
-            int64_t nn = key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D,
-                                  s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp);
-            for (int64_t i = 0; i < nn; i++)
-                for (int64_t c = 0; c < D; c += 32) _mm_prefetch((const char *)(nkp[i] + c), _MM_HINT_T0);
+            next_chunk(k_cache, v_cache, tok_stride, table, block_size, h * D, D, s0 + (ch + 1) * KEYS, s0 + ns,
+                       nkp, nvp, 0);
             /* per key and query head a vector of partial dot products, summed 16 at once */
             __m512 part[MAX_GROUP][KEYS];
             for (int64_t i = 0; i < KEYS; i++) {
@@ -377,10 +386,8 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
         key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0, s0 + ns, kp, vp);
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t nt = ns - ch * KEYS < KEYS ? ns - ch * KEYS : KEYS;
-            int64_t nn = key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D,
-                                  s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp);
-            for (int64_t i = 0; i < nn; i++)
-                for (int64_t c = 0; c < D; c += 32) _mm_prefetch((const char *)(nvp[i] + c), _MM_HINT_T0);
+            next_chunk(k_cache, v_cache, tok_stride, table, block_size, h * D, D, s0 + (ch + 1) * KEYS, s0 + ns,
+                       nkp, nvp, 1);
             for (int64_t i = 0; i < nt; i++) {
                 __m512 ve[MAX_DIM / 32], vo[MAX_DIM / 32];
                 for (int64_t c = 0; c < NC; c++) bf16x32_split(vp[i] + 32 * c, &ve[c], &vo[c]);
