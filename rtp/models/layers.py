@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtp.distributed import tp_rank, tp_size
-from rtp.models import cpu_kernels
-from rtp.models import packed
+from rtp.models import cpu_kernels, packed
 from rtp.models.quant import BlockQuantized
 
 

@@ -110,7 +110,8 @@ class AsyncEngine:
     """The engine stepped on a thread of its own. Build it with `load` (the model loads on that
     thread) or hand a built engine to the constructor (tests)."""
 
-    def __init__(self, engine: LLMEngine, metrics=None, _thread: threading.Thread | None = None):
+    def __init__(self, engine: LLMEngine, metrics=None, _thread: threading.Thread | None = None,
+                 _go: threading.Event | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer  # read-only: the loop tokenizes with it
         self.model_path = engine.model_path
@@ -123,7 +124,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._go = threading.Event()  # set by start() (or stop()): the thread may run the loop
+        self._go = _go or threading.Event()  # set by start() (or stop()): the thread may run the loop
         self._thread = _thread or threading.Thread(target=self._run, name="rtp-engine", daemon=True)
 
     @classmethod
@@ -137,7 +138,7 @@ class AsyncEngine:
         slower (845 vs 478 tok/s offline, same engine). With load and steps on one thread
         there is one pool."""
         built: dict = {}
-        ready, wrapped = threading.Event(), threading.Event()
+        ready, go = threading.Event(), threading.Event()
 
         def main() -> None:
             try:
@@ -147,8 +148,7 @@ class AsyncEngine:
                 return
             finally:
                 ready.set()
-            wrapped.wait()  # until the AsyncEngine around the engine exists
-            built["self"]._go.wait()
+            go.wait()  # set by start() or stop(), after the AsyncEngine below exists
             built["self"]._run()
 
         thread = threading.Thread(target=main, name="rtp-engine", daemon=True)
@@ -156,9 +156,8 @@ class AsyncEngine:
         ready.wait()
         if "error" in built:
             raise built["error"]
-        self = cls(built["engine"], metrics, _thread=thread)
+        self = cls(built["engine"], metrics, _thread=thread, _go=go)
         built["self"] = self
-        wrapped.set()
         return self
 
     # -- event loop side ------------------------------------------------------------------------
