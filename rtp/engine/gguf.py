@@ -2,13 +2,17 @@
 
 A GGUF file (llama.cpp's format) holds metadata key/values and tensors under
 llama.cpp's names, with shapes written fastest-moving dimension first. This
-module reads one with `gguf.GGUFReader` (a memory map: nothing is read until a
-tensor is asked for) and presents it the way a Hugging Face checkpoint looks:
+module reads its metadata with `gguf.GGUFReader` (a memory map) and presents it
+the way a Hugging Face checkpoint looks:
 
     ckpt = GGUFCheckpoint("model.gguf")
     ckpt.config                   # config.json-style dict
+    ckpt.records()                # where each tensor lies, how it dequantizes (rtp/engine/checkpoint.py)
     for name, tensor in ckpt.tensors():   # file order, fp32, HF names and shapes
         ...
+
+Tensor data is not read through the memory map but streamed in file order by
+rtp's loader (rtp/engine/sequential_reader.py) and dequantized tensor by tensor.
 
 Three things llama.cpp's converter did are undone here:
   names    token_embd -> model.embed_tokens, blk.N.attn_q -> model.layers.N.self_attn.q_proj, ...
@@ -25,12 +29,15 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from rtp.engine.checkpoint import TensorRecord
 
 log = logging.getLogger("rtp.gguf")
 
@@ -272,33 +279,44 @@ class GGUFCheckpoint(GGUFFile):
     def num_tensors(self) -> int:
         return len(self.reader.tensors)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, fp32 tensor in HF shape) for every model tensor, in file (data offset) order.
+    def records(self) -> list["TensorRecord"]:
+        """Where each model tensor's bytes lie and how they decode (to fp32, HF name and shape,
+        q/k rows unpermuted), in file (data offset) order: what rtp's loader streams.
 
-        Every tensor's name and type is checked before the first is yielded, so a bad
-        file fails up front, not half-way through loading.
+        Every tensor's name, type and extent is checked here, so a bad file fails before
+        anything is read, not half-way through loading.
         """
-        entries = sorted(self.reader.tensors, key=lambda t: t.data_offset)
-        plan = []
-        for t in entries:
+        from rtp.engine.checkpoint import CheckpointError, TensorRecord
+
+        size = self.path.stat().st_size
+        permute = self.architecture in _PERMUTED_QK
+        heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
+        records = []
+        for t in sorted(self.reader.tensors, key=lambda t: t.data_offset):
             if t.name in _SKIPPED:
                 log.warning("%s: skipping %s (no HF parameter; rope scaling from it is not applied)",
                             self.path.name, t.name)
                 continue
             _check_dequantizable(t, self.path)
-            plan.append((t, hf_tensor_name(t.name)))
+            name = hf_tensor_name(t.name)
+            begin, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
+            if end > size:
+                raise CheckpointError(f"{self.path}: tensor {t.name} ({name}) lies at [{begin}, {end}), "
+                                      f"past the end of the file ({size} bytes): truncated or corrupt")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            proj = name.rsplit(".", 2)[-2] if permute else None
+            decode = partial(_decode, qtype=t.tensor_type, shape=shape, name=t.name,
+                                       unpermute_heads=heads.get(proj))
+            records.append(TensorRecord(name, self.path, begin, end, shape, torch.float32, decode))
+        return records
 
-        permute = self.architecture in _PERMUTED_QK
-        heads = self.config["num_attention_heads"]
-        kv_heads = self.config["num_key_value_heads"]
-        for t, name in plan:
-            w = _dequantize(t)
-            if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-                w = _unpermute_qk(w, heads)
-            elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-                w = _unpermute_qk(w, kv_heads)
-            yield name, w
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, fp32 tensor in HF shape) for every model tensor, in file order, each a
+        tensor of its own; read the way the loader reads them (`records`)."""
+        from rtp.engine.checkpoint import stream_tensors
 
+        for record, tensor in stream_tensors(self.records()):
+            yield record.name, tensor
 
     def quantized(self) -> Iterator[tuple[str, "BlockQuantized"]]:
         """(HF name, packed blocks) of every Q4_1 / Q8_0 weight matrix, q/k rows unpermuted
@@ -340,18 +358,23 @@ def _check_dequantizable(t, path: Path) -> None:
                     f"installed gguf package cannot dequantize; supported: {', '.join(supported)}")
 
 
-def _dequantize(t) -> torch.Tensor:
+def _decode(raw: torch.Tensor, *, qtype, shape: tuple[int, ...], name: str,
+            unpermute_heads: int | None) -> torch.Tensor:
+    """One tensor's raw file bytes -> a new fp32 tensor in HF shape (q/k rows unpermuted)."""
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    if t.tensor_type == Q.F32:
-        arr = np.array(t.data, dtype=np.float32)  # copy out of the read-only memory map
-    elif t.tensor_type in (Q.F16, Q.F64):
-        arr = t.data.astype(np.float32)
+    data = raw.numpy()
+    if qtype == Q.F32:
+        arr = data.view(np.float32).copy()  # its own memory: the bytes belong to a reader buffer
+    elif qtype == Q.F16:
+        arr = data.view(np.float16).astype(np.float32)
+    elif qtype == Q.F64:
+        arr = data.view(np.float64).astype(np.float32)
     else:
         try:
-            arr = quants.dequantize(t.data, t.tensor_type)
+            arr = quants.dequantize(data, qtype)
         except NotImplementedError as e:
-            raise GGUFError(f"tensor {t.name}: cannot dequantize type {t.tensor_type.name}: {e}") from e
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+            raise GGUFError(f"tensor {name}: cannot dequantize type {qtype.name}: {e}") from e
+    w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+    return w if unpermute_heads is None else _unpermute_qk(w, unpermute_heads)

@@ -1,73 +1,173 @@
 """Checkpoints in, a ready model out.
 
-A checkpoint is a Hugging Face directory (config.json + *.safetensors) or a GGUF
-file. Tensors are read in file order and copied into parameters through the
-model's per-parameter weight loaders, so this file knows no architecture. (The
-pipelined reader that streams at the drive's sequential speed replaces
-`_safetensors_tensors` in the loading work; its interface stays.)
+A checkpoint (a Hugging Face safetensors directory or a GGUF file) is first
+described without reading its weights (rtp/engine/checkpoint.py: config and one
+record per tensor, every header validated), then checked against the model: the
+model's own weight loaders run once over placeholder tensors on the meta device,
+so a missing tensor, one with no place, or one whose shape disagrees with the
+config is a CheckpointError naming the file and tensor before a byte of data is
+read. Only then are the weights streamed in file order (one reader thread, two
+buffers, rtp/engine/sequential_reader.py) and copied into the parameters by the
+same per-parameter weight loaders, so this file knows no architecture.
+
+The model's parameters are created uninitialised in their final dtype and on
+their device; each tensor is copied from the reader's buffer into its parameter
+(converting dtype on the way), so no second copy of the model exists in host
+memory. An error anywhere raises: `load_model` never returns a half-loaded model.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rtp.config import ModelConfig
+from rtp.engine.checkpoint import CheckpointError, TensorRecord, open_checkpoint, stream_tensors
 from rtp.models import model_class
+
+__all__ = ["CheckpointError", "LoadOptions", "check_against_model", "checkpoint_tensors", "load_model"]
+
+if TYPE_CHECKING:
+    from rtp.engine.gguf import GGUFCheckpoint
 
 log = logging.getLogger("rtp.loader")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be served: missing, malformed, or not matching its config."""
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to read: the reader's chunk size (None: 32 MiB) and O_DIRECT (None: unless the file
+    looks cached; True or False forces it, though a filesystem that refuses it still gets buffered reads)."""
+
+    chunk_bytes: int | None = None
+    direct: bool | None = None
 
 
-def checkpoint_config(path: Path) -> dict:
-    """The HF-style config dict of a checkpoint directory or GGUF file."""
-    if path.suffix == ".gguf":
-        from rtp.engine.gguf import GGUFCheckpoint
+def check_against_model(model_cls, config: ModelConfig, records: Sequence[TensorRecord],
+                        path: Path) -> torch.nn.Module:
+    """Run the model's weight loaders over meta-device placeholders of every record; return
+    that meta model. Raises CheckpointError for a tensor the model has no place for, a shape
+    or dtype that disagrees with the config, or a parameter no tensor fills."""
+    with torch.device("meta"):
+        shadow = model_cls(config)
+    current: list[TensorRecord] = []
 
-        return GGUFCheckpoint(path).config
-    config = path / "config.json"
-    if not config.is_file():
-        raise CheckpointError(f"{path} has no config.json (expected a Hugging Face checkpoint "
-                              f"directory or a .gguf file)")
-    with open(config) as f:
-        return json.load(f)
+    def placeholders():
+        for record in records:
+            if not record.dtype.is_floating_point:
+                raise CheckpointError(f"{record.path}: tensor {record.name} is {record.dtype}; "
+                                      f"model weights must be floating point")
+            current[:] = [record]
+            yield record.name, torch.empty(record.shape, dtype=record.dtype, device="meta")
+
+    try:
+        loaded = shadow.load_weights(placeholders())
+    except CheckpointError:
+        raise
+    except ValueError as e:  # the weight loaders name the tensor
+        raise CheckpointError(f"{current[0].path if current else path}: {e}") from e
+    missing = sorted(shadow.expected_weights() - loaded)
+    if missing:
+        raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, "
+                              f"e.g. {', '.join(_checkpoint_name(shadow, m) for m in missing[:3])}")
+    return shadow
 
 
-def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    if path.suffix == ".gguf":
-        from rtp.engine.gguf import GGUFCheckpoint
+def _checkpoint_name(model: torch.nn.Module, target: str) -> str:
+    """The checkpoint name that fills `target` ("...qkv_proj.weight#k" -> "...k_proj.weight")."""
+    fused, _, shard = target.partition("#")
+    for part, (fused_part, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        if shard and str(shard_id) == shard and f".{fused_part}." in fused:
+            return fused.replace(f".{fused_part}.", f".{part}.")
+    return target
 
-        yield from GGUFCheckpoint(path).tensors()
-        return
-    yield from _safetensors_tensors(path)
+
+def checkpoint_tensors(records: Sequence[TensorRecord], device: torch.device,
+                       options: LoadOptions, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor on `device`) for every record, in file order. The seam for tensor parallelism.
+
+    Today every process reads the whole checkpoint itself. With tensor parallelism
+    (DESIGN.md, "Loading") only this function changes: one rank per node runs the
+    reader and broadcasts each tensor over torch.distributed, in this same order; the
+    other ranks know every name, shape and dtype from the records they built from the
+    headers, receive into a buffer of that shape, and yield it. Each rank's weight
+    loaders then keep their own shard (rtp/models/layers.py), so nothing above changes.
+
+    On CUDA each tensor leaves the reader's pinned buffer with a non-blocking copy; the
+    reader refills a buffer only after the copies out of it have run.
+    """
+    cuda = device.type == "cuda"
+    with contextlib.closing(stream_tensors(records, chunk_bytes=options.chunk_bytes, direct=options.direct,
+                                           device=device, progress=progress)) as stream:
+        for record, tensor in stream:
+            yield record.name, tensor.to(device, non_blocking=True) if cuda else tensor
 
 
-def _safetensors_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+class _ProgressBar:
+    """Bytes read, GB/s and ETA on stderr, shown only when stderr is a terminal."""
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} has no *.safetensors files")
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (OSError, RuntimeError, ValueError) as e:  # safetensors raises SafetensorError(Exception)
-            raise CheckpointError(f"{file}: {e}") from e
-        except Exception as e:
-            if type(e).__name__ == "SafetensorError":
-                raise CheckpointError(f"{file}: {e}") from e
+    def __init__(self, name: str, total: int):
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"loading {name}", unit="B", unit_scale=True, file=sys.stderr,
+                            leave=False, dynamic_ncols=True)
+
+    def update(self, nbytes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device,
+               options: LoadOptions | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build the model named by the checkpoint's config and load its weights."""
+    options = options or LoadOptions()
+    start = time.perf_counter()
+    checkpoint = open_checkpoint(path)
+    records = checkpoint.records
+    config = ModelConfig.from_hf(checkpoint.config)
+    cls = model_class([config.architecture])
+    check_against_model(cls, config, records, path)
+    # parameters are created uninitialised (torch.empty) directly in their final dtype and device
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(config)
+    total = sum(r.nbytes for r in records)
+    bar = _ProgressBar(path.name, total)
+    read_start = time.perf_counter()
+    try:
+        loaded = model.load_weights(checkpoint_tensors(records, device, options, bar.update))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
             raise
+        raise CheckpointError(f"{path}: {e}") from e
+    finally:
+        bar.close()
+    read_s = time.perf_counter() - read_start
+    missing = model.expected_weights() - loaded
+    if missing:  # the meta-device check saw the same tensors; this cannot happen unless a file changed
+        raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    model.eval()
+    if checkpoint.gguf is not None and dtype == torch.bfloat16 and device.type == "cpu":
+        _attach_quantized(model, checkpoint.gguf)
+    _pack_cpu_weights(model)
+    log.info("loaded %.2f GB in %.2f s (%.2f GB/s): %s (%s, %.1f M params), ready in %.1f s", total / 1e9, read_s,
+             total / 1e9 / max(read_s, 1e-9), path.name, config.architecture,
+             sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - start)
+    return model, config
 
 
 @contextlib.contextmanager
@@ -78,30 +178,6 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, ModelConfig]:
-    """Build the model named by the checkpoint's config and load its weights."""
-    config = ModelConfig.from_hf(checkpoint_config(path))
-    cls = model_class([config.architecture])
-    start = time.perf_counter()
-    # parameters are created uninitialised (torch.empty) directly in their final dtype and device
-    with _default_dtype(dtype), torch.device(device):
-        model = cls(config)
-    try:
-        loaded = model.load_weights(checkpoint_tensors(path))
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from e
-    missing = model.expected_weights() - loaded
-    if missing:
-        raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    model.eval()
-    if path.suffix == ".gguf" and dtype == torch.bfloat16 and device.type == "cpu":
-        _attach_quantized(model, path)
-    _pack_cpu_weights(model)
-    log.info("loaded %s (%s, %.1f M params) in %.1f s", path.name, config.architecture,
-             sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - start)
-    return model, config
 
 
 def _pack_cpu_weights(model: torch.nn.Module) -> None:
@@ -117,19 +193,18 @@ def _pack_cpu_weights(model: torch.nn.Module) -> None:
         log.info("prepacked %d bf16 linear weights for oneDNN", count)
 
 
-def _attach_quantized(model: torch.nn.Module, path: Path) -> None:
+def _attach_quantized(model: torch.nn.Module, gguf: "GGUFCheckpoint") -> None:
     """Give linear layers the GGUF's packed blocks for small-batch decode (rtp/models/quant.py).
 
     A fused layer (qkv, gate_up) gets them only when every part is packed in one format;
     the LM head of a tied model takes the embedding's."""
-    from rtp.engine.gguf import GGUFCheckpoint
     from rtp.models import cpu_kernels
     from rtp.models.quant import BlockQuantized
 
     if not cpu_kernels.available():
         return
     fused: dict[str, dict] = {}
-    for name, blocks in GGUFCheckpoint(path).quantized():
+    for name, blocks in gguf.quantized():
         target, shard = model.fused_target(name)
         fused.setdefault(target.removesuffix(".weight"), {})[shard] = blocks
     modules = dict(model.named_modules())
@@ -147,4 +222,4 @@ def _attach_quantized(model: torch.nn.Module, path: Path) -> None:
         if blocks is not None and blocks.shape == tuple(layer.weight.shape):
             layer.quant = blocks.with_amx_layout()
             attached += 1
-    log.info("%s: %d layers also keep their GGUF blocks for small-batch decode", path.name, attached)
+    log.info("%s: %d layers also keep their GGUF blocks for small-batch decode", gguf.path.name, attached)
