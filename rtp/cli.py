@@ -107,6 +107,25 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """Rewrite a checkpoint as safetensors in the model's order, with config and tokenizer files."""
+    import logging
+    from pathlib import Path
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    from rtp.engine.convert import DTYPES, convert
+    from rtp.engine.loader import LoadOptions
+
+    try:
+        summary = convert(Path(args.src).expanduser(), Path(args.dst).expanduser(), DTYPES.get(args.dtype),
+                          args.shard_size, LoadOptions(chunk_bytes=args.chunk_size))
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+        print(f"rtp convert: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"dst": args.dst, **summary}))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.bench is None:
         args.bench_parser.print_help()
@@ -196,6 +215,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="default info: one line per request and per server event")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser(
+        "convert", help="rewrite a checkpoint (HF safetensors or GGUF) as safetensors in the model's order",
+        description="Write SRC (a Hugging Face safetensors directory or a .gguf file) to the new directory "
+        "DST as safetensors laid out in the order the model consumes its tensors, with config.json and "
+        "the tokenizer files (for a GGUF, built from its metadata), so `rtp generate/serve --model DST` "
+        "serves it. GGUF weights are dequantized: exact in fp32, the default for a GGUF; other tensors keep "
+        "their dtype unless --dtype is given. DST appears only once complete.",
+        epilog="example: rtp convert ~/.cache/rtp/models/SmolLM2-135M-Instruct.Q4_1.gguf ~/smollm2 --dtype bf16")
+    p.add_argument("src", help="Hugging Face checkpoint directory or .gguf file")
+    p.add_argument("dst", help="directory to create (must not exist)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of the written float tensors (default: as stored; a GGUF's fp32)")
+    p.add_argument("--shard-size", type=_byte_size, default=4 << 30, metavar="BYTES",
+                   help="largest output file before the checkpoint is split in shards with an index (default 4GiB)")
+    p.add_argument("--chunk-size", type=_byte_size, default=None, metavar="BYTES",
+                   help="bytes per sequential read of the source (default 32MiB)")
+    p.set_defaults(func=_convert)
 
     p = sub.add_parser("bench", help="benchmarks: `rtp bench serve` measures an OpenAI-compatible server",
                        description="Benchmarks. `rtp bench serve --help` lists the options of the serving one.")

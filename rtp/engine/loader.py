@@ -110,7 +110,7 @@ def checkpoint_tensors(records: Sequence[TensorRecord], device: torch.device,
             yield record.name, tensor.to(device, non_blocking=True) if cuda else tensor
 
 
-class _ProgressBar:
+class ProgressBar:
     """Bytes read, GB/s and ETA on stderr, shown only when stderr is a terminal."""
 
     def __init__(self, name: str, total: int):
@@ -144,7 +144,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     with _default_dtype(dtype), torch.device(device):
         model = cls(config)
     total = sum(r.nbytes for r in records)
-    bar = _ProgressBar(path.name, total)
+    bar = ProgressBar(path.name, total)
     read_start = time.perf_counter()
     try:
         loaded = model.load_weights(checkpoint_tensors(records, device, options, bar.update))
