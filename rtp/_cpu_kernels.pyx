@@ -1,36 +1,61 @@
 # cython: language_level=3
-"""Python entry points of rtp/csrc/cpu_kernels.c (AVX-512 BF16 decode kernels).
+"""Python entry points of rtp/csrc/cpu_kernels.c and amx_linear.c (AVX-512 BF16 and AMX kernels).
 
 Arguments are raw addresses and sizes, so this module needs neither torch nor
-numpy; rtp.models.cpu_ops checks dtypes, shapes and strides and passes
-``tensor.data_ptr()``. The GIL is released while a kernel runs.
+numpy; rtp.models.cpu_kernels checks dtypes, shapes and strides and passes
+``tensor.data_ptr()``. Every entry point builds the kernel call as data
+(rtp/csrc/kernel_calls.c) and runs it with the GIL released; between
+``record_start()`` and ``record_stop()`` the calls are also kept, for
+rtp/engine/cpu_graph.py to replay with ``run_calls``.
 """
-from libc.stdint cimport int8_t, int32_t, int64_t, intptr_t, uint8_t, uint16_t
+from array import array
+
+from libc.stdint cimport int32_t, int64_t, intptr_t, uint32_t
+from libc.string cimport memcpy
 
 cdef extern from "cpu_kernels.h":
     int rtp_cpu_kernels_supported() nogil
-    void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
-                         const float *mn, const float *bias, void *out, int64_t ldo,
-                         int out_bf16, int64_t M, int64_t N, int64_t K) nogil
-    void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
-                         const float *bias, void *out, int64_t ldo, int out_bf16,
-                         int64_t M, int64_t N, int64_t K) nogil
-    void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, int delta_bf16, int64_t ldd,
-                          const void *weight, int weight_bf16, float eps, void *out, int out_bf16, int64_t ldo,
-                          int64_t T, int64_t H) nogil
-    void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions,
-                           const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
-                           uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
-                           int64_t T, int64_t H, int64_t Hkv, int64_t D) nogil
     int rtp_amx_supported() nogil
-    int rtp_linear_amx(const uint16_t *x, int64_t ldx, int kind, const uint8_t *weights,
-                       const float *bias, void *out, int64_t ldo, int out_bf16,
-                       int64_t M, int64_t N, int64_t K) nogil
-    void rtp_paged_decode_attention_bf16(
-        const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
-        const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
-        int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-        int64_t window) nogil
+    enum:
+        RTP_CALL_WORDS
+        RTP_OP_LINEAR_Q4_1
+        RTP_OP_LINEAR_Q8_0
+        RTP_OP_LINEAR_AMX
+        RTP_OP_ADD_RMS_NORM
+        RTP_OP_ROPE_STORE_KV
+        RTP_OP_DECODE_ATTENTION
+        RTP_OP_EMBED_ROWS
+        RTP_OP_SILU_MUL
+    int rtp_run_call(const int64_t *call) nogil
+    int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows) nogil
+    int rtp_call_rows_word(int64_t op) nogil
+    uint32_t rtp_call_address_words(int64_t op) nogil
+
+CALL_WORDS = RTP_CALL_WORDS
+
+cdef object _recording = None  # array('q') of the calls made since record_start(), or None
+
+
+cdef inline int64_t _float_word(double v):
+    cdef int64_t w
+    memcpy(&w, &v, sizeof(double))
+    return w
+
+
+cdef int _run(int64_t *c, int used) except -1:
+    """Run the call in c[:used] (the words after it are zeroed: a recorded call is all data)."""
+    cdef int ok
+    cdef int i
+    for i in range(used, RTP_CALL_WORDS):
+        c[i] = 0
+    if _recording is not None:
+        for i in range(RTP_CALL_WORDS):
+            _recording.append(c[i])
+    with nogil:
+        ok = rtp_run_call(c)
+    if not ok:
+        raise MemoryError(f"rtp kernel {c[0]}: no scratch memory")
+    return 0
 
 
 def supported() -> bool:
@@ -38,37 +63,69 @@ def supported() -> bool:
     return bool(rtp_cpu_kernels_supported())
 
 
-def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, intptr_t bias,
-                intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
-    """out = x @ dequant(Q4_1 weight).T (+ bias); x bf16."""
-    with nogil:
-        rtp_linear_q4_1(<const uint16_t *>x, ldx, <const uint8_t *>qs, <const float *>d,
-                        <const float *>m, <const float *>bias, <void *>out, ldo,
-                        out_bf16, rows, n, k)
-
-
 def amx_supported() -> bool:
     """True when this CPU has AMX-BF16 and the kernel granted this process the tile state."""
     return bool(rtp_amx_supported())
 
 
-def linear_amx(intptr_t x, int64_t ldx, int kind, intptr_t weights, intptr_t bias,
-               intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
-    """out = x @ dequant(weight).T (+ bias) on AMX; kind 0 Q4_1, 1 Q8_0 (tile-order records); x bf16."""
-    cdef int ok
+def record_start() -> None:
+    """Keep every kernel call from now on (they still run) until record_stop()."""
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("already recording kernel calls")
+    _recording = array("q")
+
+
+def record_stop():
+    """The calls made since record_start(): array('q') of CALL_WORDS words per call."""
+    global _recording
+    calls, _recording = _recording, None
+    return calls if calls is not None else array("q")
+
+
+def address_words(int64_t op) -> int:
+    """Bitmask of the words of an `op` call that are addresses."""
+    return rtp_call_address_words(op)
+
+
+def rows_word(int64_t op) -> int:
+    """The word of an `op` call that holds its row count."""
+    return rtp_call_rows_word(op)
+
+
+def run_calls(intptr_t calls, int64_t n, int64_t rows) -> None:
+    """Run n recorded calls (int64 [n, CALL_WORDS] at address `calls`) in order, each over
+    `rows` rows (0: as recorded)."""
+    cdef int64_t done
     with nogil:
-        ok = rtp_linear_amx(<const uint16_t *>x, ldx, kind, <const uint8_t *>weights,
-                            <const float *>bias, <void *>out, ldo, out_bf16, rows, n, k)
-    if not ok:
-        raise MemoryError("rtp_linear_amx: no scratch memory")
+        done = rtp_run_calls(<const int64_t *>calls, n, rows)
+    if done != n:
+        raise MemoryError(f"replayed kernel call {done}: no scratch memory")
+
+
+def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, intptr_t bias,
+                intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
+    """out = x @ dequant(Q4_1 weight).T (+ bias); x bf16."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:13] = [RTP_OP_LINEAR_Q4_1, x, ldx, qs, d, m, bias, out, ldo, out_bf16, rows, n, k]
+    _run(c, 13)
 
 
 def linear_q8_0(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t bias, intptr_t out,
                 int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
     """out = x @ dequant(Q8_0 weight).T (+ bias); x fp32."""
-    with nogil:
-        rtp_linear_q8_0(<const float *>x, ldx, <const int8_t *>qs, <const float *>d,
-                        <const float *>bias, <void *>out, ldo, out_bf16, rows, n, k)
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:12] = [RTP_OP_LINEAR_Q8_0, x, ldx, qs, d, bias, out, ldo, out_bf16, rows, n, k]
+    _run(c, 12)
+
+
+def linear_amx(intptr_t x, int64_t ldx, bint x_fp32, int kind, intptr_t weights, intptr_t bias,
+               intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
+    """out = x @ dequant(weight).T (+ bias) on AMX; kind 0 Q4_1, 1 Q8_0 (tile-order records);
+    x bf16 or fp32."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:13] = [RTP_OP_LINEAR_AMX, x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, rows, n, k]
+    _run(c, 13)
 
 
 def paged_decode_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride,
@@ -76,27 +133,42 @@ def paged_decode_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, 
                                 int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t block_size,
                                 float scale, int64_t window) -> None:
     """One query token per row over paged bf16 K/V; see cpu_kernels.c for the layout."""
-    with nogil:
-        rtp_paged_decode_attention_bf16(<const uint16_t *>q, <const uint16_t *>k_cache,
-                                        <const uint16_t *>v_cache, tok_stride,
-                                        <const int32_t *>block_tables, ldt, <const int32_t *>seq_lens,
-                                        <uint16_t *>out, b, h, hkv, d, block_size, scale, window)
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:16] = [RTP_OP_DECODE_ATTENTION, q, k_cache, v_cache, tok_stride, block_tables, ldt, seq_lens, out,
+              b, h, hkv, d, block_size, _float_word(scale), window]
+    _run(c, 16)
 
 
 def add_rms_norm(intptr_t residual, int64_t ldr, intptr_t delta, bint delta_bf16, int64_t ldd,
                  intptr_t weight, bint weight_bf16, float eps, intptr_t out, bint out_bf16, int64_t ldo, int64_t t,
                  int64_t h) -> None:
     """residual += delta (0: none); out = rmsnorm(residual) * weight."""
-    with nogil:
-        rtp_add_rms_norm(<float *>residual, ldr, <const void *>delta, delta_bf16, ldd,
-                         <const void *>weight, weight_bf16, eps, <void *>out, out_bf16, ldo, t, h)
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:14] = [RTP_OP_ADD_RMS_NORM, residual, ldr, delta, delta_bf16, ldd, weight, weight_bf16, _float_word(eps),
+              out, out_bf16, ldo, t, h]
+    _run(c, 14)
 
 
 def rope_store_kv(intptr_t qkv, int64_t ldq, intptr_t positions, intptr_t cos_sin, int64_t rot,
                   intptr_t q_out, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride,
                   intptr_t slots, int64_t t, int64_t h, int64_t hkv, int64_t d) -> None:
     """Rotate q, k of a fused qkv output; q to q_out, k and v into the cache at slots."""
-    with nogil:
-        rtp_rope_store_kv(<const uint16_t *>qkv, ldq, <const int32_t *>positions,
-                          <const float *>cos_sin, rot, <uint16_t *>q_out, <uint16_t *>k_cache,
-                          <uint16_t *>v_cache, tok_stride, <const int64_t *>slots, t, h, hkv, d)
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:15] = [RTP_OP_ROPE_STORE_KV, qkv, ldq, positions, cos_sin, rot, q_out, k_cache, v_cache, tok_stride,
+              slots, t, h, hkv, d]
+    _run(c, 15)
+
+
+def embed_rows(intptr_t table, bint table_bf16, int64_t ldt, intptr_t ids, intptr_t out, int64_t ldo,
+               int64_t t, int64_t h) -> None:
+    """out fp32 [t, h] = table rows at ids (int32)."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:9] = [RTP_OP_EMBED_ROWS, table, table_bf16, ldt, ids, out, ldo, t, h]
+    _run(c, 9)
+
+
+def silu_mul(intptr_t x, int64_t ldx, intptr_t out, int64_t ldo, int64_t t, int64_t i) -> None:
+    """out bf16 [t, i] = silu(x[:, :i]) * x[:, i:] for x bf16 [t, 2i]."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:7] = [RTP_OP_SILU_MUL, x, ldx, out, ldo, t, i]
+    _run(c, 7)

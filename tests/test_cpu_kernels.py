@@ -62,6 +62,20 @@ def test_amx_linear_equals_the_models_bf16_weights(kind, rows):
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [2, 17])
+def test_amx_linear_rounds_fp32_rows_like_torch(rows):
+    """fp32 rows (the LM head's input) are rounded to bf16 as the kernel reads them: the same
+    result as rounding them first."""
+    w = random_blocks("q8_0", 48, 128).with_amx_layout()
+    x = torch.randn(rows, 128)
+    want = cpu_kernels.linear_amx(x.bfloat16(), 1, w.tiles, None, torch.float32)
+    assert torch.equal(cpu_kernels.linear_amx(x, 1, w.tiles, None, torch.float32), want)
+    wide = torch.randn(rows, 160)  # a row stride past K
+    assert torch.equal(cpu_kernels.linear_amx(wide[:, :128], 1, w.tiles, None, torch.float32),
+                       cpu_kernels.linear_amx(wide[:, :128].bfloat16(), 1, w.tiles, None, torch.float32))
+
+
+@needs_amx
 def test_amx_linear_reads_a_row_slice_and_compiles():
     w = random_blocks("q4_1", 32, 64).with_amx_layout()
     wide = torch.randn(4, 96).bfloat16()
@@ -194,3 +208,31 @@ def test_rope_and_store_matches_torch(heads, kv_heads, dim):
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[slots] = False
     assert torch.all(flat[:, untouched] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embed_rows_equals_embedding_in_fp32(dtype):
+    from rtp.models.layers import VocabParallelEmbedding
+
+    emb = VocabParallelEmbedding(50, 96)
+    emb.weight.data = torch.randn(50, 96).to(dtype)
+    ids = torch.tensor([3, 0, 49, 3, 17], dtype=torch.int32)
+    out = cpu_kernels.embed_rows(ids, emb.weight)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.embedding(ids, emb.weight).float())
+    assert torch.equal(emb.embed_fp32(ids), out)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 20])
+def test_silu_mul_matches_fp32_torch(tokens):
+    """silu(gate) * up in fp32, rounded once to bf16: within half a bf16 ulp (plus the exp
+    approximation's last fp32 bits) of torch's fp32 result; extreme gates stay finite."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(tokens, 2 * 64, generator=g) * 4).bfloat16()
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0]).bfloat16()
+    out = cpu_kernels.silu_mul(x)
+    gate, up = x.float().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 64)
+    assert torch.all(torch.isfinite(out.float()))
+    assert torch.all((out.float() - want).abs() <= want.abs() * 2**-8 + 1e-30)

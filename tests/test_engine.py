@@ -200,6 +200,32 @@ def test_bf16_greedy_is_as_faithful_as_transformers_bf16(llm_bf16, hf_model, ref
     assert france[0].outputs[0].text == "The capital of France is Paris."
 
 
+def test_cpu_graphs_give_the_eager_tokens(llm_bf16):
+    """Decode steps replayed from CPU graphs (one row, and 8 rows through the AMX graph) give
+    token for token what the same engine gives with every step eager; sampled steps too."""
+    runner = llm_bf16.engine.runner
+    if not runner.cpu_graphs:
+        pytest.skip("no CPU graphs: rtp's CPU kernels are not available here")
+    prompts = [chat_ids(llm_bf16, q) for q in QUESTIONS]
+    greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=NEW, ignore_eos=True)
+
+    def run():
+        batch = llm_bf16.generate(prompts, greedy) + llm_bf16.generate(prompts[:2], sampled)
+        single = llm_bf16.generate(prompts[:1], greedy)
+        return [o.outputs[0].token_ids for o in batch + single]
+
+    before = runner.graph_steps
+    replayed = run()
+    assert runner.graph_steps - before >= 2 * (NEW - 1)
+    graphs, runner.cpu_graphs = runner.cpu_graphs, []
+    try:
+        eager = run()
+    finally:
+        runner.cpu_graphs = graphs
+    assert replayed == eager
+
+
 def test_compiled_bf16_decode_equals_eager(default_gguf, llm_bf16):
     """The bucket-1 decode graph (Inductor on CPU, rtp's kernels as custom ops inside) gives the
     eager engine's tokens."""

@@ -92,14 +92,26 @@ AMX_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_
 }
 
 /* x rows [m0, m0 + 16) of k block kb in the B layout: row r = the pairs (x[m][2r], x[m][2r+1])
- * of m = m0..m0+15 (zero past M). */
-AMX_TARGET static inline void pack_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t m0, int64_t kb,
+ * of m = m0..m0+15 (zero past M); x bf16, or fp32 rounded to bf16 here (nearest even). */
+AMX_TARGET static inline void pack_rows(const void *x, int x_fp32, int64_t ldx, int64_t M, int64_t m0, int64_t kb,
                                         uint32_t *tile) {
     int64_t valid = M - m0 < 16 ? M - m0 : 16;
     __mmask16 mask = (__mmask16)((1u << valid) - 1);
-    __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                       _mm512_set1_epi32((int)(ldx / 2)));
-    const uint32_t *base = (const uint32_t *)(x + m0 * ldx + kb * 32);
+    __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (x_fp32) {
+        __m512i index = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)ldx));
+        const float *base = (const float *)x + m0 * ldx + kb * 32;
+        for (int64_t r = 0; r < 16; r++) {
+            __m512 even = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, base + 2 * r, 4);
+            __m512 odd = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, base + 2 * r + 1, 4);
+            __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+            __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+            _mm512_store_si512((void *)(tile + r * 16), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        return;
+    }
+    __m512i index = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(ldx / 2)));
+    const uint32_t *base = (const uint32_t *)((const uint16_t *)x + m0 * ldx + kb * 32);
     for (int64_t r = 0; r < 16; r++)
         _mm512_store_si512((void *)(tile + r * 16),
                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, index, base + r, 4));
@@ -157,17 +169,17 @@ AMX_TARGET static void tile_pass(int kind, const uint8_t *recs, int64_t nk, cons
     _tile_stored(3, cbuf + 768, 64);
 }
 
-/* out [M, N] = x [M, K] bf16 (row stride ldx, even) @ W^T, W [N, K] as GGUF blocks in tile
+/* out [M, N] = x [M, K] bf16 (row stride ldx, even) or fp32 (x_fp32) @ W^T, W [N, K] as GGUF blocks in tile
  * order (kind 0 Q4_1, 1 Q8_0; records above, 64-byte aligned). N a multiple of 16, K of 32.
  * Returns 0 when the scratch memory could not be had. */
-AMX_TARGET int rtp_linear_amx(const uint16_t *x, int64_t ldx, int kind, const uint8_t *weights,
+AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                               const float *bias, void *out, int64_t ldo, int out_bf16,
                               int64_t M, int64_t N, int64_t K) {
     int64_t nk = K / 32, nmt = (M + 15) / 16;
     uint32_t *xt = aligned_alloc(64, (size_t)(nmt * nk) * 1024);
     if (!xt) return 0;
     for (int64_t mt = 0; mt < nmt; mt++)
-        for (int64_t kb = 0; kb < nk; kb++) pack_rows(x, ldx, M, mt * 16, kb, xt + (mt * nk + kb) * 256);
+        for (int64_t kb = 0; kb < nk; kb++) pack_rows(x, x_fp32, ldx, M, mt * 16, kb, xt + (mt * nk + kb) * 256);
     int64_t ntiles = N / 16;
 #pragma omp parallel
     {

@@ -531,3 +531,46 @@ TARGET void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *p
         memcpy(vd, row + (H + Hkv) * D, (size_t)(Hkv * D) * sizeof(uint16_t));
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * The first and the middle op of a layer stack, so that a decode step runs on these kernels
+ * alone (rtp/engine/cpu_graph.py replays it without Python):
+ *   embed_rows: out fp32 [T, H] (row stride ldo) = table[ids[t]] (bf16 or fp32, row stride ldt)
+ *   silu_mul:   out bf16 [T, I] = silu(x[:, :I]) * x[:, I:], x bf16 [T, 2I] (row stride ldx);
+ *               in fp32, rounded once; I a multiple of 16.
+ * ------------------------------------------------------------------------------------------- */
+TARGET void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const int32_t *ids, float *out,
+                           int64_t ldo, int64_t T, int64_t H) {
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * ldo;
+        if (table_bf16) {
+            const uint16_t *row = (const uint16_t *)table + (int64_t)ids[t] * ldt;
+            int64_t c = 0;
+            for (; c + 16 <= H; c += 16) _mm512_storeu_ps(o + c, bf16x16_to_f32(row + c));
+            for (; c < H; c++) {
+                uint32_t u = (uint32_t)row[c] << 16;
+                memcpy(o + c, &u, 4);
+            }
+        } else {
+            memcpy(o, (const float *)table + (int64_t)ids[t] * ldt, (size_t)H * sizeof(float));
+        }
+    }
+}
+
+TARGET void rtp_silu_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = x + t * ldx, *u = g + I;
+        uint16_t *o = out + t * ldo;
+        for (int64_t c = 0; c < I; c += 16) {
+            /* sigmoid from e = exp(-|g|) <= 1, which neither overflows nor loses the tail */
+            __m512 gv = bf16x16_to_f32(g + c);
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+            __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ), e,
+                                              _mm512_set1_ps(1.0f));
+            __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            __m512 y = _mm512_mul_ps(_mm512_mul_ps(gv, sig), bf16x16_to_f32(u + c));
+            _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(y));
+        }
+    }
+}

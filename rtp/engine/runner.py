@@ -13,6 +13,13 @@ frozen as constants; the block-table width is a dynamic dimension, so one graph
 per bucket serves every context length. On CUDA, mode="reduce-overhead" captures
 CUDA graphs and the width is the full (static) max_model_len. Prefill chunks run
 eagerly (their shapes vary too much to capture).
+
+With compile off on a CPU with rtp's kernels (the default there), decode-only steps
+replay CPU graphs instead (rtp/engine/cpu_graph.py): the step's kernel calls,
+captured at warm-up over the plan's own input buffers, run from C with no Python
+between them; one graph serves every batch size whose calls agree (with AMX: one
+row, and 2-64 rows). Steps that mix decode rows with a prefill chunk run eagerly
+as one forward, so the weights are read once.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import numpy as np
 import torch
 
 from rtp._runtime import StepPlan
+from rtp.engine.cpu_graph import CaptureRefused, CPUGraph, capture
 from rtp.engine.kv_cache import allocate_kv_cache
+from rtp.models import cpu_kernels
 from rtp.models.attention import AttentionMetadata, PrefillRow, forward_context
 
 log = logging.getLogger("rtp.runner")
@@ -85,6 +94,12 @@ class ModelRunner:
         self.compiled_steps = 0  # steps whose decode rows ran through a captured graph
         if compile:
             self._setup_compile(max_num_seqs)
+        # CPU graphs (rtp/engine/cpu_graph.py), captured in warmup(): (lowest rows, most rows, graph)
+        self.cpu_graphs: list[tuple[int, int, CPUGraph]] = []
+        self._max_num_seqs = max_num_seqs
+        self._want_cpu_graphs = (device.type == "cpu" and not compile and cpu_kernels.available()
+                                 and os.environ.get("RTP_CPU_GRAPHS", "1") != "0")
+        self.graph_steps = 0  # steps replayed from a CPU graph
 
     # -- compiled decode -------------------------------------------------------------------
 
@@ -116,7 +131,10 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions))
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every decode bucket now (before serving); returns the seconds it took."""
+        """Compile every decode bucket now (before serving), or capture the CPU graphs; returns
+        the seconds it took."""
+        if self._want_cpu_graphs:
+            return self._capture_cpu_graphs()
         if not self._compiled:
             return 0.0
         start = time.perf_counter()
@@ -135,6 +153,53 @@ class ModelRunner:
         seconds = time.perf_counter() - start
         log.info("compiled %d decode buckets (%s) in %.1f s", len(self.graphs), ",".join(map(str, self.graphs)), seconds)
         return seconds
+
+    # -- CPU graphs ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _capture_cpu_graphs(self) -> float:
+        """Capture the decode step at each bucket size over the plan's own input buffers (a
+        decode-only step's rows are its first tokens); sizes whose calls agree share the
+        largest one's graph."""
+        start = time.perf_counter()
+        sizes = sorted({b for b in BUCKETS if b < self._max_num_seqs} | {min(self._max_num_seqs, BUCKETS[-1])})
+        names = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
+        saved = {name: self.host[name].clone() for name in names}
+        for name in names:  # rows of nothing: the null block's slot, no context to attend to
+            self.host[name].zero_()
+        graphs: list[tuple[int, int, CPUGraph | None]] = []
+        try:
+            for size in sizes:
+                meta = AttentionMetadata(slot_mapping=self.host["slot_mapping"][:size], block_size=self.block_size,
+                                         num_decode=size, decode_block_tables=self.host["block_tables"][:size],
+                                         decode_seq_lens=self.host["seq_lens"][:size])
+                ids, pos = self.host["input_ids"][:size], self.host["positions"][:size]
+                lo = graphs[-1][1] + 1 if graphs else 1
+                try:
+                    with forward_context(meta):
+                        graph = capture(lambda: self._decode_logits(ids, pos), size)
+                except CaptureRefused as e:
+                    log.info("no CPU graph for %d-row decode steps (%s): they run eagerly", size, e)
+                    graphs.append((lo, size, None))
+                    continue
+                last = graphs[-1][2] if graphs else None
+                if last is not None and last.signature() == graph.signature():
+                    lo = graphs.pop()[0]
+                graphs.append((lo, size, graph))
+        finally:
+            for name in names:
+                self.host[name].copy_(saved[name])
+        self.cpu_graphs = [g for g in graphs if g[2] is not None]
+        seconds = time.perf_counter() - start
+        log.info("captured %d CPU graphs for decode steps of %s rows in %.2f s", len(self.cpu_graphs),
+                 ", ".join(f"{lo}-{hi}" if lo < hi else str(hi) for lo, hi, _ in self.cpu_graphs), seconds)
+        return seconds
+
+    def _cpu_graph(self, rows: int) -> CPUGraph | None:
+        for lo, hi, graph in self.cpu_graphs:
+            if lo <= rows <= hi:
+                return graph
+        return None
 
     @torch.inference_mode()
     def _run_bucket(self, g: "_DecodeBucket", width: int) -> torch.Tensor:
@@ -202,7 +267,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self) -> torch.Tensor:
         """Run the planned step; logits [num_samples, vocab] in fp32 for the sampling rows."""
-        nd = self.plan.num_decode_rows
+        p = self.plan
+        nd = p.num_decode_rows
+        if self.cpu_graphs and 0 < nd == p.num_rows == p.num_samples:
+            graph = self._cpu_graph(nd)
+            if graph is not None:  # a decode-only step: row r is token r and sample r
+                self.graph_steps += 1
+                return graph.replay(nd)
         if self._compiled is not None and 0 < nd <= max(self.graphs):
             return self._forward_compiled()
         return self._forward_eager()

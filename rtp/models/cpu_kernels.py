@@ -98,15 +98,16 @@ def amx_available() -> bool:
     x.shape[0], weights.shape[0] * 16, dtype=out_dtype))
 def linear_amx(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
                out_dtype: torch.dtype) -> torch.Tensor:
-    """x [M, K] bf16 @ W [N, K].T (+ bias fp32) -> [M, N] in out_dtype, on AMX tiles. W: GGUF
-    blocks in tile order, uint8 [N/16, K/32, record] (BlockQuantized.amx_layout); kind 0
-    Q4_1, 1 Q8_0."""
-    if x.stride(1) != 1 or x.stride(0) % 2:
+    """x [M, K] bf16 or fp32 (rounded to bf16 as it is read) @ W [N, K].T (+ bias fp32) -> [M, N]
+    in out_dtype, on AMX tiles. W: GGUF blocks in tile order, uint8 [N/16, K/32, record]
+    (BlockQuantized.amx_layout); kind 0 Q4_1, 1 Q8_0."""
+    fp32 = x.dtype == torch.float32
+    if x.stride(1) != 1 or (not fp32 and x.stride(0) % 2):
         x = x.contiguous()
     rows, k = x.shape
     n = weights.shape[0] * 16
     out = torch.empty(rows, n, dtype=out_dtype)
-    _k.linear_amx(x.data_ptr(), x.stride(0), kind, weights.data_ptr(), _ptr(bias), out.data_ptr(), n,
+    _k.linear_amx(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(), n,
                   out_dtype == torch.bfloat16, rows, n, k)
     return out
 
@@ -132,6 +133,38 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
                     delta is not None and delta.dtype == torch.bfloat16, h, weight.data_ptr(),
                     weight.dtype == torch.bfloat16, eps,
                     out.data_ptr(), out_dtype == torch.bfloat16, h, t, h)
+    return out
+
+
+# -- embedding lookup and the MLP's activation -------------------------------------------------
+
+def embed_supported(ids: torch.Tensor, table: torch.Tensor) -> bool:
+    return (_AVAILABLE and table.device.type == "cpu" and table.dtype in (torch.float32, torch.bfloat16)
+            and table.dim() == 2 and table.stride(1) == 1 and ids.dtype == torch.int32 and ids.dim() == 1)
+
+
+@_op("embed_rows", (), lambda ids, table: table.new_empty(ids.shape[0], table.shape[1], dtype=torch.float32))
+def embed_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[ids] in fp32 (the residual stream's dtype), [T, H]."""
+    ids = ids.contiguous()
+    t, h = ids.shape[0], table.shape[1]
+    out = torch.empty(t, h, dtype=torch.float32)
+    _k.embed_rows(table.data_ptr(), table.dtype == torch.bfloat16, table.stride(0), ids.data_ptr(),
+                  out.data_ptr(), h, t, h)
+    return out
+
+
+def silu_mul_supported(x: torch.Tensor) -> bool:
+    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.stride(1) == 1 and x.shape[1] % 32 == 0)
+
+
+@_op("silu_mul", (), lambda x: x.new_empty(x.shape[0], x.shape[1] // 2))
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] bf16 [T, 2I] -> [T, I] bf16 (fp32 inside, one rounding)."""
+    t, i = x.shape[0], x.shape[1] // 2
+    out = torch.empty(t, i, dtype=torch.bfloat16)
+    _k.silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), i, t, i)
     return out
 
 
@@ -193,3 +226,33 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                    lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size,
                                    scale, window)
     return out
+
+
+# -- kernel calls as data (rtp/engine/cpu_graph.py) ------------------------------------------------
+
+CALL_WORDS = _k.CALL_WORDS if _AVAILABLE else 16
+
+
+def record_start() -> None:
+    """Record every kernel call from now on (they still run), until record_stop()."""
+    _k.record_start()
+
+
+def record_stop():
+    """The calls since record_start(): array('q'), CALL_WORDS int64 words per call."""
+    return _k.record_stop()
+
+
+def address_words(op: int) -> int:
+    """Bitmask of the words of an `op` call that hold addresses."""
+    return _k.address_words(op)
+
+
+def rows_word(op: int) -> int:
+    """The word of an `op` call that holds its row count."""
+    return _k.rows_word(op)
+
+
+def run_calls(calls, rows: int) -> None:
+    """Run recorded calls (numpy int64 [n, CALL_WORDS], C-contiguous) over `rows` rows."""
+    _k.run_calls(calls.ctypes.data, calls.shape[0], rows)

@@ -176,6 +176,14 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
+    def embed_fp32(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ids in fp32, in a tensor of their own (the residual stream starts
+        here and is updated in place)."""
+        if cpu_kernels.embed_supported(ids, self.weight):
+            return cpu_kernels.embed_rows(ids, self.weight)
+        embeds = self(ids)
+        return embeds.float() if embeds.dtype != torch.float32 else embeds.clone()
+
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; shares the embedding's weight when the model ties them."""
@@ -196,5 +204,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.silu_mul_supported(x):
+            return cpu_kernels.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

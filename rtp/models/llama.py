@@ -102,9 +102,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # .float() copies bf16 embeddings; fp32 ones are cloned, as the residual is updated in place
-        embeds = self.embed_tokens(input_ids)
-        residual = embeds.float() if embeds.dtype != torch.float32 else embeds.clone()
+        residual = self.embed_tokens.embed_fp32(input_ids)
         delta = None
         for layer in self.layers:
             residual, delta = layer(positions, residual, delta)

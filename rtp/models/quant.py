@@ -121,8 +121,9 @@ class BlockQuantized:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         b = None if bias is None else bias.float()
         if self.tiles is not None and x.shape[0] >= AMX_MIN_ROWS:
-            return cpu_kernels.linear_amx(x.to(torch.bfloat16), 0 if self.kind == "q4_1" else 1, self.tiles,
-                                          b, out_dtype)
+            if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
+                x = x.to(torch.bfloat16)
+            return cpu_kernels.linear_amx(x, 0 if self.kind == "q4_1" else 1, self.tiles, b, out_dtype)
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out_dtype)
         return cpu_kernels.linear_q8_0(x.float(), self.qs, self.d, b, out_dtype)

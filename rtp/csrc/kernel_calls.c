@@ -1,0 +1,99 @@
+/* Kernel calls as data: what lets a decode step run with no Python between its kernels.
+ *
+ * A call is RTP_CALL_WORDS int64 words: word 0 names the kernel (RTP_OP_*), the words after
+ * it are the kernel's arguments in its own order (addresses and integers as int64, floats as
+ * the bits of a double). rtp/_cpu_kernels.pyx builds one per call it makes and can record
+ * them; rtp/engine/cpu_graph.py captures a decode step's calls once and replays them through
+ * rtp_run_calls, like a CUDA graph replays a stream's launches. Eager calls go through the
+ * same rtp_run_call, so a replay runs exactly what the capture ran.
+ */
+#include "cpu_kernels.h"
+
+#include <string.h>
+
+static inline float arg_float(int64_t word) {
+    double v;
+    memcpy(&v, &word, sizeof v);
+    return (float)v;
+}
+
+#define P(i) ((void *)(intptr_t)c[i])
+
+int rtp_run_call(const int64_t *c) {
+    switch (c[0]) {
+    case RTP_OP_LINEAR_Q4_1:
+        rtp_linear_q4_1(P(1), c[2], P(3), P(4), P(5), P(6), P(7), c[8], (int)c[9], c[10], c[11], c[12]);
+        return 1;
+    case RTP_OP_LINEAR_Q8_0:
+        rtp_linear_q8_0(P(1), c[2], P(3), P(4), P(5), P(6), c[7], (int)c[8], c[9], c[10], c[11]);
+        return 1;
+    case RTP_OP_LINEAR_AMX:
+        return rtp_linear_amx(P(1), c[2], (int)c[3], (int)c[4], P(5), P(6), P(7), c[8], (int)c[9], c[10], c[11],
+                              c[12]);
+    case RTP_OP_ADD_RMS_NORM:
+        rtp_add_rms_norm(P(1), c[2], P(3), (int)c[4], c[5], P(6), (int)c[7], arg_float(c[8]), P(9), (int)c[10],
+                         c[11], c[12], c[13]);
+        return 1;
+    case RTP_OP_ROPE_STORE_KV:
+        rtp_rope_store_kv(P(1), c[2], P(3), P(4), c[5], P(6), P(7), P(8), c[9], P(10), c[11], c[12], c[13], c[14]);
+        return 1;
+    case RTP_OP_DECODE_ATTENTION:
+        rtp_paged_decode_attention_bf16(P(1), P(2), P(3), c[4], P(5), c[6], P(7), P(8), c[9], c[10], c[11], c[12],
+                                        c[13], arg_float(c[14]), c[15]);
+        return 1;
+    case RTP_OP_EMBED_ROWS:
+        rtp_embed_rows(P(1), (int)c[2], c[3], P(4), P(5), c[6], c[7], c[8]);
+        return 1;
+    case RTP_OP_SILU_MUL:
+        rtp_silu_mul(P(1), c[2], P(3), c[4], c[5], c[6]);
+        return 1;
+    }
+    return 0;
+}
+
+#undef P
+
+/* The word of an op's calls that holds its row count (tokens, batch rows). */
+int rtp_call_rows_word(int64_t op) {
+    switch (op) {
+    case RTP_OP_LINEAR_Q4_1: return 10;
+    case RTP_OP_LINEAR_Q8_0: return 9;
+    case RTP_OP_LINEAR_AMX: return 10;
+    case RTP_OP_ADD_RMS_NORM: return 12;
+    case RTP_OP_ROPE_STORE_KV: return 11;
+    case RTP_OP_DECODE_ATTENTION: return 9;
+    case RTP_OP_EMBED_ROWS: return 7;
+    case RTP_OP_SILU_MUL: return 5;
+    }
+    return 0;
+}
+
+/* Runs n calls in order, each over `rows` rows (rows <= 0: as recorded). A step's rows are
+ * independent in every kernel here, so calls captured over R rows serve any batch of up to R
+ * rows whose inputs sit in the first rows of the same buffers. Returns n, or the index of the
+ * call that failed. */
+int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows) {
+    int64_t c[RTP_CALL_WORDS];
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(c, calls + i * RTP_CALL_WORDS, sizeof c);
+        int w = rtp_call_rows_word(c[0]);
+        if (rows > 0 && w) c[w] = rows;
+        if (!rtp_run_call(c)) return i;
+    }
+    return n;
+}
+
+/* Bit i set: word i of the op's calls is an address (what a capture relocates). */
+uint32_t rtp_call_address_words(int64_t op) {
+    switch (op) {
+    case RTP_OP_LINEAR_Q4_1: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 5 | 1u << 6 | 1u << 7;
+    case RTP_OP_LINEAR_Q8_0: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 5 | 1u << 6;
+    case RTP_OP_LINEAR_AMX: return 1u << 1 | 1u << 5 | 1u << 6 | 1u << 7;
+    case RTP_OP_ADD_RMS_NORM: return 1u << 1 | 1u << 3 | 1u << 6 | 1u << 9;
+    case RTP_OP_ROPE_STORE_KV: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 6 | 1u << 7 | 1u << 8 | 1u << 10;
+    case RTP_OP_DECODE_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 7 | 1u << 8;
+    case RTP_OP_EMBED_ROWS: return 1u << 1 | 1u << 4 | 1u << 5;
+    case RTP_OP_SILU_MUL: return 1u << 1 | 1u << 3;
+    }
+    return 0;
+}

@@ -1,0 +1,86 @@
+"""CPU graphs (rtp/engine/cpu_graph.py): captured kernel calls replay what the eager run computes."""
+
+import random
+
+import pytest
+import torch
+
+from rtp.engine.cpu_graph import CaptureRefused, _place, capture
+from rtp.models import cpu_kernels
+from test_cpu_kernels import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+
+
+class TinyMLP:
+    """Two quantized linears around the fused activation, on static input and output buffers."""
+
+    def __init__(self, rows: int):
+        self.up = random_blocks("q4_1", 128, 64, seed=1)
+        self.down = random_blocks("q4_1", 64, 64, seed=2)
+        self.x = torch.zeros(rows, 64, dtype=torch.bfloat16)
+
+    def __call__(self) -> torch.Tensor:
+        h = self.up.linear(self.x, None, torch.bfloat16)
+        return self.down.linear(cpu_kernels.silu_mul(h), None, torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_replay_computes_what_eager_does_on_new_inputs(rows):
+    mlp = TinyMLP(rows)
+    graph = capture(mlp, rows)
+    assert len(graph.calls) == 3
+    for seed in range(3):
+        mlp.x.copy_(torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)))
+        want = mlp()
+        assert torch.equal(graph.replay(rows), want)
+        assert graph.replay(rows).data_ptr() == graph.output.data_ptr()  # one output, every time
+
+
+def test_replay_over_fewer_rows():
+    mlp = TinyMLP(6)
+    graph = capture(mlp, 6)
+    mlp.x.copy_(torch.randn(6, 64))
+    want = mlp()
+    for rows in (1, 3, 6):
+        assert torch.equal(graph.replay(rows), want[:rows])
+    with pytest.raises(ValueError):
+        graph.replay(7)
+
+
+def test_intermediates_share_an_arena():
+    """Buffers whose lifetimes do not overlap share memory: the arena of a chain of layers is
+    far smaller than the sum of their outputs."""
+    layers = [random_blocks("q4_1", 64, 64, seed=s) for s in range(8)]
+    x = torch.randn(4, 64).bfloat16()
+
+    def chain():
+        h = x
+        for w in layers:
+            h = w.linear(h, None, torch.bfloat16)
+        return w.linear(h, None, torch.float32)
+
+    graph = capture(chain, 4)
+    assert graph.arena.numel() <= 3 * 4 * 64 * 2 + 64 * 2
+    assert torch.equal(graph.replay(4), chain())
+
+
+def test_capture_refuses_torch_ops_and_stops_recording():
+    mlp = TinyMLP(2)
+    with pytest.raises(CaptureRefused, match="add"):
+        capture(lambda: mlp() + 1, 2)
+    assert len(capture(mlp, 2).calls) == 3  # recording was stopped and starts again
+
+
+def test_place_never_overlaps_live_blocks():
+    rng = random.Random(0)
+    for _ in range(50):
+        blocks = []
+        for _ in range(rng.randint(1, 30)):
+            lo = rng.randint(0, 40)
+            blocks.append((64 * rng.randint(1, 8), lo, lo + rng.randint(0, 10)))
+        offsets = _place(blocks)
+        for i, (si, li, hi) in enumerate(blocks):
+            for j, (sj, lj, hj) in enumerate(blocks[:i]):
+                if li <= hj and lj <= hi:  # live at once
+                    assert offsets[i] + si <= offsets[j] or offsets[j] + sj <= offsets[i]
