@@ -211,6 +211,18 @@ def test_auto_mode_reads_cached_files_buffered_and_cold_ones_direct(tmp_path):
     assert mode() == "direct"
 
 
+def test_prefault_leaves_memory_as_it_was():
+    from rtp.engine.prefault import Prefault
+
+    written = torch.arange(3 << 20, dtype=torch.int32)
+    fresh = torch.empty(5 << 20, dtype=torch.uint8)
+    with Prefault([written[7:], fresh]) as prefault:
+        pass
+    assert torch.equal(written, torch.arange(3 << 20, dtype=torch.int32))
+    assert prefault.ranges[0] == (written[7:].data_ptr(), ((3 << 20) - 7) * 4)
+    assert not [t for t in threading.enumerate() if t.name == "rtp-prefault"]
+
+
 # ---- load_model: parameters equal to the checkpoint -----------------------------------
 
 

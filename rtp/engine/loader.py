@@ -31,6 +31,7 @@ import torch
 
 from rtp.config import ModelConfig
 from rtp.engine.checkpoint import CheckpointError, TensorRecord, open_checkpoint, stream_tensors
+from rtp.engine.prefault import Prefault
 from rtp.models import model_class
 
 __all__ = ["CheckpointError", "LoadOptions", "check_against_model", "checkpoint_tensors", "load_model"]
@@ -130,6 +131,21 @@ class ProgressBar:
             self.bar.close()
 
 
+def _fill_order(model: torch.nn.Module, records: Sequence[TensorRecord]) -> list[torch.Tensor]:
+    """The model's parameters in the order the records fill them (as far as the model's
+    `fused_target` tells; the rest after)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    fused_target = getattr(model, "fused_target", lambda name: (name, None))
+    order: dict[int, torch.Tensor] = {}
+    for record in records:
+        param = params.get(fused_target(record.name)[0])
+        if param is not None:
+            order.setdefault(id(param), param.data)
+    for param in params.values():
+        order.setdefault(id(param), param.data)
+    return list(order.values())
+
+
 def load_model(path: Path, dtype: torch.dtype, device: torch.device,
                options: LoadOptions | None = None) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model named by the checkpoint's config and load its weights."""
@@ -147,7 +163,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     bar = ProgressBar(path.name, total)
     read_start = time.perf_counter()
     try:
-        loaded = model.load_weights(checkpoint_tensors(records, device, options, bar.update))
+        with Prefault(_fill_order(model, records)):
+            loaded = model.load_weights(checkpoint_tensors(records, device, options, bar.update))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except ValueError as e:

@@ -206,6 +206,7 @@ class SequentialReader:
                  direct: bool | None = None, device: torch.device | None = None,
                  progress: Callable[[int], None] | None = None):
         self.spans = spans
+        self.chunk_bytes = chunk_bytes
         self.reads = plan_reads(spans, chunk_bytes)
         self.direct = direct
         self.cuda = device is not None and device.type == "cuda"
@@ -274,7 +275,10 @@ class SequentialReader:
         if self._thread is not None:
             raise RuntimeError("a SequentialReader is iterated once")
         self._start()
-        staged: torch.Tensor | None = None  # the span being assembled from pieces
+        # spans longer than a chunk are assembled here: one allocation, its pages faulted in once
+        long_spans = [s.end - s.begin for s in self.spans if s.end - s.begin > self.chunk_bytes]
+        staging = torch.empty(max(long_spans, default=0), dtype=torch.uint8)
+        staged = staging
         try:
             for read in self.reads:
                 item = self._filled.get()
@@ -291,11 +295,10 @@ class SequentialReader:
                         yield index, piece
                         continue
                     if lo == span.begin:
-                        staged = torch.empty(span.end - span.begin, dtype=torch.uint8)
+                        staged = staging[: span.end - span.begin]
                     staged[lo - span.begin: hi - span.begin].copy_(piece)
                     if hi == span.end:
                         yield index, staged
-                        staged = None
                 self._give_back(item)
         finally:
             self.close()
