@@ -146,12 +146,13 @@ def convert(src: Path, dst: Path, dtype: torch.dtype | None = None, shard_bytes:
         owner = {entry[0]: writer for writer, shard in zip(writers, shards) for entry in shard}
         bar = ProgressBar(src.name, sum(r.nbytes for r in checkpoint.records))
         done = False
+        tensors = checkpoint_tensors(checkpoint.records, torch.device("cpu"), options or LoadOptions(), bar.update)
         try:
-            for name, tensor in checkpoint_tensors(checkpoint.records, torch.device("cpu"),
-                                                   options or LoadOptions(), bar.update):
+            for name, tensor in tensors:
                 owner[name].write(name, tensor.to(out_dtype[name]))
             done = True
         finally:
+            tensors.close()
             bar.close()
             for writer in writers:
                 writer.close(sync=done)

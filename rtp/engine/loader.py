@@ -12,8 +12,11 @@ same per-parameter weight loaders, so this file knows no architecture.
 
 The model's parameters are created uninitialised in their final dtype and on
 their device; each tensor is copied from the reader's buffer into its parameter
-(converting dtype on the way), so no second copy of the model exists in host
-memory. An error anywhere raises: `load_model` never returns a half-loaded model.
+(converting dtype on the way), so loading holds no second copy of the model in
+host memory: two chunk buffers, and one staging buffer for tensors longer than a
+chunk. On the CPU a second thread faults the parameters' pages in ahead of the
+copies (rtp/engine/prefault.py). An error anywhere raises: `load_model` never
+returns a half-loaded model.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,7 +94,8 @@ def _checkpoint_name(model: torch.nn.Module, target: str) -> str:
 
 
 def checkpoint_tensors(records: Sequence[TensorRecord], device: torch.device,
-                       options: LoadOptions, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
+                       options: LoadOptions, progress: Callable[[int], None] | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor on `device`) for every record, in file order. The seam for tensor parallelism.
 
     Today every process reads the whole checkpoint itself. With tensor parallelism
@@ -162,9 +166,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     total = sum(r.nbytes for r in records)
     bar = ProgressBar(path.name, total)
     read_start = time.perf_counter()
+    tensors = checkpoint_tensors(records, device, options, bar.update)
     try:
         with Prefault(_fill_order(model, records)):
-            loaded = model.load_weights(checkpoint_tensors(records, device, options, bar.update))
+            loaded = model.load_weights(tensors)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except ValueError as e:
@@ -172,10 +177,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
             raise
         raise CheckpointError(f"{path}: {e}") from e
     finally:
+        tensors.close()  # stops the reader thread now, not when the traceback is collected
         bar.close()
     read_s = time.perf_counter() - read_start
     missing = model.expected_weights() - loaded
-    if missing:  # the meta-device check saw the same tensors; this cannot happen unless a file changed
+    if missing:  # the meta-device check rules this out; a guard against loaders that differ off meta
         raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     model.eval()
     if checkpoint.gguf is not None and dtype == torch.bfloat16 and device.type == "cpu":

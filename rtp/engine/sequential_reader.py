@@ -197,8 +197,8 @@ class SequentialReader:
     """Iterate (span index, raw bytes) in span order; use it as a context manager.
 
     Each raw tensor is uint8 on the CPU, a view into a reader buffer (or, for a span
-    longer than a chunk, a tensor of its own), valid until the next item is taken:
-    copy out of it, do not keep it. `device` = a CUDA device pins the buffers and
+    longer than a chunk, into the staging buffer it was assembled in), valid until the
+    next item is taken: copy out of it, do not keep it. `device` = a CUDA device pins the buffers and
     fences their reuse on that device's current stream.
     """
 
@@ -212,8 +212,7 @@ class SequentialReader:
         self.cuda = device is not None and device.type == "cuda"
         self.device = device
         self.progress = progress
-        self.modes: dict[Path, str] = {}  # how each file was read, once its reads start
-        self.total_bytes = sum(r.data_bytes for r in self.reads)
+        self.modes: dict[Path, str] = {}  # how each file was read ("direct" or "buffered")
         self._free: queue.Queue = queue.Queue()
         self._filled: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -248,7 +247,6 @@ class SequentialReader:
                         file = None
                     last = next(r for r in reversed(self.reads) if r.path == read.path)
                     file = _File(read.path, self.direct, read.offset, last.pieces[-1][2])
-                    self.modes[read.path] = file.mode
                 file.fill(buf, read)
                 self.modes[read.path] = file.mode
                 self._filled.put(buf)
@@ -278,7 +276,7 @@ class SequentialReader:
         # spans longer than a chunk are assembled here: one allocation, its pages faulted in once
         long_spans = [s.end - s.begin for s in self.spans if s.end - s.begin > self.chunk_bytes]
         staging = torch.empty(max(long_spans, default=0), dtype=torch.uint8)
-        staged = staging
+        staged = staging[:0]
         try:
             for read in self.reads:
                 item = self._filled.get()
