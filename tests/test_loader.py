@@ -9,6 +9,7 @@ with an index; chunk sizes far below the tensor sizes so that tensors straddle r
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import random
@@ -123,7 +124,7 @@ def test_read_plan_covers_every_span_in_order_with_aligned_reads():
         assert order == sorted(order) and set(order) == set(range(len(spans)))
         for index, pieces in covered.items():  # the pieces of a span tile it exactly
             assert pieces[0][0] == spans[index].begin and pieces[-1][1] == spans[index].end
-            assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
 
 
 # ---- bit-identical reads --------------------------------------------------------------

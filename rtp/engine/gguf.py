@@ -279,7 +279,7 @@ class GGUFCheckpoint(GGUFFile):
     def num_tensors(self) -> int:
         return len(self.reader.tensors)
 
-    def records(self) -> list["TensorRecord"]:
+    def records(self) -> list[TensorRecord]:
         """Where each model tensor's bytes lie and how they decode (to fp32, HF name and shape,
         q/k rows unpermuted), in file (data offset) order: what rtp's loader streams.
 

@@ -216,7 +216,7 @@ def _pack_cpu_weights(model: torch.nn.Module) -> None:
         log.info("prepacked %d bf16 linear weights for oneDNN", count)
 
 
-def _attach_quantized(model: torch.nn.Module, gguf: "GGUFCheckpoint") -> None:
+def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
     """Give linear layers the GGUF's packed blocks for small-batch decode (rtp/models/quant.py).
 
     A fused layer (qkv, gate_up) gets them only when every part is packed in one format;

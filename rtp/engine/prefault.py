@@ -18,6 +18,7 @@ import ctypes.util
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 
@@ -50,7 +51,7 @@ class Prefault:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "Prefault":
+    def __enter__(self) -> Self:
         if _MADVISE is not None and self.ranges:
             self._thread = threading.Thread(target=self._run, name="rtp-prefault", daemon=True)
             self._thread.start()

@@ -19,6 +19,7 @@ arrives (the header is computed up front from shapes and dtypes).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -96,7 +97,7 @@ def read_header(path: Path) -> list[TensorRecord]:
     records = sorted((_entry(path, name, value, data_start, file_size)
                       for name, value in header.items() if name != "__metadata__"),
                      key=lambda r: (r.begin, r.end))
-    for prev, cur in zip(records, records[1:]):
+    for prev, cur in itertools.pairwise(records):
         if cur.begin < prev.end:
             raise CheckpointError(f"{path}: tensors {prev.name} and {cur.name} overlap "
                                   f"([{prev.begin}, {prev.end}) and [{cur.begin}, {cur.end}))")

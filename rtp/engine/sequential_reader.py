@@ -28,10 +28,10 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol, Self
 
 import torch
 
@@ -218,7 +218,7 @@ class SequentialReader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "SequentialReader":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -250,7 +250,7 @@ class SequentialReader:
                 file.fill(buf, read)
                 self.modes[read.path] = file.mode
                 self._filled.put(buf)
-        except BaseException as e:  # handed to the consumer, which raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
             self._filled.put(e)
         finally:
             if file is not None:
