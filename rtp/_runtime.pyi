@@ -104,6 +104,7 @@ class Scheduler:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_prefill_tokens_with_decodes: int
     max_model_len: int
     max_requests: int
     vocab_size: int
@@ -125,7 +126,8 @@ class Scheduler:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 4096, eos_token_ids: Iterable[int] = (),
                  max_requests: int = 16384, vocab_size: int = 0, policy: str = "fcfs",
-                 chunked_prefill: bool = True, lpm_aging: float = 8.0, lpm_window: int = 64) -> None: ...
+                 chunked_prefill: bool = True, lpm_aging: float = 8.0, lpm_window: int = 64,
+                 max_prefill_tokens_with_decodes: int = 0) -> None: ...
     def add_request(self, req_id: int, prompt_token_ids: Tokens, *, max_tokens: int = 16,
                     min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
                     ignore_eos: bool = False, prefill_only: bool = False) -> int: ...

@@ -1098,6 +1098,7 @@ cdef class Scheduler:
     cdef readonly RadixCache cache         # None: prefix caching off
     cdef readonly StepPlan plan
     cdef readonly int block_size, max_num_seqs, max_num_batched_tokens, max_model_len
+    cdef readonly int max_prefill_tokens_with_decodes
     cdef readonly int max_requests, vocab_size, policy, lpm_window
     cdef readonly double lpm_aging
     cdef readonly bint chunked_prefill
@@ -1152,11 +1153,14 @@ cdef class Scheduler:
                   RadixCache cache=None, int max_num_seqs=64, int max_num_batched_tokens=2048,
                   int max_model_len=4096, eos_token_ids=(), int max_requests=16384,
                   int vocab_size=0, str policy="fcfs", bint chunked_prefill=True,
-                  double lpm_aging=8.0, int lpm_window=64):
+                  double lpm_aging=8.0, int lpm_window=64, int max_prefill_tokens_with_decodes=0):
         if cache is not None and cache.allocator is not allocator:
             raise ValueError("the RadixCache must be built on the same allocator")
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1 or max_requests < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens, max_model_len and max_requests must be positive")
+        if max_prefill_tokens_with_decodes < 0:
+            raise ValueError(f"max_prefill_tokens_with_decodes must be 0 (no limit) or positive, "
+                             f"got {max_prefill_tokens_with_decodes}")
         if plan.max_num_seqs < max_num_seqs:
             raise ValueError(f"plan has {plan.max_num_seqs} rows, scheduler needs {max_num_seqs}")
         if plan.max_num_tokens < max_num_batched_tokens:
@@ -1175,6 +1179,7 @@ cdef class Scheduler:
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.max_model_len = max_model_len
         self.max_requests = max_requests
         self.vocab_size = vocab_size
@@ -1460,14 +1465,29 @@ cdef class Scheduler:
 
     cdef int _schedule(self) except -1:
         cdef int budget = self.max_num_batched_tokens
+        cdef int prefill_budget = budget  # tokens of prompt chunks this step
         cdef int i = 0, s, n, need, bs = self.block_size, m, idx
         cdef bint preempted = False
         cdef BlockAllocator alloc = self.allocator
         self.n_sched = 0
+        # A step that carries decodes stalls every one of them for as long as its prompt chunks
+        # take: with decodes running, prompts get at most max_prefill_tokens_with_decodes.
+        if self.max_prefill_tokens_with_decodes:
+            for i in range(self.num_running):
+                s = self.running[i]
+                if self.r_num_tokens[s] - self.r_num_computed[s] == 1:
+                    prefill_budget = min(budget, self.max_prefill_tokens_with_decodes)
+                    break
+            i = 0
         # 1. running requests, oldest first: a decode needs 1 token, a prompt its next chunk
         while i < self.num_running and budget > 0:
             s = self.running[i]
             n = min(self.r_num_tokens[s] - self.r_num_computed[s], budget)
+            if n > 1:
+                n = min(n, prefill_budget)
+                if n == 0:
+                    i += 1
+                    continue  # its next chunk waits for a step with room
             need = _cdiv(self.r_num_computed[s] + n, bs) - self.r_nblocks[s]
             while need > alloc.n_list:
                 preempted = True
@@ -1483,8 +1503,11 @@ cdef class Scheduler:
             self.sched_n[self.n_sched] = n
             self.n_sched += 1
             budget -= n
+            if n > 1:
+                prefill_budget -= n
             i += 1
         # 2. admit waiting requests while budget, rows and blocks allow (not after a preemption)
+        budget = min(budget, prefill_budget)
         while (not preempted and budget > 0 and self.num_waiting > 0
                and self.num_running < self.max_num_seqs):
             idx = self._pick_waiting()

@@ -94,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                               max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
                               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                               compile=args.compile, seed=args.seed)
@@ -195,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
+    p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=512,
+                   help="prompt tokens a step may take while other requests decode; smaller keeps "
+                        "inter-token latency low, larger prefills faster (default 512, 0: up to "
+                        "--max-num-batched-tokens)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length, prompt plus completion (default: the model's, at most 8192)")
     p.add_argument("--kv-cache-memory", type=_byte_size, default=None, metavar="BYTES",

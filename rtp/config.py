@@ -113,6 +113,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: a default for the device
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # prompt tokens a step may take while decodes run: each such step stalls every decode for
+    # as long as its chunks take (0: up to max_num_batched_tokens)
+    max_prefill_tokens_with_decodes: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"   # fcfs | lpm
@@ -129,6 +132,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise ValueError(f"max_prefill_tokens_with_decodes must be 0 (no limit) or positive, "
+                             f"got {self.max_prefill_tokens_with_decodes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -134,6 +134,42 @@ def test_decode_is_not_starved_by_a_long_prompt():
     assert chunks >= 13  # the 200-token prompt went in chunks of at most 15
 
 
+def test_prompt_chunks_shrink_while_decodes_run():
+    """With decodes running a step takes at most max_prefill_tokens_with_decodes prompt tokens
+    (running chunks and admissions together); with none, the whole budget. Outputs unchanged."""
+    s = make_scheduler(num_blocks=128, max_num_batched_tokens=32, max_model_len=256,
+                       max_prefill_tokens_with_decodes=8)
+    r = ToyRunner(s, VOCAB)
+    long_a, long_b = list(np.arange(60) % 40 + 1), list(np.arange(50) % 30 + 2)
+    s.add_request(1, long_a, max_tokens=3)
+    s.schedule()
+    assert s.plan.num_tokens == 32  # nothing decodes yet: the full budget
+    s.update(r.forward())
+    s.add_request(2, [3, 4, 5], max_tokens=40)
+    s.schedule()
+    assert s.plan.num_tokens == 28 + 3  # still no decode: the rest of request 1 and all of 2
+    s.update(r.forward())
+    s.add_request(3, long_b, max_tokens=2)
+    out: dict[int, list[int]] = {}
+    capped = 0
+    while s.has_unfinished:
+        s.schedule()
+        if s.has_request(1) or s.has_request(2):  # something decodes this step
+            assert s.plan.num_tokens - s.plan.num_decode_rows <= 8
+            capped += s.plan.num_rows > s.plan.num_decode_rows
+        n = s.update(r.forward())
+        for rid, tok in zip(s.event_req_ids[:n].tolist(), s.event_tokens[:n].tolist()):
+            out.setdefault(rid, []).append(tok)
+        s.check_integrity()
+    assert capped >= 6  # request 3's prompt went in 8 tokens at a time while 1 and 2 decoded
+    assert out[2] == expected([3, 4, 5], 40, 256)[1:] and out[3] == expected(long_b, 2, 256)
+    assert out[1] == expected(long_a, 3, 256)[1:]
+    s2 = make_scheduler(num_blocks=128, max_num_batched_tokens=32, max_model_len=256)
+    assert s2.max_prefill_tokens_with_decodes == 0
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        make_scheduler(max_prefill_tokens_with_decodes=-1)
+
+
 def test_stop_conditions():
     s = make_scheduler(eos_token_ids=[0, 1])
     r = ToyRunner(s, VOCAB)

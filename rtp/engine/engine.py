@@ -140,6 +140,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, self.runner.plan, cache=self.cache,
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
                                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                    vocab_size=mc.vocab_size, policy=config.scheduling_policy)
         self.sampler = Sampler(seed=config.seed)

@@ -11,8 +11,11 @@ One step, in order (the order of vLLM's v1 sampler):
                     so a greedy and a sampled row report comparable numbers
     4. greedy rows  argmax of the logits after 1 and 2
     5. random rows  / temperature, then min_p, then top_k and top_p (one sort),
-                    then the exponential race: argmax(p / q), q ~ Exp(1), which
-                    draws from p without torch.multinomial's host sync
+                    then inverse-CDF sampling: one uniform u per row, the first
+                    token whose running sum of p exceeds u * sum(p) (a cumsum and
+                    a searchsorted, without torch.multinomial's host sync; the
+                    exponential race argmax(p / q), q ~ Exp(1), spent 65 ms of a
+                    CPU step on exponential_ over [64, 49152], this 4 ms)
 
 Only the rows that need a stage pay for it: penalties, temperature and
 truncation each run on the subset of rows that asked for them (an index
@@ -296,7 +299,7 @@ class Sampler:
         return SamplerOutput(tokens, chosen, top)
 
     def _sample(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Random rows only: temperature, min_p, top_k/top_p, exponential race."""
+        """Random rows only: temperature, min_p, top_k/top_p, inverse-CDF draw."""
         x.div_(batch.temperature.unsqueeze(1))
         if batch.min_p is not None:
             probs = x.softmax(dim=-1)
@@ -308,18 +311,19 @@ class Sampler:
             else:
                 xt = x.index_select(0, batch.trunc_rows)
                 x.index_copy_(0, batch.trunc_rows, _apply_top_k_top_p(xt, batch))
-        probs = x.softmax(dim=-1)
-
-        q = torch.empty_like(probs)
+        cdf = x.softmax(dim=-1).cumsum_(dim=-1)
+        u = torch.empty(cdf.shape[0], 1, device=cdf.device)
         if batch.any_unseeded:
-            q.exponential_(generator=self.generator(q.device))
+            u.uniform_(generator=self.generator(u.device))
         for row, seed in batch.seeded:
-            g = torch.Generator(device=q.device)
+            g = torch.Generator(device=u.device)
             g.manual_seed(seed)
-            q[row].exponential_(generator=g)
-        # q == 0 would turn a masked token's 0/0 into NaN, which argmax picks
-        q.clamp_(min=torch.finfo(torch.float32).tiny)
-        return _argmax(probs.div_(q))
+            u[row].uniform_(generator=g)
+        total = cdf[:, -1:]
+        # masked tokens add nothing to the sum, so they are never the first to pass u * total
+        tokens = torch.searchsorted(cdf, u * total, right=True)
+        # u * total can round up to total itself: then the last token that adds to the sum
+        return torch.minimum(tokens, torch.searchsorted(cdf, total)).squeeze(1)
 
 
 def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
