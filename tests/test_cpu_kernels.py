@@ -123,6 +123,11 @@ def test_paged_decode_attention_matches_torch(heads, kv_heads, dim, window):
     # bf16 output rounding: half an ulp of values below 1 in magnitude
     assert (out.float() - ref)[live].abs().max().item() < 8e-3
     assert torch.all(out[~live] == 0)
+    # fewer rows than two per thread: one task per (row, kv head), the same numbers
+    for rows in (1, 3):
+        part = cpu_kernels.paged_decode_attention(q[-rows:], kv[0], kv[1], tables[-rows:], lens[-rows:],
+                                                  dim**-0.5, window)
+        assert torch.equal(part, out[-rows:])
 
 
 def test_paged_decode_attention_reads_a_table_view():

@@ -15,6 +15,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
@@ -425,16 +426,20 @@ TARGET void rtp_paged_decode_attention_bf16(
     int64_t nc = D / 32; /* D is a multiple of 32, at most MAX_DIM */
     /* One task per row, its kv heads in turn: a token's K (and V) row of all heads is one
      * contiguous run, so the row's blocks stream through whole (a task per head read a third
-     * of each run and got 9 GB/s from DRAM; per row, more). */
+     * of each run and got 9 GB/s from DRAM; per row, more). With fewer rows than two per
+     * thread, one task per (row, kv head) instead, or a lone row would leave threads idle. */
+    int64_t per_row = B < 2 * omp_get_max_threads() ? Hkv : 1;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t task = 0; task < B * per_row; task++) {
+        int64_t b = task / per_row;
         int64_t len = seq_lens[b];
         if (len <= 0) {
-            memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
+            if (task % per_row == 0) memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
             continue;
         }
         const int32_t *table = block_tables + b * ldt;
-        for (int64_t h = 0; h < Hkv; h++) {
+        int64_t h0 = per_row == 1 ? 0 : task % per_row, h1 = per_row == 1 ? Hkv : h0 + 1;
+        for (int64_t h = h0; h < h1; h++) {
             uint16_t *o = out + (b * H + h * G) * D;
 #define ATTEND(g, n) attend_task(q, k_cache, v_cache, tok_stride, table, len, o, b, h, H, D, block_size, scale, window, g, n)
             /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
