@@ -36,6 +36,15 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    # Mixture of experts (num_experts 0: a dense model). Layer i is sparse when it is not in
+    # mlp_only_layers and (i + 1) is a multiple of decoder_sparse_step (Qwen MoE's rule; Mixtral: all).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one shared expert behind a sigmoid gate
+    norm_topk_prob: bool = False              # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     raw: dict[str, Any] = msgspec.field(default_factory=dict)  # the whole config.json (rope, ...)
 
     @classmethod
@@ -55,6 +64,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         sliding = hf.get("sliding_window")
         if arch.startswith("Qwen") and not hf.get("use_sliding_window", False):
             sliding = None  # Qwen configs carry a window size they do not use
+        num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
         cfg = cls(
             architecture=arch,
             vocab_size=_required(hf, "vocab_size"),
@@ -67,15 +77,26 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+            qkv_bias=(attention_bias or arch == "Qwen2ForCausalLM"
+                      or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True)))),
             o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding or None,
             hidden_act=hf.get("hidden_act", "silu"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            num_experts=num_experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            # Mixtral's experts are intermediate_size wide; Qwen's have a size of their own
+            moe_intermediate_size=(hf.get("intermediate_size", 0) if arch == "MixtralForCausalLM"
+                                   else hf.get("moe_intermediate_size") or 0) if num_experts else 0,
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+            # Mixtral always renormalises; its config has no flag for it
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
             raw=dict(hf),
         )
         cfg.validate()
@@ -86,7 +107,16 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         with open(path) as f:
             return cls.from_hf(json.load(f))
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     def validate(self) -> None:
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be between 1 and "
+                             f"num_experts {self.num_experts}")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError("config moe_intermediate_size must be positive")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")

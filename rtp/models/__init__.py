@@ -15,6 +15,9 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("rtp.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("rtp.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("rtp.models.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("rtp.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("rtp.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("rtp.models.qwen2_moe", "Qwen2MoeForCausalLM"),
 }
 
 

@@ -8,7 +8,7 @@ keeps bf16 greedy output close to the fp32 reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -64,9 +64,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias)
         self.act = SiluAndMul()
@@ -76,10 +76,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -87,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
                 delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """residual [T, hidden] fp32 and the previous layer's output `delta` (not yet added:
         the add fuses into this layer's first norm) -> (residual, this layer's output)."""
-        dtype = self.mlp.down_proj.weight.dtype
+        dtype = self.self_attn.o_proj.weight.dtype
         residual, x = self.input_layernorm.add_norm(residual, delta, dtype)
         h = self.self_attn(positions, x)
         residual, x = self.post_attention_layernorm.add_norm(residual, h, dtype)
@@ -95,10 +95,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_mlp(i)) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -122,10 +122,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        """The feed-forward block of decoder layer `layer` (mixture-of-experts models override this)."""
+        return LlamaMLP(self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, hidden] (fp32); logits come from compute_logits."""
