@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtp.distributed import tp_rank, tp_size
+from rtp.distributed import all_gather, all_reduce, tp_rank, tp_size
 from rtp.models import cpu_kernels, packed
 from rtp.models.quant import BlockQuantized
 
@@ -82,11 +82,14 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None and self.quant.takes(x.shape[0]):
-            return self.quant.linear(x, self.bias, x.dtype)
+            return self.quant.linear(x, bias, x.dtype)
         if self.packed is not None and not torch.compiler.is_compiling():
-            return packed.linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -111,9 +114,10 @@ class RowParallelLinear(LinearBase):
         super().__init__(in_features // tp_size(), out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tp_size() > 1:
-            raise NotImplementedError("tensor parallelism arrives with rtp.distributed")
-        return super().forward(x)
+        if tp_size() == 1:
+            return self._linear(x, self.bias)
+        out = all_reduce(self._linear(x, None))  # the bias once, after the sum
+        return out if self.bias is None else out + self.bias
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -140,6 +144,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     shard_order = ("q", "k", "v")
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
+        tp = tp_size()
+        if num_heads % tp or (num_kv_heads >= tp and num_kv_heads % tp) or (num_kv_heads < tp and tp % num_kv_heads):
+            raise ValueError(f"{num_heads} attention heads and {num_kv_heads} kv heads do not split over {tp} "
+                             f"tensor-parallel ranks")
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size()
         self.num_kv_heads = max(1, num_kv_heads // tp_size())
@@ -164,8 +172,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
+        if vocab_size % tp_size():
+            raise ValueError(f"a vocabulary of {vocab_size} does not split over {tp_size()} ranks")
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size // tp_size(), dim))
+        self.per_rank = vocab_size // tp_size()
+        self.weight = nn.Parameter(torch.empty(self.per_rank, dim))
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -174,12 +185,18 @@ class VocabParallelEmbedding(nn.Module):
         _copy_checked(param.data, loaded, "embedding")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if tp_size() == 1:
+            return F.embedding(ids, self.weight)
+        # each rank looks up the ids in its vocabulary range, zeros elsewhere; the sum is exact
+        local = ids - tp_rank() * self.per_rank
+        outside = (local < 0) | (local >= self.per_rank)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
 
     def embed_fp32(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ids in fp32, in a tensor of their own (the residual stream starts
         here and is updated in place)."""
-        if cpu_kernels.embed_supported(ids, self.weight):
+        if tp_size() == 1 and cpu_kernels.embed_supported(ids, self.weight):
             return cpu_kernels.embed_rows(ids, self.weight)
         embeds = self(ids)
         return embeds.float() if embeds.dtype != torch.float32 else embeds.clone()
@@ -194,6 +211,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary (each rank computes its range, then gathers)."""
+        return all_gather(self._logits(hidden), dim=-1)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None and self.quant.takes(hidden.shape[0]):
             return self.quant.linear(hidden, None, torch.float32)
         if self.packed is not None and not torch.compiler.is_compiling():
