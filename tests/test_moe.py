@@ -21,19 +21,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rtp.engine.checkpoint import CheckpointError
 from rtp.engine.loader import load_model
-from rtp.models.moe import REPRODUCIBLE_GROUP_ROWS, FusedMoE, TopKRouter, grouped_mm, grouped_mm_per_group
+from rtp.models.moe import (
+    REPRODUCIBLE_GROUP_ROWS,
+    FusedMoE,
+    TopKRouter,
+    grouped_mm,
+    grouped_mm_per_group,
+)
 
-SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, num_experts_per_tok=2)
+SMALL = {"vocab_size": 160, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+         "num_experts_per_tok": 2}
 
 CONFIGS = {
-    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=8)),
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 8}),
     # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse with a shared expert
-    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(num_experts=8, moe_intermediate_size=32, num_hidden_layers=3,
-                                                    shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, {"num_experts": 8, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+                                                "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
     # layer 0 dense (decoder_sparse_step 2), renormalised top-k, q/k norm
-    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=8, moe_intermediate_size=32, decoder_sparse_step=2,
-                                                    norm_topk_prob=True, head_dim=32)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 8, "moe_intermediate_size": 32, "decoder_sparse_step": 2,
+                                                "norm_topk_prob": True, "head_dim": 32}),
 }
 
 
@@ -114,9 +121,9 @@ def test_greedy_generation_and_load_counts_match_transformers(tmp_path):
     assert torch.equal(torch.stack([layer.expert_load for layer in layers]), expected)
 
 
-def random_experts(num_experts=8, top_k=2, hidden=64, inter=32, num_slots=None, seed=0):
+def random_experts(num_experts=8, hidden=64, inter=32, num_slots=None, seed=0):
     torch.manual_seed(seed)
-    layer = FusedMoE(num_experts, top_k, hidden, inter, num_slots=num_slots)
+    layer = FusedMoE(num_experts, hidden, inter, num_slots=num_slots)
     with torch.no_grad():
         layer.w13.normal_(0, 0.1)
         layer.w2.normal_(0, 0.1)

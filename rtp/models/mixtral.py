@@ -8,6 +8,8 @@ class with their own tensor names.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import nn
 
 from rtp.models.llama import LlamaForCausalLM
@@ -16,9 +18,9 @@ from rtp.models.moe import ExpertShard, FusedMoE, SparseMoeBlock, expert_target
 
 class MixtralForCausalLM(LlamaForCausalLM):
     # checkpoint name part -> ours: the sparse block is every layer's `mlp` here
-    renamed_modules = {".block_sparse_moe.": ".mlp."}
+    renamed_modules: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
     # per-expert checkpoint tensor -> the part of the stacked expert weights it fills
-    expert_parts = {"w1": "gate", "w3": "up", "w2": "down"}
+    expert_parts: ClassVar[dict[str, str]] = {"w1": "gate", "w3": "up", "w2": "down"}
 
     def make_mlp(self, layer: int) -> nn.Module:
         if self.config.is_moe_layer(layer):

@@ -13,7 +13,8 @@ hidden, inter]. One forward, for T tokens and N = T * top_k (token, expert) pair
 | place     | replica = rank % replica_count[e], slot = logical_to_physical[e, replica]:|
 |           | an expert's tokens dealt round-robin across its replicas                  |
 | lay out   | slot groups contiguous, in slot order; a pair's row = its group's start   |
-|           | + rank // replica_count[e]                                                |
+|           | + rank // replica_count[e]; in layers with spare slots each non-empty     |
+|           | group is padded to REPRODUCIBLE_GROUP_ROWS rows                           |
 | compute   | one grouped GEMM over w13, SiLU * up, one grouped GEMM over w2            |
 | combine   | out[t] = sum over k (in k order) of weight[t, k] * y[row(t, k)], in fp32  |
 
@@ -95,7 +96,8 @@ class TopKRouter(nn.Module):
 
 
 def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # _grouped_mm wants 16-byte aligned rows; on CUDA it computes bf16 only
+    # 16-byte aligned rows; CUDA's kernels (and the fake-tensor rule torch.compile traces
+    # with) take bf16 only, the CPU kernel fp32 too
     aligned = all(n * x.element_size() % 16 == 0 for n in (w.shape[1], w.shape[2]))
     if x.device.type == "cpu":
         return aligned and x.dtype in (torch.float32, torch.bfloat16)
@@ -106,10 +108,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_end: torch.Tensor) -> tor
     """x [rows, in] @ w[g]^T for each group g of consecutive rows [group_end[g-1], group_end[g])
     -> [rows, out]; rows past the last group are left undefined.
 
-    `torch._grouped_mm` where it takes the dtype: on this CPU it measured as fast as or
-    faster than one torch.mm per group (bf16, 32 experts, hidden 1024, inter 512, top-4, one
-    thread: 1.44 vs 1.47 ms at 1 token, 5.5 vs 8.1 ms at 4, 13.3 vs 14.8 ms at 16, 19.8 vs
-    21.3 ms at 128), and it needs no host sync. Elsewhere one matmul per group."""
+    `torch._grouped_mm` where it takes the dtype: on this CPU a FusedMoE forward with it was
+    as fast as with one torch.mm per group at 1 token and 7-14 % faster beyond (bf16, 32
+    experts, hidden 1024, inter 512, top-4, one thread, best of 3: 1.45 vs 1.43 ms at 1
+    token, 6.2 vs 7.2 ms at 4, 15.2 vs 16.5 ms at 16, 19.4 vs 20.7 ms at 128), and it needs
+    no host sync, so it can be captured. Elsewhere one torch.mm per group."""
     if _grouped_mm_takes(x, w):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=group_end.to(torch.int32))
     return grouped_mm_per_group(x, w, group_end)
@@ -127,17 +130,18 @@ def grouped_mm_per_group(x: torch.Tensor, w: torch.Tensor, group_end: torch.Tens
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer, stacked into slots (see the module docstring)."""
+    """The routed experts of one layer, stacked into slots (see the module docstring).
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 num_slots: int | None = None):
+    Tensor parallelism does not split the experts: every rank holds all the slots and
+    computes the whole (replicated) output; expert parallelism will split the slots."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, num_slots: int | None = None):
         super().__init__()
         num_slots = num_experts if num_slots is None else num_slots
         if num_slots < num_experts:
             raise ValueError(f"{num_slots} slots cannot hold {num_experts} experts")
         self.num_experts = num_experts
         self.num_slots = num_slots
-        self.top_k = top_k
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_slots, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_slots, hidden_size, intermediate_size))
@@ -210,8 +214,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
         self.router = TopKRouter(config.num_experts_per_tok, config.norm_topk_prob)
-        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] fp32."""

@@ -9,6 +9,8 @@ ordinary MLP of `intermediate_size`.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -34,8 +36,8 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
 
 class Qwen2MoeForCausalLM(MixtralForCausalLM):
-    renamed_modules = {}
-    expert_parts = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    renamed_modules: ClassVar[dict[str, str]] = {}
+    expert_parts: ClassVar[dict[str, str]] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
     def make_mlp(self, layer: int) -> nn.Module:
         if self.config.is_moe_layer(layer) and self.config.shared_expert_intermediate_size:
