@@ -1053,6 +1053,18 @@ cdef class StepPlan:
     def __dealloc__(self):
         free(self.row_width)
 
+    def follow(self, int num_tokens, int num_rows, int num_decode_rows, int num_samples):
+        """Take the extent of a plan another process wrote into these arrays (a tensor-parallel
+        rank receiving rank 0's step): the arrays already hold it, the counts come here."""
+        if not (0 <= num_decode_rows <= num_rows <= self.max_num_seqs and 0 <= num_samples <= num_rows
+                and num_rows <= num_tokens <= self.max_num_tokens):
+            raise ValueError(f"a plan of {num_tokens} tokens, {num_rows} rows ({num_decode_rows} decode), "
+                             f"{num_samples} samples does not fit this StepPlan")
+        self.num_tokens = num_tokens
+        self.num_rows = num_rows
+        self.num_decode_rows = num_decode_rows
+        self.num_samples = num_samples
+
     cdef void _clear_tail(self, int num_tokens, int num_rows, int num_samples) noexcept nogil:
         """Zero what the previous step wrote past this step's extent."""
         cdef int r

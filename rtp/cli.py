@@ -50,20 +50,50 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+        if _follows_rank_0(args):
+            return 0
         # one prompt: one decode bucket to compile, not seven
         llm = LLM(model=args.model, dtype=args.dtype, compile=args.compile,
-                  max_model_len=args.max_model_len, max_num_seqs=1)
-        if args.chat is not None:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            messages.append({"role": "user", "content": args.chat})
-            out = llm.chat(messages, params)
-        else:
-            out = llm.generate(args.prompt, params)
+                  max_model_len=args.max_model_len, max_num_seqs=1, tensor_parallel_size=args.tp)
+        try:
+            if args.chat is not None:
+                messages = ([{"role": "system", "content": args.system}] if args.system else [])
+                messages.append({"role": "user", "content": args.chat})
+                out = llm.chat(messages, params)
+            else:
+                out = llm.generate(args.prompt, params)
+        finally:
+            llm.engine.shutdown()
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
         print(f"rtp generate: {e}", file=sys.stderr)
         return 1
     print(out[0].outputs[0].text)
     return 0
+
+
+def _follows_rank_0(args: argparse.Namespace) -> bool:
+    """Under torchrun (WORLD_SIZE > 1): join the group; ranks other than 0 follow rank 0's
+    steps here and return True when it stops. Without torchrun, rank 0 spawns the others."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return False
+    from rtp.distributed import init_tensor_parallel, tp_rank, tp_size
+    from rtp.engine.tensor_parallel import threads_per_rank
+
+    init_tensor_parallel()
+    args.tp = tp_size()
+    if tp_rank() == 0:
+        return False
+    import torch
+
+    from rtp.config import EngineConfig
+    from rtp.engine.engine import LLMEngine
+
+    torch.set_num_threads(threads_per_rank(tp_size()))
+    LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=args.compile,
+                           max_model_len=args.max_model_len, max_num_seqs=1, tensor_parallel_size=args.tp)).follow()
+    return True
 
 
 def _byte_size(text: str) -> int:
@@ -95,6 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
                               max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+                              tensor_parallel_size=args.tp,
                               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                               compile=args.compile, seed=args.seed)
@@ -169,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode graphs (default: on CUDA only; --no-compile runs eagerly)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="shard the model over this many processes on this host (default 1; heads and "
+                        "vocabulary must split evenly). Under torchrun the group is torchrun's")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     p.set_defaults(func=_generate)
 
@@ -196,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="shard the model over this many processes on this host (default 1; heads and "
+                        "vocabulary must split evenly); a rank that dies stops the server with exit status 1")
     p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=512,
                    help="prompt tokens a step may take while other requests decode; smaller keeps "
                         "inter-token latency low, larger prefills faster (default 512, 0: up to "

@@ -153,13 +153,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # where Inductor's graphs do not yet beat eager here (see README, "Performance")
     compile: bool | None = None
     seed: int = 0
+    # ranks the model is sharded over (rtp/engine/tensor_parallel.py): rank 0 runs here and
+    # spawns the others on this host, unless torchrun started them
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_prefill_tokens_with_decodes < 0:

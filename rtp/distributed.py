@@ -83,11 +83,7 @@ def all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
         return x
     from torch.distributed import _functional_collectives as funcol
 
-    dim = dim % x.dim()
-    out = _waited(funcol.all_gather_tensor(x.contiguous(), 0, _TP_GROUP))  # ranks stacked on dim 0
-    if dim == 0:
-        return out
-    return torch.cat(out.chunk(_TP_SIZE, dim=0), dim=dim)
+    return _waited(funcol.all_gather_single(x.contiguous(), dim % x.dim(), _TP_GROUP))
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,15 @@ def make_checkpoint(kind: str, tmp_path) -> tuple[str, torch.nn.Module]:
     return tmp_path, model
 
 
+def write_word_tokenizer(path, vocab_size: int) -> None:
+    """A tokenizer.json whose token i is the word t{i}: enough for rtp.LLM to detokenize."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
 def hf_reference(model, prompts):
     """transformers' greedy continuation of each prompt and its logits at every position."""
     refs = []

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_models import hf_reference, run_rtp
+from test_models import hf_reference, run_rtp, write_word_tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rtp.engine.checkpoint import CheckpointError
@@ -79,15 +79,6 @@ def test_missing_expert_is_a_clear_error(tmp_path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"lacks 1 tensors.*layers\.1\.mlp\.experts\.w13#3\.up"):
         load_model(path, torch.float32, torch.device("cpu"))
-
-
-def write_word_tokenizer(path, vocab_size: int) -> None:
-    """A tokenizer.json whose token i is the word t{i}: enough for rtp.LLM to detokenize."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
 
 
 def test_greedy_generation_and_load_counts_match_transformers(tmp_path):

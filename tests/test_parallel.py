@@ -8,14 +8,17 @@ must equal transformers' logits as closely as the single-process model's do.
 
 from __future__ import annotations
 
+import os
+import signal
 import traceback
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from test_models import hf_reference, make_checkpoint, run_rtp
+from test_models import SMALL, hf_reference, make_checkpoint, run_rtp, write_word_tokenizer
 
 import rtp.distributed as dist
 from rtp.engine.loader import load_model
@@ -86,3 +89,92 @@ def test_bad_rank_is_refused():
     with pytest.raises(ValueError, match="not a rank"):
         dist.init_tensor_parallel(2, 2)
     assert dist.tp_size() == 1
+
+
+def test_engine_tp2_spawns_followers_and_generates_what_tp1_does(tmp_path):
+    """LLM(tensor_parallel_size=2): rank 0 here, a follower process spawned; rank 0 broadcasts
+    each step's plan. Greedy tokens equal the single-process engine's; shutdown stops the
+    follower."""
+    from rtp import LLM, SamplingParams
+
+    path, _ = make_checkpoint("qwen2-bias", tmp_path / "ckpt")
+    write_word_tokenizer(path, SMALL["vocab_size"])
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 160, n).tolist() for n in (7, 30, 12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="float32", compile=False, max_model_len=128, kv_cache_memory=1 << 22)
+    want = [o.outputs[0].token_ids for o in LLM(model=str(path), **kw).generate(prompts, params)]
+    llm = LLM(model=str(path), tensor_parallel_size=2, **kw)
+    try:
+        assert dist.tp_size() == 2 and len(llm.engine._followers) == 1
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        got_single = llm.generate(prompts[:1], params)[0].outputs[0].token_ids
+    finally:
+        llm.engine.shutdown()
+    assert got == want and got_single == want[0]
+    assert dist.tp_size() == 1 and not llm.engine._followers[0].is_alive()
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Processes started by `pid` through multiprocessing's spawn (its followers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_serve_tp2_answers_then_exits_nonzero_when_a_rank_dies(tmp_path):
+    import httpx
+    from test_serve import Server
+
+    path, _ = make_checkpoint("llama", tmp_path / "ckpt")
+    write_word_tokenizer(path, SMALL["vocab_size"])
+    server = Server("--model", str(path), "--tp", "2", "--dtype", "float32", "--max-model-len", "128",
+                    "--kv-cache-memory", "4MiB")
+    try:
+        server.wait_ready(120)
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": str(path), "prompt": "t5 t6 t7", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["text"].split()) == 6
+        followers = _spawned_children(server.proc.pid)
+        assert len(followers) == 1
+        os.kill(followers[0], signal.SIGKILL)
+        assert server.proc.wait(timeout=30) == 1
+        assert "tensor-parallel" in server.output()
+    finally:
+        server.stop()
+
+
+def test_serve_tp2_sigterm_stops_the_followers_and_exits_0(tmp_path):
+    from test_serve import Server
+
+    path, _ = make_checkpoint("llama", tmp_path / "ckpt")
+    write_word_tokenizer(path, SMALL["vocab_size"])
+    server = Server("--model", str(path), "--tp", "2", "--dtype", "float32", "--max-model-len", "128",
+                    "--kv-cache-memory", "4MiB")
+    try:
+        server.wait_ready(120)
+        followers = _spawned_children(server.proc.pid)
+        assert len(followers) == 1
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0
+        assert _state(followers[0]) in (None, "Z")  # gone (or a zombie the server never reaped)
+    finally:
+        server.stop()

@@ -20,10 +20,12 @@ import torch
 
 from rtp._runtime import FINISH_REASONS, BlockAllocator, RadixCache, Scheduler
 from rtp.config import EngineConfig, ModelConfig
+from rtp.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_rank, tp_size
 from rtp.engine.kv_cache import num_kv_blocks
 from rtp.engine.loader import load_model
 from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SamplingBatch
+from rtp.engine.tensor_parallel import PlanChannel, spawn_followers, threads_per_rank
 from rtp.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from rtp.sampling_params import SamplingParams
 
@@ -119,6 +121,15 @@ class LLMEngine:
         path = Path(config.model).expanduser() if config.model else _default_model()
         if not path.exists():
             raise FileNotFoundError(f"model path {path} does not exist")
+        self._followers: list = []
+        self._channel: PlanChannel | None = None
+        tp = config.tensor_parallel_size
+        if tp > 1 and tp_size() == 1:  # rank 0 starts the others (under torchrun they exist)
+            init, self._followers = spawn_followers(config, tp)
+            torch.set_num_threads(threads_per_rank(tp))
+            init_tensor_parallel(tp, 0, init_method=init)
+        if tp_size() != tp:
+            raise ValueError(f"tensor_parallel_size {tp}, but the process group has {tp_size()} ranks")
         self.model_path = path
         self.model, self.model_config = load_model(path, self.dtype, self.device)
         self.tokenizer = Tokenizer.from_pretrained(path)
@@ -130,6 +141,10 @@ class LLMEngine:
                                    kv_heads=self.model.attention_layers()[0].num_kv_heads,
                                    max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                    budget_bytes=config.kv_cache_memory, device=self.device)
+        if tp_size() > 1:  # block ids are rank 0's: every rank needs as many blocks
+            blocks = torch.tensor([num_blocks])
+            torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
+            num_blocks = int(blocks)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
@@ -144,6 +159,8 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                    vocab_size=mc.vocab_size, policy=config.scheduling_policy)
         self.sampler = Sampler(seed=config.seed)
+        if tp_size() > 1:
+            self._channel = PlanChannel(self.runner.plan)
         self.warmup_seconds = self.runner.warmup(progress=sys.stderr.isatty())
         self._seqs: dict[int, _Sequence] = {}
         self._requests: dict[str, list[int]] = {}  # request id -> runtime ids of its choices
@@ -219,6 +236,8 @@ class LLMEngine:
         if plan.num_rows == 0:
             self.scheduler.update(np.zeros(0, dtype=np.int64))
             return []
+        if self._channel is not None:
+            self._channel.send_step()
         logits = self.runner.forward()
         seqs = [self._seqs[rid] for rid in self.runner.sample_req_ids().tolist()]
         sampled = self.sampler(logits, self._batch(seqs)) if seqs else None
@@ -246,6 +265,32 @@ class LLMEngine:
                 self._finish(seq, reason, stop_reason=int(self.scheduler.event_tokens[i])
                              if reason == "stop" else None)
         return list(touched.values())
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks other than 0: run rank 0's steps until it stops."""
+        if self._channel is None or tp_rank() == 0:
+            raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
+        try:
+            while self._channel.receive():
+                self.runner.forward()
+        finally:
+            destroy_tensor_parallel()
+
+    def followers_alive(self) -> bool:
+        """Whether every tensor-parallel follower this engine started still runs."""
+        return all(proc.is_alive() for proc in self._followers)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel followers this engine started (idempotent)."""
+        if self._channel is None or tp_rank() != 0:
+            return
+        channel, self._channel = self._channel, None
+        try:
+            channel.send_stop()
+        finally:
+            for proc in self._followers:
+                proc.join(timeout=30)
+            destroy_tensor_parallel()
 
     def _batch(self, seqs: list[_Sequence]) -> SamplingBatch:
         # choice i of a seeded request draws from seed + i, so n > 1 choices differ

@@ -121,6 +121,9 @@ class AsyncEngine:
         self.stats: dict = engine.stats()  # replaced (never mutated) by the engine thread
         self.num_unstarted = 0             # prompts submitted that have not produced a token yet
         self.dead: BaseException | None = None
+        # called (on the engine thread) when the engine dies; the server exits when the engine is
+        # tensor-parallel, as a rank that died takes the group down
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -235,6 +238,9 @@ class AsyncEngine:
         except BaseException as e:  # a bug here, not in a request: say so on /health, fail what runs
             log.exception("the engine thread failed")
             self._die(e)
+        finally:
+            if self.dead is None:
+                self.engine.shutdown()  # stops tensor-parallel followers; nothing without them
 
     def _once(self) -> bool:
         """Take the waiting commands, then run one step; False once told to stop."""
@@ -311,6 +317,8 @@ class AsyncEngine:
         self._post([(live.stream, Update(live.prompt, [], finished=True, error=dead))
                     for live in self._live.values()], time.monotonic())
         self._live.clear()
+        if self.on_dead is not None:
+            self.on_dead(error)
 
 
 class _Live:

@@ -50,6 +50,9 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     serving = OpenAIServing(async_engine, metrics, model_names=names, api_key=options.api_key,
                             max_body_bytes=options.max_body_bytes, max_queue=options.max_queue)
     asyncio.run(_run(serving, options))
+    if async_engine.dead is not None and config.tensor_parallel_size > 1:
+        log.error("exiting: a tensor-parallel rank failed (%r)", async_engine.dead)
+        return 1
     log.info("server stopped")
     return 0
 
@@ -99,6 +102,25 @@ async def _run(serving, options: ServeOptions) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, drain, sig.name)
+    watch = None
+    if serving.engine.engine.config.tensor_parallel_size > 1:
+        def rank_failed(error: BaseException) -> None:  # engine thread: the group is gone, stop serving
+            serving.draining = True
+            loop.call_soon_threadsafe(stop.set)
+
+        async def watch_followers() -> None:  # an idle server notices a dead rank too
+            while not stop.is_set():
+                await asyncio.sleep(1.0)
+                if not serving.engine.engine.followers_alive():
+                    serving.engine.dead = serving.engine.dead or RuntimeError(
+                        "a tensor-parallel follower process exited")
+                    serving.draining = True
+                    stop.set()
+
+        serving.engine.on_dead = rank_failed
+        watch = asyncio.create_task(watch_followers())
     app = build_app(serving, lifespan)
     log.info("serving %s on http://%s:%d", ", ".join(serving.model_names), options.host, options.port)
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+    if watch is not None:
+        watch.cancel()

@@ -1,0 +1,104 @@
+"""Tensor-parallel engines: rank 0 schedules, every rank runs the step.
+
+Rank 0 is the LLMEngine a user or the server drives. Ranks 1..N-1 are followers,
+spawned on this host by rank 0 (or started by torchrun): each holds its shard of
+the model and of the KV cache and runs exactly rank 0's steps. Before each
+forward rank 0 broadcasts the step's plan: a header of counts and the StepPlan's
+fixed-size numpy buffers, never a pickled object. Every rank then runs the model,
+whose collectives keep the ranks in lockstep; the logits are all-gathered on every
+rank and only rank 0 samples. A follower stops on rank 0's stop message, or with
+an error when a collective times out because a rank died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+
+from rtp.distributed import DEFAULT_TIMEOUT_S, init_tensor_parallel, tp_size
+
+log = logging.getLogger("rtp.tp")
+
+_STOP, _STEP = 0, 1
+_PLAN_ARRAYS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
+                "logits_indices", "sample_slots", "sample_req_ids")
+
+
+class PlanChannel:
+    """Rank 0's plan, broadcast to the other ranks through the StepPlan's own buffers."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.header = torch.zeros(5, dtype=torch.int64)
+        self.arrays = [torch.from_numpy(getattr(plan, name)) for name in _PLAN_ARRAYS]
+
+    def send_step(self) -> None:
+        p = self.plan
+        self.header.copy_(torch.tensor([_STEP, p.num_tokens, p.num_rows, p.num_decode_rows, p.num_samples]))
+        self._broadcast_all()
+
+    def send_stop(self) -> None:
+        import torch.distributed as dist
+
+        self.header[0] = _STOP
+        dist.broadcast(self.header, 0)
+
+    def receive(self) -> bool:
+        """Wait for rank 0's next message; True with the plan in place, False on stop."""
+        import torch.distributed as dist
+
+        dist.broadcast(self.header, 0)
+        if int(self.header[0]) == _STOP:
+            return False
+        for array in self.arrays:
+            dist.broadcast(array, 0)
+        self.plan.follow(*(int(v) for v in self.header[1:]))
+        return True
+
+    def _broadcast_all(self) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(self.header, 0)
+        for array in self.arrays:
+            dist.broadcast(array, 0)
+
+
+def threads_per_rank(size: int) -> int:
+    """The cores of this host shared out between its ranks."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def spawn_followers(config, size: int) -> tuple[str, list]:
+    """Start ranks 1..size-1 of `config` on this host; returns the rendezvous address rank 0
+    joins with init_tensor_parallel(size, 0, init_method=...), and the processes."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port on loopback for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init = f"tcp://127.0.0.1:{port}"
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(1, size):
+        proc = ctx.Process(target=_follower_main, args=(config, rank, size, init), name=f"rtp-tp{rank}",
+                           daemon=True)
+        proc.start()
+        procs.append(proc)
+    log.info("started %d tensor-parallel followers (%s)", size - 1, init)
+    return init, procs
+
+
+def _follower_main(config, rank: int, size: int, init: str) -> None:
+    from rtp.engine.engine import LLMEngine
+
+    torch.set_num_threads(threads_per_rank(size))
+    init_tensor_parallel(size, rank, init_method=init, timeout_s=DEFAULT_TIMEOUT_S)
+    LLMEngine(config).follow()
+
+
+def is_follower_rank() -> bool:
+    """In a group started by torchrun: whether this process is a rank other than 0."""
+    return tp_size() > 1 and torch.distributed.get_rank() != 0
