@@ -144,8 +144,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # prompt tokens a step may take while decodes run: each such step stalls every decode for
-    # as long as its chunks take (0: up to max_num_batched_tokens)
-    max_prefill_tokens_with_decodes: int = 512
+    # as long as its chunks take (0: up to max_num_batched_tokens). Offline, throughput is all
+    # that counts: no cap; `rtp serve` caps at 512 by default, for inter-token latency (as vLLM
+    # sizes its token budget by usage context)
+    max_prefill_tokens_with_decodes: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"   # fcfs | lpm
