@@ -319,7 +319,7 @@ class Sampler:
             g = torch.Generator(device=u.device)
             g.manual_seed(seed)
             u[row].uniform_(generator=g)
-        total = cdf[:, -1:]
+        total = cdf[:, -1:].contiguous()
         # masked tokens add nothing to the sum, so they are never the first to pass u * total
         tokens = torch.searchsorted(cdf, u * total, right=True)
         # u * total can round up to total itself: then the last token that adds to the sum
