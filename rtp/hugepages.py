@@ -11,29 +11,23 @@ Elsewhere (no Linux, THP off, madvise refused) `empty` is plain `torch.empty`.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
-
 import torch
+
+from rtp._libc import madvise
 
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
 def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
+    """libc's madvise, unless transparent huge pages are off on this system."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             if "[never]" in f.read():
                 return None
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
-    fn = libc.madvise
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
+    return madvise
 
 
 _MADVISE = _madvise()

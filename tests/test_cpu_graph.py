@@ -4,10 +4,10 @@ import random
 
 import pytest
 import torch
+from test_cpu_kernels import random_blocks
 
 from rtp.engine.cpu_graph import CaptureRefused, _place, capture
 from rtp.models import cpu_kernels
-from test_cpu_kernels import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
 

@@ -17,8 +17,13 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from test_models import SMALL, hf_reference, make_checkpoint, run_rtp, write_word_tokenizer
+from test_models import (
+    SMALL,
+    hf_reference,
+    make_checkpoint,
+    run_rtp,
+    write_word_tokenizer,
+)
 
 import rtp.distributed as dist
 from rtp.engine.loader import load_model
@@ -139,14 +144,20 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def test_serve_tp2_answers_then_exits_nonzero_when_a_rank_dies(tmp_path):
-    import httpx
+def _tp2_server(tmp_path):
+    """`rtp serve --tp 2` (starting) on a tiny random Llama checkpoint."""
     from test_serve import Server
 
     path, _ = make_checkpoint("llama", tmp_path / "ckpt")
     write_word_tokenizer(path, SMALL["vocab_size"])
-    server = Server("--model", str(path), "--tp", "2", "--dtype", "float32", "--max-model-len", "128",
-                    "--kv-cache-memory", "4MiB")
+    return path, Server("--model", str(path), "--tp", "2", "--dtype", "float32", "--max-model-len", "128",
+                        "--kv-cache-memory", "4MiB")
+
+
+def test_serve_tp2_answers_then_exits_nonzero_when_a_rank_dies(tmp_path):
+    import httpx
+
+    path, server = _tp2_server(tmp_path)
     try:
         server.wait_ready(120)
         r = httpx.post(server.url + "/v1/completions", timeout=60, json={
@@ -163,12 +174,7 @@ def test_serve_tp2_answers_then_exits_nonzero_when_a_rank_dies(tmp_path):
 
 
 def test_serve_tp2_sigterm_stops_the_followers_and_exits_0(tmp_path):
-    from test_serve import Server
-
-    path, _ = make_checkpoint("llama", tmp_path / "ckpt")
-    write_word_tokenizer(path, SMALL["vocab_size"])
-    server = Server("--model", str(path), "--tp", "2", "--dtype", "float32", "--max-model-len", "128",
-                    "--kv-cache-memory", "4MiB")
+    _, server = _tp2_server(tmp_path)
     try:
         server.wait_ready(120)
         followers = _spawned_children(server.proc.pid)

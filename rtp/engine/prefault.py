@@ -13,33 +13,20 @@ this does nothing.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
 import threading
 from collections.abc import Sequence
 from typing import Self
 
 import torch
 
+from rtp._libc import madvise
+
 _MADV_POPULATE_WRITE = 23
 _PAGE = 4096
 _STEP = 16 << 20  # per call: the copies are never far behind
 
 
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    fn = libc.madvise
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
-
-
-_MADVISE = _madvise()
+_MADVISE = madvise
 
 
 class Prefault:
