@@ -24,3 +24,12 @@ def test_cli_help_and_info():
     info = json.loads(subprocess.run([sys.executable, "-m", "rtp", "info"], capture_output=True,
                                      text=True, check=True).stdout)
     assert info["runtime"].endswith(".so")
+
+
+def test_bench_eplb_small_trace_prints_a_json_last_line():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_eplb.py"), "--layers", "3", "--experts", "32",
+                          "--ranks", "4", "--tokens", "4000"], capture_output=True, text=True, check=True, timeout=120)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    naive, static, eplb = (result["results"][k]["max_min_mean"] for k in ("naive", "static", "eplb"))
+    assert eplb <= static <= naive
+    assert 0 < result["results"]["eplb"]["replica_memory_share"] <= 0.15
