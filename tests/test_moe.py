@@ -240,3 +240,25 @@ def test_config_reads_moe_fields(tmp_path):
                                    "architectures": ["MixtralForCausalLM"], "num_experts": None,
                                    "num_local_experts": 4, "mlp_only_layers": []})
     assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 112 and mixtral.num_experts == 4
+
+
+def test_rebalance_from_the_measured_load_keeps_output_bit_for_bit():
+    """The EPLB loop on one layer: route traffic, plan from the layer's own load counter
+    (replicas of the hottest experts, balanced over 4 ranks of 3 slots), move the weights
+    with place(), and the same tokens give the same output; a second plan from new traffic
+    moves them again."""
+    from rtp.engine.eplb import eplb_placement
+
+    layer = random_experts(hidden=128, inter=64, num_slots=12)
+    x, weights, ids = routed(48, hidden=128, seed=3)
+    ids[:, 0] = torch.where(ids[:, 0] % 2 == 0, 1, ids[:, 0])  # skew: expert 1 is hot
+    with torch.no_grad():
+        before = layer(x, weights, ids)
+        for _ in range(2):
+            load = layer.expert_load.numpy()[None]
+            placement = eplb_placement(load, num_ranks=4, extra_slots=4)
+            layer.place(placement.slots[0].reshape(-1).tolist())
+            assert int(layer.replica_count[1]) >= 2  # the hot expert got copies
+            assert torch.equal(layer(x, weights, ids), before)
+    with pytest.raises(ValueError, match="keep every expert"):
+        layer.place([0] * 12)

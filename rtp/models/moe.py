@@ -31,6 +31,7 @@ routed to each logical expert while `count_load` is set.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -175,6 +176,34 @@ class FusedMoE(nn.Module):
         experts = range(self.num_experts)
         return {"w13": [ExpertShard(e, p) for e in experts for p in ("gate", "up")],
                 "w2": [ExpertShard(e, "down") for e in experts]}
+
+    @torch.no_grad()
+    def place(self, slots: Sequence[int]) -> None:
+        """Move to a new placement (rtp/engine/eplb.py): slots[i] is the logical expert physical
+        slot i holds (-1: empty). Every expert keeps at least one slot; each slot's weights
+        come from the expert's first current slot. Between steps only: a step in flight would
+        read half-moved weights."""
+        target = torch.as_tensor(list(slots), dtype=torch.int64)
+        if target.shape != (self.num_slots,) or target.max() >= self.num_experts or target.min() < -1:
+            raise ValueError(f"a placement of {self.num_experts} experts names each of {self.num_slots} "
+                             f"slots once, got {list(slots)}")
+        count = torch.bincount(target[target >= 0], minlength=self.num_experts)
+        if (count == 0).any():
+            raise ValueError(f"a placement must keep every expert, missing {(count == 0).nonzero().flatten().tolist()}")
+        if count.max() > self.logical_to_physical.shape[1]:
+            raise ValueError(f"at most {self.logical_to_physical.shape[1]} copies of an expert fit")
+        # where each new slot's weights are now (an empty slot keeps slot 0's, never read)
+        source = self.logical_to_physical[target.clamp_min(0), 0]
+        for param in (self.w13, self.w2):
+            param.data.copy_(param.data.index_select(0, source))
+        table = torch.full_like(self.logical_to_physical, -1)
+        filled = torch.zeros(self.num_experts, dtype=torch.int64)
+        for slot, expert in enumerate(target.tolist()):
+            if expert >= 0:
+                table[expert, filled[expert]] = slot
+                filled[expert] += 1
+        self.logical_to_physical.copy_(table)
+        self.replica_count.copy_(count)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; topk_weights [T, k] fp32; topk_ids [T, k] logical expert ids -> [T, hidden] fp32."""
