@@ -33,17 +33,22 @@ class PlanChannel:
     def __init__(self, plan):
         self.plan = plan
         self.header = torch.zeros(5, dtype=torch.int64)
+        self._header = self.header.numpy()  # written in place: nothing allocated per step
         self.arrays = [torch.from_numpy(getattr(plan, name)) for name in _PLAN_ARRAYS]
 
     def send_step(self) -> None:
+        import torch.distributed as dist
+
         p = self.plan
-        self.header.copy_(torch.tensor([_STEP, p.num_tokens, p.num_rows, p.num_decode_rows, p.num_samples]))
-        self._broadcast_all()
+        self._header[:] = (_STEP, p.num_tokens, p.num_rows, p.num_decode_rows, p.num_samples)
+        dist.broadcast(self.header, 0)
+        for array in self.arrays:
+            dist.broadcast(array, 0)
 
     def send_stop(self) -> None:
         import torch.distributed as dist
 
-        self.header[0] = _STOP
+        self._header[0] = _STOP
         dist.broadcast(self.header, 0)
 
     def receive(self) -> bool:
@@ -51,19 +56,12 @@ class PlanChannel:
         import torch.distributed as dist
 
         dist.broadcast(self.header, 0)
-        if int(self.header[0]) == _STOP:
+        if self._header[0] == _STOP:
             return False
         for array in self.arrays:
             dist.broadcast(array, 0)
-        self.plan.follow(*(int(v) for v in self.header[1:]))
+        self.plan.follow(*self._header[1:].tolist())
         return True
-
-    def _broadcast_all(self) -> None:
-        import torch.distributed as dist
-
-        dist.broadcast(self.header, 0)
-        for array in self.arrays:
-            dist.broadcast(array, 0)
 
 
 def threads_per_rank(size: int) -> int:
