@@ -50,11 +50,12 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
-        if _follows_rank_0(args):
-            return 0
         # one prompt: one decode bucket to compile, not seven
-        llm = LLM(model=args.model, dtype=args.dtype, compile=args.compile,
-                  max_model_len=args.max_model_len, max_num_seqs=1, tensor_parallel_size=args.tp)
+        engine = dict(model=args.model, dtype=args.dtype, compile=args.compile, max_model_len=args.max_model_len,
+                      max_num_seqs=1, tensor_parallel_size=args.tp)
+        if _follows_rank_0(engine):
+            return 0
+        llm = LLM(**engine)
         try:
             if args.chat is not None:
                 messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -71,9 +72,10 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follows_rank_0(args: argparse.Namespace) -> bool:
-    """Under torchrun (WORLD_SIZE > 1): join the group; ranks other than 0 follow rank 0's
-    steps here and return True when it stops. Without torchrun, rank 0 spawns the others."""
+def _follows_rank_0(engine: dict) -> bool:
+    """Under torchrun (WORLD_SIZE > 1): join the group (its size becomes the engine's
+    tensor_parallel_size); ranks other than 0 follow rank 0's steps here and return True when
+    it stops. Without torchrun, rank 0 spawns the others."""
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -82,7 +84,7 @@ def _follows_rank_0(args: argparse.Namespace) -> bool:
     from rtp.engine.tensor_parallel import threads_per_rank
 
     init_tensor_parallel()
-    args.tp = tp_size()
+    engine["tensor_parallel_size"] = tp_size()
     if tp_rank() == 0:
         return False
     import torch
@@ -91,8 +93,7 @@ def _follows_rank_0(args: argparse.Namespace) -> bool:
     from rtp.engine.engine import LLMEngine
 
     torch.set_num_threads(threads_per_rank(tp_size()))
-    LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=args.compile,
-                           max_model_len=args.max_model_len, max_num_seqs=1, tensor_parallel_size=args.tp)).follow()
+    LLMEngine(EngineConfig(**engine)).follow()
     return True
 
 

@@ -144,8 +144,9 @@ def _relocate(calls: np.ndarray, buffers: list[tuple[int, int]]) -> torch.Tensor
             refs.append((i, w, b, int(call[w]) - buffers[b][0]))
             first[b] = i if first[b] < 0 else first[b]
             last[b] = i
-    offsets = _place([(-(-buffers[b][1] // _ALIGN) * _ALIGN, first[b], last[b]) for b in range(len(buffers))])
-    size = max((o + -(-buffers[b][1] // _ALIGN) * _ALIGN for b, o in enumerate(offsets) if o >= 0), default=0)
+    sizes = [-(-nbytes // _ALIGN) * _ALIGN for _, nbytes in buffers]
+    offsets = _place(list(zip(sizes, first, last)))
+    size = max((o + sizes[b] for b, o in enumerate(offsets) if o >= 0), default=0)
     arena = torch.empty(size + _ALIGN, dtype=torch.uint8)
     base = -(-arena.data_ptr() // _ALIGN) * _ALIGN
     for i, w, b, within in refs:

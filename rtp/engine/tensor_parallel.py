@@ -18,7 +18,7 @@ import socket
 
 import torch
 
-from rtp.distributed import DEFAULT_TIMEOUT_S, init_tensor_parallel, tp_size
+from rtp.distributed import init_tensor_parallel
 
 log = logging.getLogger("rtp.tp")
 
@@ -93,10 +93,6 @@ def _follower_main(config, rank: int, size: int, init: str) -> None:
     from rtp.engine.engine import LLMEngine
 
     torch.set_num_threads(threads_per_rank(size))
-    init_tensor_parallel(size, rank, init_method=init, timeout_s=DEFAULT_TIMEOUT_S)
+    init_tensor_parallel(size, rank, init_method=init)
     LLMEngine(config).follow()
 
-
-def is_follower_rank() -> bool:
-    """In a group started by torchrun: whether this process is a rank other than 0."""
-    return tp_size() > 1 and torch.distributed.get_rank() != 0
