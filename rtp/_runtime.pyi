@@ -116,6 +116,8 @@ class Scheduler:
     num_running: int
     num_waiting: int
     num_held: int
+    num_reserved: int   # decode side: blocks reserved, KV not yet arrived
+    num_ready: int      # decode side: resumed, joining the batch at the next schedule()
     in_flight: bool
     step_count: int
     num_preemptions: int
@@ -133,6 +135,10 @@ class Scheduler:
                     min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
                     ignore_eos: bool = False, prefill_only: bool = False) -> int: ...
     def abort(self, req_id: int) -> bool: ...
+    def reserve(self, req_id: int, prompt_token_ids: Tokens, *, max_tokens: int = 16,
+                min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
+                ignore_eos: bool = False) -> IntArray: ...   # MemoryError when the pool is short
+    def resume(self, req_id: int, first_token: int) -> None: ...
     def release(self, req_id: int) -> None: ...
     def schedule(self) -> int: ...
     def update(self, sampled_token_ids: npt.ArrayLike) -> int: ...

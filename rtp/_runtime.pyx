@@ -56,8 +56,11 @@ cdef enum:
     _WAITING = 1     # queued; holds no blocks
     _RUNNING = 2     # admitted; holds blocks for its computed tokens
     _HELD = 3        # prefill-only and done: holds its blocks until release()
+    _RESERVED = 4    # decode side: blocks reserved for a prompt whose KV another node computes
+    _READY = 5       # decode side: KV arrived, first token given; joins the batch at the next schedule()
 
-STATE_NAMES = {_FREE: "free", _WAITING: "waiting", _RUNNING: "running", _HELD: "held"}
+STATE_NAMES = {_FREE: "free", _WAITING: "waiting", _RUNNING: "running", _HELD: "held",
+               _RESERVED: "reserved", _READY: "ready"}
 
 # Waiting-queue policies.
 cdef enum:
@@ -1145,6 +1148,9 @@ cdef class Scheduler:
     cdef int32_t* waiting            # front first
     cdef readonly int num_waiting
     cdef readonly int num_held
+    cdef int32_t* ready              # _READY slots, oldest first
+    cdef readonly int num_ready
+    cdef readonly int num_reserved
     cdef dict slot_of
     # this step
     cdef int32_t* sched_slot
@@ -1229,6 +1235,7 @@ cdef class Scheduler:
         self.free_slots = <int32_t*>_zeroed(n * sizeof(int32_t))
         self.running = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
         self.waiting = <int32_t*>_zeroed(n * sizeof(int32_t))
+        self.ready = <int32_t*>_zeroed(n * sizeof(int32_t))
         self.sched_slot = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
         self.sched_n = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
         if not (self.eos_ids and self.r_id and self.r_state and self.r_aborted and self.r_ignore_eos
@@ -1236,7 +1243,7 @@ cdef class Scheduler:
                 and self.r_nstop and self.r_capacity and self.r_num_tokens and self.r_prompt_len
                 and self.r_num_computed and self.r_nblocks and self.r_max_tokens and self.r_min_tokens
                 and self.r_cached_tokens and self.r_inserted and self.r_preemptions
-                and self.r_arrival_step and self.free_slots and self.running and self.waiting
+                and self.r_arrival_step and self.free_slots and self.running and self.waiting and self.ready
                 and self.sched_slot and self.sched_n):
             raise MemoryError()
         for i in range(n):
@@ -1262,7 +1269,7 @@ cdef class Scheduler:
         free(self.r_prompt_len); free(self.r_num_computed); free(self.r_nblocks); free(self.r_max_tokens)
         free(self.r_min_tokens); free(self.r_cached_tokens); free(self.r_inserted)
         free(self.r_preemptions); free(self.r_arrival_step); free(self.free_slots); free(self.running)
-        free(self.waiting); free(self.sched_slot); free(self.sched_n)
+        free(self.waiting); free(self.ready); free(self.sched_slot); free(self.sched_n)
 
     # -- requests in and out (Python callers, once per request) ---------------------------
 
@@ -1344,6 +1351,53 @@ cdef class Scheduler:
             return True
         self._drop(s)
         return True
+
+    def reserve(self, int64_t req_id, prompt_token_ids, *, int max_tokens=16, int min_tokens=0,
+                stop_token_ids=(), bint ignore_eos=False):
+        """Decode side of a disaggregated request: hold blocks for a prompt whose KV another node
+        computes, outside the queues, until resume() (or abort()).
+
+        Returns the block ids, in token order, the prompt's KV must be written into. MemoryError
+        when the pool cannot hold them now; nothing changes then (query before commit). The
+        blocks are never inserted into the prefix cache before resume(): until then their
+        contents are whatever the transfer has written so far."""
+        prompt = _int32_array(prompt_token_ids, "prompt_token_ids")
+        cdef int need = _cdiv(prompt.size, self.block_size)
+        if need > self.allocator.n_list:
+            raise MemoryError(f"cannot reserve {need} blocks: {self.allocator.n_list} free or evictable")
+        cdef int s = self.add_request(req_id, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
+                                      stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        self._remove_waiting(self.num_waiting - 1)  # add_request queued it last
+        self.allocator._alloc(need, self.r_blocks[s])
+        self.r_nblocks[s] = need
+        self.r_num_computed[s] = self.r_prompt_len[s]  # computed elsewhere
+        self.r_state[s] = _RESERVED
+        self.num_reserved += 1
+        blocks = np.empty(need, dtype=np.int32)
+        memcpy(_as_int32_ptr(blocks), self.r_blocks[s], need * sizeof(int32_t))
+        return blocks
+
+    def resume(self, int64_t req_id, int first_token):
+        """The reserved request's KV has arrived: append the first token (sampled where the prompt
+        ran) and let it join the running batch at the next schedule(), as a decode of that token.
+        It then counts that token as generated for max_tokens and min_tokens, exactly as a local
+        request would. ValueError, changing nothing, when the token would already finish it (the
+        prefill node finishes such requests itself) or lies outside the vocabulary."""
+        slot = self.slot_of.get(req_id)
+        if slot is None or self.r_state[<int>slot] != _RESERVED:
+            raise KeyError(f"request {req_id} is not reserved")
+        cdef int s = slot
+        if first_token < 0 or (self.vocab_size > 0 and first_token >= self.vocab_size):
+            raise ValueError(f"token id {first_token} is outside the vocabulary (size {self.vocab_size})")
+        self.r_tokens[s][self.r_num_tokens[s]] = first_token
+        self.r_num_tokens[s] += 1
+        if self._stop_reason(s, first_token) != _FINISH_NONE:
+            self.r_num_tokens[s] -= 1
+            raise ValueError(f"the first token {first_token} already finishes request {req_id}")
+        self.num_reserved -= 1
+        self.r_state[s] = _READY
+        self.ready[self.num_ready] = s
+        self.num_ready += 1
 
     def release(self, int64_t req_id):
         """Free the blocks of a prefill-only request once its KV has been sent elsewhere."""
@@ -1435,7 +1489,18 @@ cdef class Scheduler:
             self._remove_running(s)
         elif state == _HELD:
             self.num_held -= 1
-        if state == _RUNNING or state == _HELD:
+        elif state == _READY:
+            for i in range(self.num_ready):
+                if self.ready[i] == s:
+                    memmove(self.ready + i, self.ready + i + 1, (self.num_ready - i - 1) * sizeof(int32_t))
+                    self.num_ready -= 1
+                    break
+        if state == _RESERVED:
+            # a transfer that never completed: the blocks hold partial KV, so they must not reach the cache
+            self.num_reserved -= 1
+            self.allocator._release_path(self.r_blocks[s], self.r_nblocks[s])
+            self.r_nblocks[s] = 0
+        elif state != _WAITING:
             self._free_blocks(s)
         free(self.r_tokens[s]); free(self.r_blocks[s]); free(self.r_stop_ids[s])
         self.r_tokens[s] = NULL
@@ -1482,6 +1547,14 @@ cdef class Scheduler:
         cdef bint preempted = False
         cdef BlockAllocator alloc = self.allocator
         self.n_sched = 0
+        # requests prefilled elsewhere join the batch first: their next token is one decode
+        while self.num_ready > 0 and self.num_running < self.max_num_seqs:
+            s = self.ready[0]
+            self.num_ready -= 1
+            memmove(self.ready, self.ready + 1, self.num_ready * sizeof(int32_t))
+            self.running[self.num_running] = s
+            self.num_running += 1
+            self.r_state[s] = _RUNNING
         # A step that carries decodes stalls every one of them for as long as its prompt chunks
         # take: with decodes running, prompts get at most max_prefill_tokens_with_decodes.
         if self.max_prefill_tokens_with_decodes:
@@ -1711,6 +1784,8 @@ cdef class Scheduler:
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_held": self.num_held,
+            "num_reserved": self.num_reserved,
+            "num_ready": self.num_ready,
             "queued_prompt_tokens": self.queued_prompt_tokens,
             "num_blocks": a.num_blocks - 1,
             "free_blocks": a.n_list - a.n_cached_in_list,
@@ -1727,7 +1802,7 @@ cdef class Scheduler:
 
     @property
     def has_unfinished(self):
-        return self.num_running > 0 or self.num_waiting > 0
+        return self.num_running > 0 or self.num_waiting > 0 or self.num_ready > 0
 
     def check_integrity(self):
         """Assert the scheduler's invariants and those of the allocator and cache below it."""
@@ -1738,7 +1813,7 @@ cdef class Scheduler:
         else:
             alloc.check_integrity()
         holders = np.zeros(alloc.num_blocks, dtype=np.int64)
-        counted = {"running": 0, "waiting": 0, "held": 0}
+        counted = {"running": 0, "waiting": 0, "held": 0, "reserved": 0, "ready": 0}
         queued = 0
         for s in range(self.max_requests):
             if self.r_state[s] == _FREE:
@@ -1753,7 +1828,7 @@ cdef class Scheduler:
                 assert self.r_nblocks[s] == 0, f"waiting slot {s} holds blocks"
                 assert self.r_num_computed[s] == 0, f"waiting slot {s} keeps a stale computed count"
             else:
-                counted["running" if self.r_state[s] == _RUNNING else "held"] += 1
+                counted[STATE_NAMES[self.r_state[s]]] += 1
                 assert self.r_nblocks[s] == _cdiv(self.r_num_computed[s], self.block_size), \
                     f"slot {s}: {self.r_nblocks[s]} blocks for {self.r_num_computed[s]} computed tokens"
                 for i in range(self.r_nblocks[s]):
@@ -1763,6 +1838,9 @@ cdef class Scheduler:
         assert counted["running"] == self.num_running, "running count drifted"
         assert counted["waiting"] == self.num_waiting, "waiting count drifted"
         assert counted["held"] == self.num_held, "held count drifted"
+        assert counted["reserved"] == self.num_reserved, "reserved count drifted"
+        assert counted["ready"] == self.num_ready, "ready count drifted"
+        assert len({self.ready[i] for i in range(self.num_ready)}) == self.num_ready, "request twice in ready"
         assert queued == self.queued_prompt_tokens, "queued prompt tokens drifted"
         assert n_live == len(self.slot_of) == self.max_requests - self.n_free_slots, "slots leaked"
         assert self.num_running <= self.max_num_seqs

@@ -256,6 +256,76 @@ def test_prefill_only_request_holds_its_blocks_until_released():
     s.check_integrity()
 
 
+def _hand_over(p: ToyRunner, p_blocks, d: ToyRunner, d_blocks, n: int) -> None:
+    """Copy n tokens of toy KV from p's blocks to d's, token by token (block sizes may differ)."""
+    pos = np.arange(n)
+    bp, bd = p.sched.block_size, d.sched.block_size
+    src = np.asarray(p_blocks, dtype=np.int64)[pos // bp] * bp + pos % bp
+    dst = np.asarray(d_blocks, dtype=np.int64)[pos // bd] * bd + pos % bd
+    d.kv_token[dst], d.kv_pos[dst] = p.kv_token[src], p.kv_pos[src]
+
+
+@pytest.mark.parametrize("decode_block_size", [4, 8, 2])
+def test_a_reserved_request_resumes_where_the_prefill_node_stopped(decode_block_size):
+    # prefill node: block size 4; decode node: its own block size, other requests already running
+    p = ToyRunner(make_scheduler(), VOCAB)
+    d = ToyRunner(make_scheduler(block_size=decode_block_size, eos_token_ids=[0]), VOCAB)
+    prompt = list(range(3, 14))
+    d.sched.add_request(1, [5, 6, 7], max_tokens=6)
+    d.step()
+    blocks = d.sched.reserve(7, prompt, max_tokens=9, min_tokens=2)
+    assert blocks.size == -(-len(prompt) // decode_block_size) and d.sched.num_reserved == 1
+    d.step()  # a reserved request takes no part in steps
+    assert d.sched.request_state(7)["state"] == "reserved"
+    d.sched.check_integrity()
+    p.sched.add_request(7, prompt, max_tokens=9, prefill_only=True)
+    [(_, first, reason)] = p.step()
+    assert reason == FINISH_REMOTE
+    _hand_over(p, p.sched.request_state(7)["block_ids"], d, blocks, len(prompt))
+    p.sched.release(7)
+    d.sched.resume(7, first)
+    assert d.sched.request_state(7)["state"] == "ready" and d.sched.has_unfinished
+    d.sched.check_integrity()
+    out = run_to_completion(d)
+    assert [first] + out[7] == expected(prompt, 9, 64, stop_ids=(0,))
+    assert len(out[7]) == 8  # max_tokens counts the token sampled on the prefill node
+    assert d.sched.allocator.num_used == 0 and d.sched.num_reserved == 0 and d.sched.num_ready == 0
+
+
+def test_reserve_refuses_when_short_and_an_aborted_reservation_caches_nothing():
+    s = make_scheduler(num_blocks=6)  # 5 usable blocks of 4 tokens
+    with pytest.raises(MemoryError):
+        s.reserve(1, list(range(1, 23)), max_tokens=1)  # 6 blocks
+    assert not s.has_request(1) and s.allocator.num_used == 0
+    blocks = s.reserve(1, list(range(1, 17)), max_tokens=4)
+    assert blocks.size == 4 and s.allocator.num_used == 4
+    with pytest.raises(MemoryError):
+        s.reserve(2, list(range(1, 9)), max_tokens=4)
+    s.check_integrity()
+    assert s.abort(1)
+    # partial KV never reaches the prefix cache: the same prompt later finds nothing cached
+    assert s.allocator.num_used == 0 and s.allocator.num_cached == 0 and s.num_reserved == 0
+    s.check_integrity()
+
+
+def test_resume_refuses_a_first_token_that_finishes_the_request():
+    s = make_scheduler(eos_token_ids=[0])
+    s.reserve(1, [1, 2, 3], max_tokens=4)
+    with pytest.raises(ValueError):
+        s.resume(1, 0)  # eos: the prefill node answers such requests itself
+    with pytest.raises(ValueError):
+        s.resume(1, -1)
+    st = s.request_state(1)
+    assert st["state"] == "reserved" and st["num_tokens"] == 3
+    with pytest.raises(KeyError):
+        s.resume(2, 5)
+    s.resume(1, 5)
+    with pytest.raises(KeyError):
+        s.resume(1, 5)  # only once
+    assert s.abort(1) and s.allocator.num_used == 0
+    s.check_integrity()
+
+
 def test_lpm_prefers_cached_prefixes_but_ages_cold_requests():
     s = make_scheduler(num_blocks=256, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128,
                        policy="lpm", lpm_aging=4.0)
