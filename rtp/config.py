@@ -64,7 +64,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         sliding = hf.get("sliding_window")
         if arch.startswith("Qwen") and not hf.get("use_sliding_window", False):
             sliding = None  # Qwen configs carry a window size they do not use
-        num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+        num_experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
         cfg = cls(
             architecture=arch,
             vocab_size=_required(hf, "vocab_size"),
@@ -96,7 +96,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
             # Mixtral always renormalises; its config has no flag for it
             norm_topk_prob=arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or _deepseek_dense_layers(hf)),
             raw=dict(hf),
         )
         cfg.validate()
@@ -125,6 +125,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config {name} must be positive")
+
+
+def _deepseek_dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:
+    """DeepSeek's dense layers: the first first_k_dense_replace, and those off moe_layer_freq."""
+    if "first_k_dense_replace" not in hf:
+        return ()
+    first, freq = hf["first_k_dense_replace"] or 0, hf.get("moe_layer_freq") or 1
+    return tuple(i for i in range(hf.get("num_hidden_layers", 0)) if i < first or i % freq)
 
 
 def _required(hf: dict[str, Any], key: str) -> Any:

@@ -137,8 +137,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 8192),
                                  mc.max_position_embeddings)
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids))
-        num_blocks = num_kv_blocks(mc, block_size=config.block_size, dtype=self.dtype,
-                                   kv_heads=self.model.attention_layers()[0].num_kv_heads,
+        num_blocks = num_kv_blocks([layer.kv_cache_spec for layer in self.model.attention_layers()],
+                                   block_size=config.block_size, dtype=self.dtype,
                                    max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                    budget_bytes=config.kv_cache_memory, device=self.device)
         if tp_size() > 1:  # block ids are rank 0's: every rank needs as many blocks

@@ -1,24 +1,29 @@
 """The paged KV cache: one tensor per layer, sized from a memory budget.
 
-Layer l's cache is [2, num_blocks, block_size, num_kv_heads, head_dim] (K, V).
-Block 0 is the null block the runtime never hands out: padded tokens write
-there and padded rows read from it.
+Each attention layer declares what it caches per token (its `kv_cache_spec`,
+rtp/models/attention.py): layer l's cache is spec.shape(num_blocks, block_size),
+[2, num_blocks, block_size, num_kv_heads, head_dim] (K, V) for standard attention,
+[1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] for MLA. Block 0
+is the null block the runtime never hands out: padded tokens write there and
+padded rows read from it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from rtp import hugepages
-from rtp.config import ModelConfig
+from rtp.models.attention import KVCacheSpec
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * kv_heads * config.head_dim * itemsize
+def bytes_per_block(specs: Sequence[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
+    """One block of every layer: what a block id costs."""
+    return block_size * sum(spec.bytes_per_token(dtype) for spec in specs)
 
 
-def num_kv_blocks(config: ModelConfig, *, block_size: int, dtype: torch.dtype, kv_heads: int,
+def num_kv_blocks(specs: Sequence[KVCacheSpec], *, block_size: int, dtype: torch.dtype,
                   max_model_len: int, max_num_seqs: int, budget_bytes: int | None,
                   device: torch.device) -> int:
     """Blocks to allocate (the null block included).
@@ -28,7 +33,7 @@ def num_kv_blocks(config: ModelConfig, *, block_size: int, dtype: torch.dtype, k
     Never more than max_num_seqs sequences of max_model_len can use, and never too
     few for one such sequence.
     """
-    per_block = bytes_per_block(config, block_size, dtype, kv_heads)
+    per_block = bytes_per_block(specs, block_size, dtype)
     if budget_bytes is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -43,9 +48,10 @@ def num_kv_blocks(config: ModelConfig, *, block_size: int, dtype: torch.dtype, k
     return int(blocks)
 
 
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+def allocate_kv_cache(specs: Sequence[KVCacheSpec], num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, kv_heads, head_dim)
+    """One zeroed cache per layer, shaped by the layer's spec."""
+    shapes = [spec.shape(num_blocks, block_size) for spec in specs]
     if device.type == "cpu":  # huge pages: decode reads blocks scattered over the whole cache
-        return [hugepages.zeros(shape, dtype) for _ in range(num_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return [hugepages.zeros(shape, dtype) for shape in shapes]
+    return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]

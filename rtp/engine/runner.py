@@ -84,9 +84,7 @@ class ModelRunner:
         self.dev = self.host if device.type == "cpu" else {
             name: torch.zeros_like(t, device=device) for name, t in self.host.items()}
         layers = model.attention_layers()
-        cfg = model.config
-        kv_heads = layers[0].num_kv_heads
-        self.kv_caches = allocate_kv_cache(len(layers), num_blocks, block_size, kv_heads, cfg.head_dim,
+        self.kv_caches = allocate_kv_cache([layer.kv_cache_spec for layer in layers], num_blocks, block_size,
                                            kv_dtype, device)
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache

@@ -1,8 +1,10 @@
 """Attention over the paged KV cache, and the forward context that carries a step's metadata.
 
 KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
-(K then V). A step writes its new tokens' K/V at `slot_mapping` (slot = block *
-block_size + offset) and then attends:
+(K then V), as its `KVCacheSpec` says: the engine sizes and allocates each layer's
+cache from the layer's spec, so MLA (rtp/models/mla.py) declares one of its own. A
+step writes its new tokens' K/V at `slot_mapping` (slot = block * block_size +
+offset) and then attends:
 
 | rows                     | query tokens          | how                                            |
 |--------------------------|-----------------------|------------------------------------------------|
@@ -23,12 +25,32 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rtp.models import cpu_kernels
+
+
+class KVCacheSpec(NamedTuple):
+    """What one attention layer caches per token: `parts` tensors of [heads, dim] each (K and
+    V: 2; MLA's compressed latent and rope key, side by side: 1).
+
+    The layer's cache is [parts, num_blocks, block_size, heads, dim]. The block index is
+    dim 1 for every model, so code that sizes, allocates or moves blocks (the engine, a
+    prefill-to-decode transfer) needs nothing else from the model."""
+
+    parts: int
+    heads: int
+    dim: int
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        return (self.parts, num_blocks, block_size, self.heads, self.dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.parts * self.heads * self.dim * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -93,9 +115,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       row: PrefillRow, scale: float, sliding_window: int | None) -> torch.Tensor:
     """A chunk of n query tokens at the end of a context of row.context_len. q [n, H, D]."""
-    n, length = q.shape[0], row.context_len
-    k = k_cache[row.block_ids].flatten(0, 1)[:length].transpose(0, 1)  # [Hkv, L, D]
-    v = v_cache[row.block_ids].flatten(0, 1)[:length].transpose(0, 1)
+    length = row.context_len
+    k = k_cache[row.block_ids].flatten(0, 1)[:length]  # [L, Hkv, D]
+    v = v_cache[row.block_ids].flatten(0, 1)[:length]
+    return causal_attention(q, k, v, scale, sliding_window)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """n query tokens at the end of a context of L tokens: q [n, H, D], k [L, Hkv, D],
+    v [L, Hkv, Dv] -> [n, H, Dv]."""
+    n, length = q.shape[0], k.shape[0]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
     # A leading batch dim of 1: with 4-D operands torch takes its flash kernel on the CPU
     # (10x the 3-D path, which falls back to the math kernel; README "Performance").
     qh, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, n, D], [1, Hkv, L, D]
@@ -124,6 +155,10 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         # bound by the runner once the cache is allocated: [2, blocks, block_size, Hkv, D]
         self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(2, self.num_kv_heads, self.head_dim)
 
     def can_rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, rotary) -> bool:
         """Whether rope_and_store takes this fused qkv output (rtp's CPU kernel)."""

@@ -76,9 +76,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, mlp: nn.Module):
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = self_attn
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -95,10 +95,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, make_mlp: Callable[[int], nn.Module]):
+    def __init__(self, config: ModelConfig, make_attention: Callable[[int], nn.Module],
+                 make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_mlp(i)) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_attention(i), make_mlp(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -122,10 +124,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.make_mlp)
+        self.model = LlamaModel(config, self.make_attention, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_attention(self, layer: int) -> nn.Module:
+        """The attention block of decoder layer `layer` (DeepSeek's MLA overrides this); it has
+        an `o_proj` whose weight dtype is the layer's compute dtype."""
+        return LlamaAttention(self.config)
 
     def make_mlp(self, layer: int) -> nn.Module:
         """The feed-forward block of decoder layer `layer` (mixture-of-experts models override this)."""
