@@ -10,16 +10,16 @@ transformers (which always decompresses) checks both.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 import transformers
-from test_models import hf_reference, run_rtp, write_word_tokenizer
+from test_models import NEW_TOKENS, hf_reference, run_rtp, write_word_tokenizer
 
+from rtp._runtime import BlockAllocator, RadixCache, Scheduler
 from rtp.engine.kv_cache import bytes_per_block
 from rtp.engine.loader import load_model
+from rtp.engine.runner import ModelRunner
 from rtp.models.moe import FusedMoE
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -27,19 +27,19 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 
 # 3 layers: layer 0 dense (first_k_dense_replace 1), layers 1-2 sparse; 8 experts in 4 groups,
 # routed within the best 2 groups; head dims chosen all different so a mixed-up split fails
-SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=112, moe_intermediate_size=32,
-             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-             n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-             norm_topk_prob=True, first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=24,
-             qk_rope_head_dim=16, v_head_dim=20, max_position_embeddings=256, rms_norm_eps=1e-5,
-             rope_parameters=YARN)
+SMALL = {"vocab_size": 160, "hidden_size": 64, "intermediate_size": 112, "moe_intermediate_size": 32,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1, "kv_lora_rank": 32,
+         "qk_nope_head_dim": 24, "qk_rope_head_dim": 16, "v_head_dim": 20, "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-5, "rope_parameters": YARN}
 
 CONFIGS = {
-    "q-lora-yarn": dict(q_lora_rank=48),
-    "no-q-lora-yarn": dict(q_lora_rank=None),
+    "q-lora-yarn": {"q_lora_rank": 48},
+    "no-q-lora-yarn": {"q_lora_rank": None},
     # the plain RoPE, a softmax scale without mscale, pairs not interleaved, two dense layers
-    "q-lora-rope-halves": dict(q_lora_rank=48, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                               rope_interleave=False, first_k_dense_replace=2, n_shared_experts=2),
+    "q-lora-rope-halves": {"q_lora_rank": 48, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                           "rope_interleave": False, "first_k_dense_replace": 2, "n_shared_experts": 2},
 }
 
 
@@ -69,3 +69,132 @@ def test_logits_match_transformers(kind, tmp_path):
     prompts = prompts_of((5, 23, 40), seed=1)
     worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts), max_batched=32)  # 40 tokens: two chunks
     assert worst < 1e-4, f"{kind}: max abs logit difference {worst}"
+
+
+def drive(model, prompts, refs, *, between_steps=None, new_tokens=NEW_TOKENS):
+    """run_rtp over an already loaded model: every sampled row's logits, in step order, and the
+    worst difference from transformers'. between_steps(step) runs after each step's update."""
+    block_size, max_seqs = 4, 8
+    alloc = BlockAllocator(256, block_size)
+    runner = ModelRunner(model, num_blocks=256, block_size=block_size, max_num_seqs=max_seqs,
+                         max_num_batched_tokens=32, max_model_len=128, kv_dtype=torch.float32,
+                         device=torch.device("cpu"))
+    sched = Scheduler(alloc, runner.plan, cache=RadixCache(alloc), max_num_seqs=max_seqs,
+                      max_num_batched_tokens=32, max_model_len=128)
+    for i, p in enumerate(prompts):
+        sched.add_request(i, p, max_tokens=new_tokens, ignore_eos=True)
+    length = {i: len(p) for i, p in enumerate(prompts)}
+    worst, seen, step = 0.0, [], 0
+    while sched.has_unfinished:
+        sched.schedule()
+        logits = runner.forward()
+        seen.append(logits.clone())
+        feed = np.zeros(len(logits), dtype=np.int64)
+        for k, rid in enumerate(runner.sample_req_ids().tolist()):
+            seq, ref = refs[rid]
+            pos = length[rid] - 1
+            worst = max(worst, (logits[k] - ref[pos]).abs().max().item())
+            feed[k] = seq[pos + 1]
+            length[rid] += 1
+        sched.update(feed)
+        step += 1
+        if between_steps is not None:
+            between_steps(step)
+    return worst, seen
+
+
+def test_kv_cache_holds_only_the_latent_and_rope_key(tmp_path):
+    """Per token and layer the cache costs (kv_lora_rank + qk_rope_head_dim) * itemsize: what
+    the engine sizes its block budget by, and what the runner allocates."""
+    path, _ = make_checkpoint("q-lora-yarn", tmp_path)
+    model, _config = load_model(path, torch.float32, torch.device("cpu"))
+    layers = model.attention_layers()
+    per_token = (SMALL["kv_lora_rank"] + SMALL["qk_rope_head_dim"]) * 4 * SMALL["num_hidden_layers"]
+    assert len(layers) == SMALL["num_hidden_layers"]
+    assert bytes_per_block([layer.kv_cache_spec for layer in layers], 16, torch.float32) == 16 * per_token
+    runner = ModelRunner(model, num_blocks=10, block_size=16, max_num_seqs=2, max_num_batched_tokens=32,
+                         max_model_len=128, kv_dtype=torch.float32, device=torch.device("cpu"))
+    assert sum(cache.nbytes for cache in runner.kv_caches) == 10 * 16 * per_token
+
+
+def test_deepseek_v3_shape_caches_576_values_per_token_and_layer():
+    """The released DeepSeek-V3 config (transformers' defaults are its numbers), built on the meta
+    device: 61 layers x (512 + 64) bf16 values = 70,272 bytes per token."""
+    from rtp.config import ModelConfig
+    from rtp.models import model_class
+
+    hf = transformers.DeepseekV3Config().to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]}
+    config = ModelConfig.from_hf(hf)
+    assert config.num_experts == 256 and [config.is_moe_layer(i) for i in range(4)] == [False] * 3 + [True]
+    with torch.device("meta"):
+        model = model_class(hf["architectures"])(config)
+    specs = [layer.kv_cache_spec for layer in model.attention_layers()]
+    assert bytes_per_block(specs, 1, torch.bfloat16) == 61 * 576 * 2 == 70272
+
+
+def test_greedy_generation_matches_transformers_and_runs_eagerly(tmp_path):
+    """rtp.LLM from a save_pretrained checkpoint through the real loader: greedy tokens equal
+    transformers' generate. In bf16 (rtp's CPU kernels on) the CPU-graph capture refuses MLA's
+    torch ops at warm-up, and every step runs eagerly."""
+    from rtp import LLM, SamplingParams
+
+    path, hf = make_checkpoint("q-lora-yarn", tmp_path)
+    write_word_tokenizer(path, SMALL["vocab_size"])
+    prompts = prompts_of((4, 17, 31), seed=4)
+    new_tokens = 12
+    llm = LLM(model=str(path), dtype="float32", compile=False, max_model_len=128, enable_prefix_caching=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
+    bf16 = LLM(model=str(path), dtype="bfloat16", compile=False, max_model_len=128)
+    out = bf16.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    assert bf16.engine.runner.cpu_graphs == [] and bf16.engine.runner.graph_steps == 0
+
+
+def with_spare_slots(model, extra: int) -> list[FusedMoE]:
+    """Give every MoE layer `extra` spare physical slots (experts in their home slots, as loaded)."""
+    layers = []
+    for block in (m for m in model.modules() if hasattr(m, "experts") and isinstance(m.experts, FusedMoE)):
+        old = block.experts
+        new = FusedMoE(old.num_experts, old.w13.shape[2], old.intermediate_size, num_slots=old.num_experts + extra)
+        with torch.no_grad():
+            new.w13[: old.num_experts] = old.w13
+            new.w2[: old.num_experts] = old.w2
+        block.experts = new
+        layers.append(new)
+    return layers
+
+
+def test_eplb_replicas_and_a_rebalance_mid_generation_keep_logits_bit_for_bit(tmp_path):
+    """Experts replicated and moved by EPLB plans from the model's own load counters (4 ranks of
+    3 slots, 4 of them replicas), applied before the run and again between decode steps: every
+    logit equals the run on the identity placement, bit for bit, and both match transformers."""
+    from rtp.engine.eplb import eplb_placement
+
+    path, hf = make_checkpoint("q-lora-yarn", tmp_path)
+    prompts = prompts_of((5, 23, 40), seed=5)
+    refs = hf_reference(hf, prompts)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    layers = with_spare_slots(model, extra=4)
+    worst, identity = drive(model, prompts, refs)
+    assert worst < 1e-4
+
+    def rebalance(step=None):
+        load = torch.stack([layer.expert_load for layer in layers]).numpy()
+        placement = eplb_placement(load, num_ranks=4, extra_slots=4)
+        for layer, slots in zip(layers, placement.slots):
+            layer.place(slots.reshape(-1).tolist())
+        assert max(int(layer.replica_count.max()) for layer in layers) >= 2
+
+    rebalance()  # from the whole first run's load
+    for layer in layers:
+        layer.expert_load.zero_()
+    worst, placed = drive(model, prompts, refs, between_steps=lambda step: step in (3, 9) and rebalance())
+    assert worst < 1e-4
+    assert len(placed) == len(identity)
+    for a, b in zip(placed, identity):
+        assert torch.equal(a, b)

@@ -35,7 +35,12 @@ from torch import nn
 
 from rtp.config import ModelConfig
 from rtp.distributed import tp_size
-from rtp.models.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear
+from rtp.models.layers import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RMSNorm,
+    RowParallelLinear,
+)
 from rtp.models.llama import LlamaMLP
 from rtp.models.mixtral import MixtralForCausalLM
 from rtp.models.mla import MLAAttention
