@@ -52,7 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
                                 max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
         # one prompt: one decode bucket to compile, not seven
         engine = dict(model=args.model, dtype=args.dtype, compile=args.compile, max_model_len=args.max_model_len,
-                      max_num_seqs=1, tensor_parallel_size=args.tp)
+                      max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
         if _follows_rank_0(engine):
             return 0
         llm = LLM(**engine)
@@ -74,25 +74,27 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _follows_rank_0(engine: dict) -> bool:
     """Under torchrun (WORLD_SIZE > 1): join the group (its size becomes the engine's
-    tensor_parallel_size); ranks other than 0 follow rank 0's steps here and return True when
-    it stops. Without torchrun, rank 0 spawns the others."""
+    tensor_parallel_size, unless --ep alone asks for expert parallelism over it); ranks other
+    than 0 follow rank 0's steps here and return True when it stops. Without torchrun, rank 0
+    spawns the others."""
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
-    from rtp.distributed import init_tensor_parallel, tp_rank, tp_size
+    from rtp.distributed import ep_size, init_parallel, tp_size, world_rank, world_size
     from rtp.engine.tensor_parallel import threads_per_rank
 
-    init_tensor_parallel()
-    engine["tensor_parallel_size"] = tp_size()
-    if tp_rank() == 0:
+    ranks, ep = int(os.environ["WORLD_SIZE"]), engine.get("expert_parallel_size", 1)
+    init_parallel(engine["tensor_parallel_size"] if ep > 1 else ranks, ep)
+    engine["tensor_parallel_size"], engine["expert_parallel_size"] = tp_size(), ep_size()
+    if world_rank() == 0:
         return False
     import torch
 
     from rtp.config import EngineConfig
     from rtp.engine.engine import LLMEngine
 
-    torch.set_num_threads(threads_per_rank(tp_size()))
+    torch.set_num_threads(threads_per_rank(world_size()))
     LLMEngine(EngineConfig(**engine)).follow()
     return True
 
@@ -126,14 +128,15 @@ def _serve(args: argparse.Namespace) -> int:
                               max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
-                              tensor_parallel_size=args.tp,
+                              tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
                               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                               compile=args.compile, seed=args.seed)
         config.validate()
         options = ServeOptions(host=args.host, port=args.port, served_model_names=args.served_model_name,
                                api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                               max_queue=args.max_queue, grace_period=args.grace_period)
+                               max_queue=args.max_queue, grace_period=args.grace_period, role=args.role,
+                               decode_peer=args.decode_peer, rpc_token=args.rpc_token, kv_lease=args.kv_lease)
         return serve(config, options)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"rtp serve: {e}", file=sys.stderr)
@@ -204,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="shard the model over this many processes on this host (default 1; heads and "
                         "vocabulary must split evenly). Under torchrun the group is torchrun's")
+    p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1,
+                   help="split each MoE layer's experts over this many processes (default 1): 1 or "
+                        "the --tp size, or with --tp 1 attention runs replicated on every rank")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     p.set_defaults(func=_generate)
 
@@ -234,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="shard the model over this many processes on this host (default 1; heads and "
                         "vocabulary must split evenly); a rank that dies stops the server with exit status 1")
+    p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1,
+                   help="split each MoE layer's experts over this many processes (default 1): 1 or "
+                        "the --tp size, or with --tp 1 attention runs replicated on every rank")
     p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=512,
                    help="prompt tokens a step may take while other requests decode; smaller keeps "
                         "inter-token latency low, larger prefills faster (default 512, 0: up to "
@@ -257,6 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="default info: one line per request and per server event")
+    p.add_argument("--role", default="collocated", choices=["collocated", "prefill", "decode"],
+                   help="prefill/decode disaggregation: a prefill node runs prompts and hands their KV to a "
+                   "decode node, which generates (default collocated: both here)")
+    p.add_argument("--decode-peer", metavar="URL",
+                   help="prefill node: the decode node (e.g. http://10.0.0.2:8001) its OpenAI requests are "
+                   "decoded on, the stream relayed back; the FlexLB master can name another per request")
+    p.add_argument("--rpc-token", metavar="SECRET",
+                   help="shared secret of the internal /rpc routes (header x-rtp-rpc-token); without it they are open")
+    p.add_argument("--kv-lease", type=float, default=10.0, metavar="SECONDS",
+                   help="decode node: how long reserved KV blocks wait for the next piece of their KV "
+                   "before returning to the pool (default 10)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser(

@@ -45,6 +45,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     norm_topk_prob: bool = False              # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # physical expert slots per MoE layer beyond num_experts, for EPLB's replicas: not from
+    # config.json, the deployment's choice (load_model's redundant_experts)
+    num_redundant_experts: int = 0
     raw: dict[str, Any] = msgspec.field(default_factory=dict)  # the whole config.json (rope, ...)
 
     @classmethod
@@ -166,15 +169,24 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # ranks the model is sharded over (rtp/engine/tensor_parallel.py): rank 0 runs here and
     # spawns the others on this host, unless torchrun started them
     tensor_parallel_size: int = 1
+    # ranks the MoE layers' expert slots are split over (rtp/models/expert_parallel.py): the same
+    # ranks as tensor parallelism (each size is 1 or the number of ranks); with tp 1 every rank
+    # runs attention on the same tokens and only the experts are split
+    expert_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        ranks = max(self.tensor_parallel_size, self.expert_parallel_size)
+        if {self.tensor_parallel_size, self.expert_parallel_size} - {1, ranks}:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} and expert_parallel_size "
+                             f"{self.expert_parallel_size}: each must be 1 or the number of ranks ({ranks})")
         if self.max_prefill_tokens_with_decodes < 0:
             raise ValueError(f"max_prefill_tokens_with_decodes must be 0 (no limit) or positive, "
                              f"got {self.max_prefill_tokens_with_decodes}")

@@ -1,12 +1,23 @@
-"""Process groups for tensor (and later expert) parallelism, below models and engine.
+"""Process groups for tensor and expert parallelism, below models and engine.
 
 One process per rank, joined by torch.distributed: NCCL on GPUs, gloo on CPUs,
-never a home-made transport. `init_tensor_parallel` joins the group (from
-torchrun's environment or explicit arguments); the parallel layers in
-rtp/models/layers.py shard their weights by `tp_rank()` / `tp_size()` and call
-the collectives here, which go through torch's functional collectives so a
-compiled graph traces them. With one rank (the default) every collective is
-the identity and nothing here touches torch.distributed.
+never a home-made transport. `init_parallel` joins the group (from torchrun's
+environment or explicit arguments). There is one group, the world, shared by
+both kinds of parallelism the way vLLM's `enable_expert_parallel` shares its TP
+ranks with EP: with W = max(tp, ep) processes, tp and ep are each 1 or W.
+
+  tp = W, ep = 1   attention, dense MLPs and vocabulary sharded; every rank holds
+                   every expert (computed replicated)
+  tp = 1, ep = W   attention and dense layers replicated (every rank runs the same
+                   tokens), the expert slots split between the ranks
+  tp = W, ep = W   both: attention sharded, experts split
+
+The parallel layers in rtp/models/layers.py shard their weights by `tp_rank()` /
+`tp_size()` and call the collectives here, which go through torch's functional
+collectives so a compiled graph traces them. The expert exchange
+(rtp/models/expert_parallel.py) uses `all_to_all` and `ep_all_gather`. With one rank
+(the default) every collective is the identity and nothing here touches
+torch.distributed.
 
 A rank runs the whole engine on its shard: the scheduler is deterministic, so
 ranks given the same requests plan the same steps (how the tests drive tp=2).
@@ -19,9 +30,14 @@ import os
 
 import torch
 
+_WORLD_RANK = 0
+_WORLD_SIZE = 1
 _TP_RANK = 0
 _TP_SIZE = 1
 _TP_GROUP = None
+_EP_RANK = 0
+_EP_SIZE = 1
+_EP_GROUP = None
 
 # A rank that dies leaves the others in a collective: they give up after this long.
 DEFAULT_TIMEOUT_S = 120.0
@@ -35,17 +51,44 @@ def tp_size() -> int:
     return _TP_SIZE
 
 
-def init_tensor_parallel(size: int | None = None, rank: int | None = None, *, backend: str | None = None,
-                         init_method: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join a tensor-parallel group of `size` ranks as `rank` (defaults: torchrun's WORLD_SIZE
-    and RANK). size 1 leaves rtp single-process. backend: nccl with CUDA, else gloo."""
-    global _TP_RANK, _TP_SIZE, _TP_GROUP
-    size = int(os.environ.get("WORLD_SIZE", 1)) if size is None else size
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"tensor parallel rank {rank} of {size} is not a rank of the group")
+def ep_rank() -> int:
+    return _EP_RANK
+
+
+def ep_size() -> int:
+    return _EP_SIZE
+
+
+def world_rank() -> int:
+    """This process's rank among all of rtp's ranks (0: the one that schedules)."""
+    return _WORLD_RANK
+
+
+def world_size() -> int:
+    """rtp's processes: max(tp_size(), ep_size())."""
+    return _WORLD_SIZE
+
+
+def check_sizes(tp: int, ep: int) -> int:
+    """The world size of tp x ep (max of the two); raises unless each is 1 or that size."""
+    world = max(tp, ep)
+    if tp < 1 or ep < 1 or tp not in (1, world) or ep not in (1, world):
+        raise ValueError(f"tensor parallel size {tp} and expert parallel size {ep}: each must be 1 or "
+                         f"the number of ranks ({world}); rtp runs both over the same ranks")
+    return world
+
+
+def init_parallel(tp: int = 1, ep: int = 1, rank: int | None = None, *, backend: str | None = None,
+                  init_method: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the group of max(tp, ep) ranks as `rank` (default: torchrun's RANK); one rank leaves
+    rtp single-process. backend: nccl with CUDA, else gloo."""
+    global _WORLD_RANK, _WORLD_SIZE, _TP_RANK, _TP_SIZE, _TP_GROUP, _EP_RANK, _EP_SIZE, _EP_GROUP
+    size = check_sizes(tp, ep)
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} of {size} is not a rank of the group")
     if size == 1:
-        _TP_RANK, _TP_SIZE, _TP_GROUP = 0, 1, None
+        _reset()
         return
     import torch.distributed as dist
 
@@ -54,18 +97,39 @@ def init_tensor_parallel(size: int | None = None, rank: int | None = None, *, ba
         dist.init_process_group(backend, init_method=init_method or "env://", world_size=size, rank=rank,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     if dist.get_world_size() != size:
-        raise ValueError(f"the process group has {dist.get_world_size()} ranks, tensor parallelism asks {size}")
-    _TP_RANK, _TP_SIZE, _TP_GROUP = dist.get_rank(), size, dist.group.WORLD
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks; tp {tp} and ep {ep} ask {size}")
+    rank = dist.get_rank()
+    _WORLD_RANK, _WORLD_SIZE = rank, size
+    _TP_RANK, _TP_SIZE, _TP_GROUP = (rank, size, dist.group.WORLD) if tp > 1 else (0, 1, None)
+    _EP_RANK, _EP_SIZE, _EP_GROUP = (rank, size, dist.group.WORLD) if ep > 1 else (0, 1, None)
 
 
-def destroy_tensor_parallel() -> None:
-    global _TP_RANK, _TP_SIZE, _TP_GROUP
-    if _TP_SIZE > 1:
+def init_tensor_parallel(size: int | None = None, rank: int | None = None, *, backend: str | None = None,
+                         init_method: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join a tensor-parallel group of `size` ranks (default: torchrun's WORLD_SIZE), no expert parallelism."""
+    size = int(os.environ.get("WORLD_SIZE", "1")) if size is None else size
+    if size < 1:
+        raise ValueError(f"tensor parallel rank {rank} of {size} is not a rank of the group")
+    init_parallel(size, 1, rank, backend=backend, init_method=init_method, timeout_s=timeout_s)
+
+
+def destroy_parallel() -> None:
+    if _WORLD_SIZE > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    _reset()
+
+
+destroy_tensor_parallel = destroy_parallel
+
+
+def _reset() -> None:
+    global _WORLD_RANK, _WORLD_SIZE, _TP_RANK, _TP_SIZE, _TP_GROUP, _EP_RANK, _EP_SIZE, _EP_GROUP
+    _WORLD_RANK, _WORLD_SIZE = 0, 1
     _TP_RANK, _TP_SIZE, _TP_GROUP = 0, 1, None
+    _EP_RANK, _EP_SIZE, _EP_GROUP = 0, 1, None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -90,3 +154,27 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     # eager calls return an AsyncCollectiveTensor: wait here, so no caller sees a pending one
     wait = getattr(t, "wait", None)
     return wait() if wait is not None else t
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None = None,
+               input_splits: list[int] | None = None, *, async_op: bool = False):
+    """torch.distributed.all_to_all_single over the expert-parallel ranks: rows
+    [sum(input_splits[:r]), +input_splits[r]) of `input` go to rank r, rank r's rows for
+    this rank land in `output` in rank order. With async_op the exchange runs on the
+    backend's own threads (gloo) or stream (NCCL) and the returned work is waited on later."""
+    import torch.distributed as dist
+
+    return dist.all_to_all_single(output, input, output_splits, input_splits, group=_EP_GROUP,
+                                  async_op=async_op)
+
+
+def ep_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """The expert-parallel ranks' x (equal shapes) concatenated along dim 0, in rank order."""
+    if _EP_SIZE == 1:
+        return x
+    import torch.distributed as dist
+
+    out = x.new_empty(_EP_SIZE * x.shape[0], *x.shape[1:])
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
+    gather(out, x.contiguous(), group=_EP_GROUP)
+    return out

@@ -20,8 +20,16 @@ import torch
 
 from rtp._runtime import FINISH_REASONS, BlockAllocator, RadixCache, Scheduler
 from rtp.config import EngineConfig, ModelConfig
-from rtp.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_rank, tp_size
+from rtp.distributed import (
+    destroy_parallel,
+    ep_size,
+    init_parallel,
+    tp_size,
+    world_rank,
+    world_size,
+)
 from rtp.engine.kv_cache import num_kv_blocks
+from rtp.engine.kv_transfer import KVLayout, KVSink, LayerTaps, layout_of, scatter, token_slots
 from rtp.engine.loader import load_model
 from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SamplingBatch
@@ -70,6 +78,7 @@ class _Sequence:
     prompt_ids: np.ndarray
     out_ids: list[int] = field(default_factory=list)
     held_text: str = ""  # text withheld because it may be the start of a stop string
+    kv_sink: KVSink | None = None  # prefill-only: where its KV and first token go
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -115,6 +124,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.compile = config.compile if config.compile is not None else self.device.type == "cuda"
+        # the expert exchange reads its counts on the host between collectives: nothing to capture
+        self.compile = self.compile and config.expert_parallel_size == 1
         if self.compile:
             _use_rtp_compile_cache()
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -123,13 +134,15 @@ class LLMEngine:
             raise FileNotFoundError(f"model path {path} does not exist")
         self._followers: list = []
         self._channel: PlanChannel | None = None
-        tp = config.tensor_parallel_size
-        if tp > 1 and tp_size() == 1:  # rank 0 starts the others (under torchrun they exist)
-            init, self._followers = spawn_followers(config, tp)
-            torch.set_num_threads(threads_per_rank(tp))
-            init_tensor_parallel(tp, 0, init_method=init)
-        if tp_size() != tp:
-            raise ValueError(f"tensor_parallel_size {tp}, but the process group has {tp_size()} ranks")
+        tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+        ranks = max(tp, ep)  # config.validate() checked each is 1 or this
+        if ranks > 1 and world_size() == 1:  # rank 0 starts the others (under torchrun they exist)
+            init, self._followers = spawn_followers(config, ranks)
+            torch.set_num_threads(threads_per_rank(ranks))
+            init_parallel(tp, ep, 0, init_method=init)
+        if (tp_size(), ep_size()) != (tp, ep):
+            raise ValueError(f"tensor_parallel_size {tp} and expert_parallel_size {ep}, but the process group "
+                             f"has tp {tp_size()} and ep {ep_size()}")
         self.model_path = path
         self.model, self.model_config = load_model(path, self.dtype, self.device)
         self.tokenizer = Tokenizer.from_pretrained(path)
@@ -141,7 +154,7 @@ class LLMEngine:
                                    block_size=config.block_size, dtype=self.dtype,
                                    max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                    budget_bytes=config.kv_cache_memory, device=self.device)
-        if tp_size() > 1:  # block ids are rank 0's: every rank needs as many blocks
+        if world_size() > 1:  # block ids are rank 0's: every rank needs as many blocks
             blocks = torch.tensor([num_blocks])
             torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
             num_blocks = int(blocks)
@@ -159,12 +172,14 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                    vocab_size=mc.vocab_size, policy=config.scheduling_policy)
         self.sampler = Sampler(seed=config.seed)
-        if tp_size() > 1:
+        if world_size() > 1:
             self._channel = PlanChannel(self.runner.plan)
         self.warmup_seconds = self.runner.warmup(progress=sys.stderr.isatty())
         self._seqs: dict[int, _Sequence] = {}
         self._requests: dict[str, list[int]] = {}  # request id -> runtime ids of its choices
         self._next_rid = itertools.count()
+        self._reserved: dict[str, int] = {}  # request id -> runtime id, KV on its way from a prefill node
+        self._taps: LayerTaps | None = None  # installed by the first prefill-only request
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                  mc.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks - 1,
                  config.block_size, self.max_model_len)
@@ -172,9 +187,17 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    ) -> RequestOutput:
+                    kv_sink: KVSink | None = None) -> RequestOutput:
+        """Queue a request. With a kv_sink it is prefill-only (prefill/decode disaggregation): its
+        KV goes to the sink layer by layer during its last prefill step, then its first token; its
+        output then finishes with reason "remote" and its blocks are free again (the prompt's
+        stays in the prefix cache). A first token that already ends it finishes it as usual."""
         params = params or SamplingParams()
         params.validate()
+        if kv_sink is not None and params.n != 1:
+            raise ValueError("n must be 1 for a request prefilled for another node")
+        if kv_sink is not None and self._taps is None:
+            self._taps = LayerTaps(self.model.attention_layers(), self.runner.kv_caches)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
         if isinstance(prompt, str):
@@ -194,7 +217,7 @@ class LLMEngine:
                 rid = next(self._next_rid)
                 self.scheduler.add_request(rid, prompt_ids, max_tokens=max_tokens, min_tokens=params.min_tokens,
                                            stop_token_ids=params.stop_token_ids or (),
-                                           ignore_eos=params.ignore_eos)
+                                           ignore_eos=params.ignore_eos, prefill_only=kv_sink is not None)
                 rids.append(rid)
                 output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None,
                                           cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -202,7 +225,7 @@ class LLMEngine:
                 self._seqs[rid] = _Sequence(rid, request, output, params,
                                             IncrementalDetokenizer(self.tokenizer, ids,
                                                                    skip_special_tokens=params.skip_special_tokens),
-                                            prompt_ids)
+                                            prompt_ids, kv_sink=kv_sink)
         except (ValueError, OverflowError):
             for rid in rids:  # all choices or none
                 self.scheduler.abort(rid)
@@ -212,6 +235,11 @@ class LLMEngine:
         return request
 
     def abort_request(self, request_id: str) -> bool:
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is not None:  # its blocks return to the pool; their partial KV is never cached
+            self.scheduler.abort(reserved)
+            self._seqs.pop(reserved, None)
+            return True
         rids = self._requests.pop(request_id, None)
         if rids is None:
             return False
@@ -238,8 +266,14 @@ class LLMEngine:
             return []
         if self._channel is not None:
             self._channel.send_step()
-        logits = self.runner.forward()
         seqs = [self._seqs[rid] for rid in self.runner.sample_req_ids().tolist()]
+        if self._taps is not None:
+            self._arm_taps(seqs)
+        try:
+            logits = self.runner.forward()
+        finally:
+            if self._taps is not None:
+                self._taps.disarm()
         sampled = self.sampler(logits, self._batch(seqs)) if seqs else None
         tokens = sampled.token_ids.cpu().numpy() if sampled is not None else np.zeros(0, dtype=np.int64)
         for seq in seqs:
@@ -261,20 +295,107 @@ class LLMEngine:
             rid = int(self.scheduler.event_req_ids[i])
             reason = FINISH_REASONS[int(finish[i])]
             seq = self._seqs.get(rid)
+            if seq is not None and reason == "remote":
+                self._hand_off(seq, int(self.scheduler.event_tokens[i]))
             if seq is not None and reason is not None and seq.output.finish_reason is None:
                 self._finish(seq, reason, stop_reason=int(self.scheduler.event_tokens[i])
                              if reason == "stop" else None)
         return list(touched.values())
 
+    # -- prefill/decode disaggregation ------------------------------------------------------------
+
+    def kv_layout(self) -> KVLayout:
+        return layout_of(self.runner.kv_caches)
+
+    def _arm_taps(self, seqs: list[_Sequence]) -> None:
+        """A prefill-only request samples only in the step that computes its last prompt chunk:
+        by then its earlier chunks' KV is in place, so each layer's hook can take all of it."""
+        taps = []
+        for seq in seqs:
+            if seq.kv_sink is not None:
+                state = self.scheduler.request_state(seq.rid)
+                taps.append((token_slots(state["block_ids"], self.scheduler.block_size, state["num_tokens"]),
+                             seq.kv_sink))
+        self._taps.arm(taps)
+
+    def _hand_off(self, seq: _Sequence, token: int) -> None:
+        """A prefill-only request sampled its first token: every layer's KV went to its sink during
+        the step, so its blocks are free at once (its prompt stays in the prefix cache)."""
+        self.scheduler.release(seq.rid)
+        logprobs = seq.output.logprobs[-1] if seq.output.logprobs else None
+        seq.kv_sink.finish(token, logprobs, seq.request.num_cached_tokens)
+
+    def reserve_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> np.ndarray:
+        """Decode node: hold blocks for a prompt another node prefills; returns their ids, in which
+        the prompt's KV is to be written (write_kv). MemoryError when too few are free now, ValueError
+        when the request could never run here. Nothing runs until resume_request()."""
+        params.validate()
+        if params.n != 1:
+            raise ValueError("n must be 1 for a request prefilled on another node")
+        if request_id in self._requests or request_id in self._reserved:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room to decode "
+                             f"(max_model_len {self.max_model_len})")
+        max_tokens = params.max_tokens or max(1, self.max_model_len - len(prompt_ids))
+        if max_tokens < 2:
+            raise ValueError("a request of one token finishes on the prefill node; there is nothing to decode")
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        rid = next(self._next_rid)
+        blocks = self.scheduler.reserve(rid, prompt, max_tokens=max_tokens, min_tokens=params.min_tokens,
+                                        stop_token_ids=params.stop_token_ids or (), ignore_eos=params.ignore_eos)
+        request = RequestOutput(request_id, None, list(prompt_ids), [])
+        output = CompletionOutput(0, logprobs=[] if params.logprobs is not None else None,
+                                  cumulative_logprob=0.0 if params.logprobs is not None else None)
+        request.outputs.append(output)
+        self._seqs[rid] = _Sequence(rid, request, output, params,
+                                    IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                                           skip_special_tokens=params.skip_special_tokens),
+                                    prompt)
+        self._reserved[request_id] = rid
+        return blocks
+
+    def write_kv(self, layer: int, blocks: np.ndarray, num_tokens: int, kv) -> None:
+        """Write token-major KV (a tensor or its raw bytes) of a reserved request's first num_tokens
+        prompt tokens into its blocks. Safe from another thread while steps run: no step reads
+        or writes the blocks of a reserved request."""
+        scatter(self.runner.kv_caches[layer], token_slots(blocks, self.scheduler.block_size, num_tokens), kv)
+
+    def resume_request(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None,
+                       num_cached_tokens: int = 0) -> RequestOutput:
+        """Decode node: the reserved request's KV is in its blocks; continue it from the first token
+        the prefill node sampled (counted as generated, with its logprobs and text, as if sampled
+        here). It joins the batch at the next step. KeyError for a request not reserved here."""
+        rid = self._reserved.get(request_id)
+        if rid is None:
+            raise KeyError(f"request {request_id!r} is not reserved here")
+        self.scheduler.resume(rid, first_token)  # ValueError (and nothing changed) if it would finish
+        del self._reserved[request_id]
+        seq = self._seqs[rid]
+        seq.request.num_cached_tokens = num_cached_tokens
+        out = seq.output
+        seq.out_ids.append(first_token)
+        out.token_ids.append(first_token)
+        if out.logprobs is not None:
+            entry = dict(logprobs) if logprobs else {first_token: 0.0}
+            out.logprobs.append(entry)
+            out.cumulative_logprob += entry.get(first_token, 0.0)
+        self._requests[request_id] = [rid]
+        try:
+            self._add_text(seq, seq.detok.add(first_token))
+        except Exception as e:
+            self._fail(seq.request, e)
+        return seq.request
+
     def follow(self) -> None:
         """Tensor-parallel ranks other than 0: run rank 0's steps until it stops."""
-        if self._channel is None or tp_rank() == 0:
+        if self._channel is None or world_rank() == 0:
             raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
         try:
             while self._channel.receive():
                 self.runner.forward()
         finally:
-            destroy_tensor_parallel()
+            destroy_parallel()
 
     def followers_alive(self) -> bool:
         """Whether every tensor-parallel follower this engine started still runs."""
@@ -282,7 +403,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel followers this engine started (idempotent)."""
-        if self._channel is None or tp_rank() != 0:
+        if self._channel is None or world_rank() != 0:
             return
         channel, self._channel = self._channel, None
         try:
@@ -290,7 +411,7 @@ class LLMEngine:
         finally:
             for proc in self._followers:
                 proc.join(timeout=30)
-            destroy_tensor_parallel()
+            destroy_parallel()
 
     def _batch(self, seqs: list[_Sequence]) -> SamplingBatch:
         # choice i of a seeded request draws from seed + i, so n > 1 choices differ

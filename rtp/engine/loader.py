@@ -30,10 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from rtp.config import ModelConfig
-from rtp.engine.checkpoint import CheckpointError, TensorRecord, open_checkpoint, stream_tensors
+from rtp.engine.checkpoint import (
+    CheckpointError,
+    TensorRecord,
+    open_checkpoint,
+    stream_tensors,
+)
 from rtp.engine.prefault import Prefault
 from rtp.models import model_class
 
@@ -150,14 +156,17 @@ def _fill_order(model: torch.nn.Module, records: Sequence[TensorRecord]) -> list
     return list(order.values())
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device,
-               options: LoadOptions | None = None) -> tuple[torch.nn.Module, ModelConfig]:
-    """Build the model named by the checkpoint's config and load its weights."""
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, options: LoadOptions | None = None,
+               *, redundant_experts: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build the model named by the checkpoint's config and load its weights; MoE layers get
+    `redundant_experts` spare slots for EPLB's replicas (empty until FusedMoE.place)."""
     options = options or LoadOptions()
     start = time.perf_counter()
     checkpoint = open_checkpoint(path)
     records = checkpoint.records
     config = ModelConfig.from_hf(checkpoint.config)
+    if redundant_experts:
+        config = msgspec.structs.replace(config, num_redundant_experts=redundant_experts)
     cls = model_class([config.architecture])
     check_against_model(cls, config, records, path)
     # parameters are created uninitialised (torch.empty) directly in their final dtype and device

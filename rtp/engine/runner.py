@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from rtp._runtime import StepPlan
-from rtp.distributed import tp_size
+from rtp.distributed import world_size
 from rtp.engine.cpu_graph import CaptureRefused, CPUGraph, capture
 from rtp.engine.kv_cache import allocate_kv_cache
 from rtp.models import cpu_kernels
@@ -96,9 +96,9 @@ class ModelRunner:
         # CPU graphs (rtp/engine/cpu_graph.py), captured in warmup(): (lowest rows, most rows, graph)
         self.cpu_graphs: list[tuple[int, int, CPUGraph]] = []
         self._max_num_seqs = max_num_seqs
-        # (not with tensor parallelism: a collective is not a kernel call a graph can replay)
+        # (not with tensor or expert parallelism: a collective is not a kernel call a graph can replay)
         self._want_cpu_graphs = (device.type == "cpu" and not compile and cpu_kernels.available()
-                                 and tp_size() == 1 and os.environ.get("RTP_CPU_GRAPHS", "1") != "0")
+                                 and world_size() == 1 and os.environ.get("RTP_CPU_GRAPHS", "1") != "0")
         self.graph_steps = 0  # steps replayed from a CPU graph
 
     # -- compiled decode -------------------------------------------------------------------

@@ -18,7 +18,7 @@ import socket
 
 import torch
 
-from rtp.distributed import init_tensor_parallel
+from rtp.distributed import init_parallel
 
 log = logging.getLogger("rtp.tp")
 
@@ -71,7 +71,7 @@ def threads_per_rank(size: int) -> int:
 
 def spawn_followers(config, size: int) -> tuple[str, list]:
     """Start ranks 1..size-1 of `config` on this host; returns the rendezvous address rank 0
-    joins with init_tensor_parallel(size, 0, init_method=...), and the processes."""
+    joins with init_parallel(tp, ep, 0, init_method=...), and the processes."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:  # a free port on loopback for the rendezvous
@@ -93,6 +93,6 @@ def _follower_main(config, rank: int, size: int, init: str) -> None:
     from rtp.engine.engine import LLMEngine
 
     torch.set_num_threads(threads_per_rank(size))
-    init_tensor_parallel(size, rank, init_method=init)
+    init_parallel(config.tensor_parallel_size, config.expert_parallel_size, rank, init_method=init)
     LLMEngine(config).follow()
 

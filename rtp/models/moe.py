@@ -12,11 +12,18 @@ hidden, inter]. One forward, for T tokens and N = T * top_k (token, expert) pair
 | sort      | pairs ordered by logical expert (stable); a pair's rank within its expert |
 | place     | replica = rank % replica_count[e], slot = logical_to_physical[e, replica]:|
 |           | an expert's tokens dealt round-robin across its replicas                  |
-| lay out   | slot groups contiguous, in slot order; a pair's row = its group's start   |
-|           | + rank // replica_count[e]; in layers with spare slots each non-empty     |
-|           | group is padded to REPRODUCIBLE_GROUP_ROWS rows                           |
+| exchange  | the layer's ExpertExchange (rtp/models/expert_parallel.py) from here:    |
+|           | with one rank (LocalExchange) the slot groups are laid out contiguous, in |
+|           | slot order, a pair's row = its group's start + its rank within its slot;  |
+|           | in layers with spare slots each non-empty group is padded to              |
+|           | REPRODUCIBLE_GROUP_ROWS rows; with expert parallelism pairs travel to the |
+|           | rank holding their slot and back (all_to_all_single, micro-chunked)       |
 | compute   | one grouped GEMM over w13, SiLU * up, one grouped GEMM over w2            |
 | combine   | out[t] = sum over k (in k order) of weight[t, k] * y[row(t, k)], in fp32  |
+
+With one rank nothing on this path syncs with the host or loops in Python where
+`torch._grouped_mm` takes the dtype, so it can be captured in a graph (the
+expert-parallel exchange reads its counts on the host: it runs eagerly).
 
 Nothing on this path syncs with the host or loops in Python where `torch._grouped_mm`
 takes the dtype, so it can be captured in a graph.
@@ -30,6 +37,7 @@ routed to each logical expert while `count_load` is set.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -38,6 +46,8 @@ import torch
 from torch import nn
 
 from rtp.config import ModelConfig
+from rtp.distributed import all_to_all, ep_rank, ep_size
+from rtp.models.expert_parallel import make_exchange
 from rtp.models.layers import ReplicatedLinear, SiluAndMul, _copy_checked
 
 # A row of an fp32 GEMM with at least this many rows gets the same bits whatever the row
@@ -134,18 +144,26 @@ class FusedMoE(nn.Module):
     """The routed experts of one layer, stacked into slots (see the module docstring).
 
     Tensor parallelism does not split the experts: every rank holds all the slots and
-    computes the whole (replicated) output; expert parallelism will split the slots."""
+    computes the whole (replicated) output. Expert parallelism splits the slots: with N
+    ranks, rank r holds global slots [r * S/N, (r + 1) * S/N) (`local_slots` of them from
+    `slot_offset`), and `exchange` (rtp/models/expert_parallel.py) sends each pair to the
+    rank holding the slot it was dealt. The EPLB tables stay global and the same on every
+    rank."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, num_slots: int | None = None):
         super().__init__()
         num_slots = num_experts if num_slots is None else num_slots
         if num_slots < num_experts:
             raise ValueError(f"{num_slots} slots cannot hold {num_experts} experts")
+        if num_slots % ep_size():
+            raise ValueError(f"{num_slots} expert slots do not split over {ep_size()} expert-parallel ranks")
         self.num_experts = num_experts
         self.num_slots = num_slots
+        self.local_slots = num_slots // ep_size()
+        self.slot_offset = ep_rank() * self.local_slots
         self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_slots, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_slots, hidden_size, intermediate_size))
+        self.w13 = nn.Parameter(torch.empty(self.local_slots, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.local_slots, hidden_size, intermediate_size))
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
         self.act = SiluAndMul()
@@ -157,18 +175,22 @@ class FusedMoE(nn.Module):
         self.register_buffer("replica_count", torch.ones(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.count_load = True
+        self.exchange = make_exchange()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: ExpertShard) -> None:
-        """Copy one expert's gate, up or down projection into its home slot (slot = expert id)."""
+        """Copy one expert's gate, up or down projection into its home slot (slot = expert id),
+        where this rank holds that slot (every expert part reaches every rank)."""
         if not isinstance(shard, ExpertShard) or not 0 <= shard.expert < self.num_experts:
             raise ValueError(f"expert part {shard!r} does not fit {self.num_experts} experts")
         inter = self.intermediate_size
-        if shard.part == "gate":
-            dst = param.data[shard.expert, :inter]
-        elif shard.part == "up":
-            dst = param.data[shard.expert, inter:]
-        else:
-            dst = param.data[shard.expert]
+        rows = {"gate": slice(0, inter), "up": slice(inter, None)}.get(shard.part, slice(None))
+        slot = shard.expert - self.slot_offset
+        if not 0 <= slot < self.local_slots:  # another rank's expert: its shape checked, its data not kept
+            if param.data[0, rows].shape != loaded.shape:
+                raise ValueError(f"expert {shard}: checkpoint shape {tuple(loaded.shape)} does not fit "
+                                 f"{tuple(param.data[0, rows].shape)}")
+            return
+        dst = param.data[slot, rows]
         _copy_checked(dst, loaded, f"expert {shard}")
 
     def expected_shards(self) -> dict[str, list[ExpertShard]]:
@@ -179,10 +201,11 @@ class FusedMoE(nn.Module):
 
     @torch.no_grad()
     def place(self, slots: Sequence[int]) -> None:
-        """Move to a new placement (rtp/engine/eplb.py): slots[i] is the logical expert physical
-        slot i holds (-1: empty). Every expert keeps at least one slot; each slot's weights
-        come from the expert's first current slot. Between steps only: a step in flight would
-        read half-moved weights."""
+        """Move to a new placement (rtp/engine/eplb.py): slots[i] is the logical expert global
+        physical slot i holds (-1: empty). Every expert keeps at least one slot; each slot's
+        weights come from the expert's first current slot, sent over one all-to-all per
+        weight where that slot is on another expert-parallel rank (every rank calls this with
+        the same slots). Between steps only: a step in flight would read half-moved weights."""
         target = torch.as_tensor(list(slots), dtype=torch.int64)
         if target.shape != (self.num_slots,) or target.max() >= self.num_experts or target.min() < -1:
             raise ValueError(f"a placement of {self.num_experts} experts names each of {self.num_slots} "
@@ -193,9 +216,12 @@ class FusedMoE(nn.Module):
         if count.max() > self.logical_to_physical.shape[1]:
             raise ValueError(f"at most {self.logical_to_physical.shape[1]} copies of an expert fit")
         # where each new slot's weights are now (an empty slot keeps slot 0's, never read)
-        source = self.logical_to_physical[target.clamp_min(0), 0]
-        for param in (self.w13, self.w2):
-            param.data.copy_(param.data.index_select(0, source))
+        source = self.logical_to_physical[target.clamp_min(0), 0].cpu()
+        if self.local_slots == self.num_slots:  # one rank holds every slot
+            for param in (self.w13, self.w2):
+                param.data.copy_(param.data.index_select(0, source.to(param.device)))
+        else:
+            self._move_across_ranks(source, target >= 0)
         table = torch.full_like(self.logical_to_physical, -1)
         filled = torch.zeros(self.num_experts, dtype=torch.int64)
         for slot, expert in enumerate(target.tolist()):
@@ -205,35 +231,52 @@ class FusedMoE(nn.Module):
         self.logical_to_physical.copy_(table)
         self.replica_count.copy_(count)
 
+    def _move_across_ranks(self, source: torch.Tensor, used: torch.Tensor) -> None:
+        """Slot i's weights from global slot source[i]: local copies, the rest over all_to_all.
+        Rows travel in increasing destination-slot order, which both ends derive alike."""
+        ranks, local, me = ep_size(), self.local_slots, ep_rank()
+        owner = source // local
+        mine = torch.arange(me * local, (me + 1) * local)
+        # rows this rank sends: slots of other ranks whose source is here, by destination rank
+        outgoing = [[int(source[d]) - self.slot_offset for d in range(r * local, (r + 1) * local)
+                     if used[d] and owner[d] == me] if r != me else [] for r in range(ranks)]
+        incoming = [[d for d in mine.tolist() if used[d] and owner[d] == r] if r != me else []
+                    for r in range(ranks)]
+        for param in (self.w13, self.w2):
+            w = param.data
+            sent = w.index_select(0, torch.tensor(list(itertools.chain(*outgoing)), dtype=torch.int64, device=w.device))
+            received = w.new_empty(sum(map(len, incoming)), *w.shape[1:])
+            all_to_all(received, sent, [len(i) for i in incoming], [len(o) for o in outgoing])
+            new = w.clone()
+            for d in mine.tolist():
+                if used[d] and owner[d] == me:
+                    new[d - self.slot_offset] = w[int(source[d]) - self.slot_offset]
+            arrived = list(itertools.chain(*incoming))
+            if arrived:
+                new.index_copy_(0, torch.tensor(arrived, device=w.device) - self.slot_offset, received)
+            w.copy_(new)
+
+    def grouped(self, x: torch.Tensor, row_source: torch.Tensor, group_end: torch.Tensor) -> torch.Tensor:
+        """The expert math of an exchange: row r is this rank's slot g's expert applied to
+        x[row_source[r]], for the rows of group g (ending at group_end[g])."""
+        h = grouped_mm(x.index_select(0, row_source), self.w13, group_end)
+        return grouped_mm(self.act(h), self.w2, group_end)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; topk_weights [T, k] fp32; topk_ids [T, k] logical expert ids -> [T, hidden] fp32."""
         tokens, k = topk_ids.shape
-        pairs = tokens * k
         flat = topk_ids.reshape(-1)
-        ones = torch.ones_like(flat)
-        per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).index_add_(0, flat, ones)
-        if self.count_load:
+        per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        per_expert.index_add_(0, flat, torch.ones_like(flat))
+        if self.count_load:  # over all T tokens, which every rank routes alike: the global load
             self.expert_load.add_(per_expert)
+        # each expert's pairs dealt round-robin over its replicas, in pair order
         order = flat.argsort(stable=True)
         expert = flat.index_select(0, order)
-        rank = torch.arange(pairs, device=x.device) - (per_expert.cumsum(0) - per_expert).index_select(0, expert)
-        replicas = self.replica_count.index_select(0, expert)
-        slot = self.logical_to_physical[expert, rank % replicas]
-        per_slot = torch.zeros(self.num_slots, dtype=torch.int64, device=x.device).index_add_(0, slot, ones)
-        num_rows = pairs
-        if self.min_group_rows > 1:
-            per_slot = torch.where(per_slot > 0, per_slot.clamp_min(self.min_group_rows), per_slot)
-            num_rows += (self.min_group_rows - 1) * min(self.num_slots, pairs)
-        group_end = per_slot.cumsum(0)
-        row = (group_end - per_slot).index_select(0, slot) + rank // replicas
-        # padding rows compute token 0 again; their results are never read
-        token_of_row = torch.zeros(num_rows, dtype=torch.int64, device=x.device).index_copy_(0, row, order // k)
-        h = grouped_mm(x.index_select(0, token_of_row), self.w13, group_end)
-        y = grouped_mm(self.act(h), self.w2, group_end)
-        row_of_pair = torch.empty_like(row).index_copy_(0, order, row)
-        y = y.index_select(0, row_of_pair).view(tokens, k, -1).float()
-        # a fixed summation order over k, whichever slots served the pairs
-        return (y * topk_weights.unsqueeze(-1)).sum(dim=1)
+        rank = torch.arange(tokens * k, device=x.device) - (per_expert.cumsum(0) - per_expert).index_select(0, expert)
+        slot = self.logical_to_physical[expert, rank % self.replica_count.index_select(0, expert)]
+        slots = torch.empty_like(slot).index_copy_(0, order, slot).view(tokens, k)
+        return self.exchange(self, x, slots, topk_weights)
 
 
 class SparseMoeBlock(nn.Module):
@@ -243,7 +286,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
         self.router = TopKRouter(config.num_experts_per_tok, config.norm_topk_prob)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                num_slots=config.num_experts + config.num_redundant_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] fp32."""

@@ -74,6 +74,7 @@ class Stream:
         self.unfinished = len(prompts)
         self.generated = 0  # tokens, all prompts and choices
         self.closed = False
+        self.internal = False  # a prefill-only stream: no client-facing metrics, no request log line
         self._items: list[Update] = []
         self._ready = asyncio.Event()
 
@@ -119,6 +120,9 @@ class AsyncEngine:
         self.vocab_size = engine.model_config.vocab_size
         self.metrics = metrics            # rtp.serve.metrics.ServerMetrics or None
         self.stats: dict = engine.stats()  # replaced (never mutated) by the engine thread
+        # measured on the engine thread (exponential moving averages), for the FlexLB master's stats
+        self.prefill_tokens_per_ms = 0.0
+        self.decode_step_ms = 0.0
         self.num_unstarted = 0             # prompts submitted that have not produced a token yet
         self.dead: BaseException | None = None
         # called (on the engine thread) when the engine dies; the server exits when the engine is
@@ -178,21 +182,52 @@ class AsyncEngine:
             self._go.set()
             self._thread.join(timeout)
 
-    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
-        """Queue one engine request per prompt; their updates arrive on the returned Stream."""
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+               kv_sink=None) -> Stream:
+        """Queue one engine request per prompt; their updates arrive on the returned Stream.
+        With a kv_sink (one prompt): prefill only, its KV and first token go to the sink
+        (LLMEngine.add_request); such a stream feeds no client-facing metrics."""
         if self.dead is not None:
             raise EngineDead(f"the engine failed: {self.dead!r}")
         stream = Stream(self, request_id, prompts)
+        stream.internal = kv_sink is not None
         self.num_unstarted += len(prompts)
         for i, (engine_id, ids) in enumerate(zip(stream.engine_ids(), prompts)):
-            self._commands.put(("add", stream, i, engine_id, ids, params))
+            self._commands.put(("add", stream, i, engine_id, ids, params, kv_sink))
         return stream
+
+    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams):
+        """Decode node: reserve blocks for a prompt prefilled elsewhere (LLMEngine.reserve_request);
+        its block ids, or the engine's exception (MemoryError: too few free blocks now)."""
+        if self.dead is not None:
+            raise EngineDead(f"the engine failed: {self.dead!r}")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("reserve", done, request_id, prompt, params))
+        return await done
+
+    def resume(self, request_id: str, prompt: list[int], first_token: int, logprobs, num_cached_tokens: int,
+               params: SamplingParams) -> Stream:
+        """Decode node: continue a reserved request from its first token; its updates (that token's
+        first) arrive on the returned Stream, as for submit()."""
+        if self.dead is not None:
+            raise EngineDead(f"the engine failed: {self.dead!r}")
+        stream = Stream(self, request_id, [prompt])
+        stream.engine_ids = lambda: [request_id]  # the id it was reserved under
+        self.num_unstarted += 1
+        self._commands.put(("resume", stream, request_id, first_token, logprobs, num_cached_tokens, params))
+        return stream
+
+    def drop(self, request_id: str) -> None:
+        """Abort an engine request by its engine id, whatever state it is in (reserved included)."""
+        self._commands.put(("drop", request_id))
 
     def _close(self, stream: Stream) -> None:
         unstarted = sum(t is None for t in stream.first_token)
         self.num_unstarted -= unstarted
         if stream.unfinished:
             self._commands.put(("abort", stream.engine_ids()))
+            if stream.internal:
+                return  # its PD request logs and counts the abort
             if self.metrics is not None:
                 self.metrics.on_abort(stream)
             log.info("request %s aborted after %d generated tokens (client gone or server draining)",
@@ -203,22 +238,25 @@ class AsyncEngine:
         for stream, update in batch:
             if stream.closed:
                 continue  # the client left; its abort is already queued
+            metrics = None if stream.internal else self.metrics
             i = update.prompt
             if stream.first_token[i] is None:
                 stream.first_token[i] = now
                 self.num_unstarted -= 1
-                if self.metrics is not None and update.error is None:
-                    self.metrics.on_first_token(stream, i, now, step_started)
-            elif self.metrics is not None:
-                self.metrics.on_token(now - stream.last_token[i])
+                if metrics is not None and update.error is None:
+                    metrics.on_first_token(stream, i, now, step_started)
+            elif metrics is not None:
+                metrics.on_token(now - stream.last_token[i])
             stream.last_token[i] = now
             for choice in update.choices:
                 stream.generated += choice.num_tokens
-            if self.metrics is not None:
-                self.metrics.on_update(stream, update, now)
+            if metrics is not None:
+                metrics.on_update(stream, update, now)
             stream.put(update)
             if stream.unfinished == 0:
                 stream.closed = True
+                if stream.internal:
+                    continue
                 log.info("request %s finished: %d prompt + %d generated tokens in %.3f s (first token %.3f s)",
                          stream.request_id, sum(map(len, stream.prompts)), stream.generated,
                          now - stream.arrival, stream.first_token[0] - stream.arrival)
@@ -249,6 +287,13 @@ class AsyncEngine:
         for command in self._take_commands(block=idle):
             if command[0] == "add":
                 self._add(*command[1:])
+            elif command[0] == "reserve":
+                self._reserve(*command[1:])
+            elif command[0] == "resume":
+                self._resume(*command[1:])
+            elif command[0] == "drop":
+                self._live.pop(command[1], None)
+                self.engine.abort_request(command[1])
             elif command[0] == "abort":
                 for engine_id in command[1]:
                     if self._live.pop(engine_id, None) is not None:
@@ -260,7 +305,8 @@ class AsyncEngine:
                 return False
         if self.dead is None and self.engine.has_unfinished_requests():
             self._step()
-        self.stats = self.engine.stats()
+        self.stats = {**self.engine.stats(), "prefill_tokens_per_ms": self.prefill_tokens_per_ms,
+                      "decode_step_ms": self.decode_step_ms}
         return True
 
     def _take_commands(self, block: bool) -> list[tuple]:
@@ -271,14 +317,44 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
+    def _reserve(self, done: asyncio.Future, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        def settle(result=None, error=None):
+            if done.done():
+                return  # the caller gave up (cancelled): the engine request is dropped by its abort
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        try:
+            blocks = self.engine.reserve_request(request_id, prompt, params)
+        except Exception as e:  # MemoryError (full now) and ValueError (never) alike: this request alone
+            self._loop.call_soon_threadsafe(settle, None, e)
+            return
+        self._loop.call_soon_threadsafe(settle, blocks)
+
+    def _resume(self, stream: Stream, request_id: str, first_token: int, logprobs, num_cached_tokens: int,
+                params: SamplingParams) -> None:
+        try:
+            out = self.engine.resume_request(request_id, first_token, logprobs, num_cached_tokens)
+        except Exception as e:  # unknown, expired or a token that cannot continue it
+            self._post([(stream, Update(0, [], finished=True, error=e))], time.monotonic())
+            return
+        live = _Live(stream, 0, params)
+        self._live[request_id] = live
+        update = live.update(out)  # the first token now, not after the next step
+        if update.finished:
+            del self._live[request_id]
+        self._post([(stream, update)], time.monotonic())
+
     def _add(self, stream: Stream, prompt: int, engine_id: str, ids: list[int],
-             params: SamplingParams) -> None:
+             params: SamplingParams, kv_sink=None) -> None:
         if self.dead is not None:
             self._post([(stream, Update(prompt, [], finished=True, error=EngineDead(repr(self.dead))))],
                        time.monotonic())
             return
         try:
-            self.engine.add_request(engine_id, ids, params)
+            self.engine.add_request(engine_id, ids, params, kv_sink=kv_sink)
         except Exception as e:  # ValueError: the input; anything else: ours. Either way this request alone.
             self._post([(stream, Update(prompt, [], finished=True, error=e))], time.monotonic())
             return
@@ -288,6 +364,7 @@ class AsyncEngine:
         started = time.monotonic()
         try:
             outputs = self.engine.step()
+            self._measure(time.monotonic() - started)
         except Exception as e:
             # not attributable to one request (the engine isolates those), so nothing more can be
             # trusted to run: fail them all, and stay up to answer /health with the cause
@@ -310,6 +387,19 @@ class AsyncEngine:
                 del self._live[out.request_id]
         if batch:
             self._post(batch, started)
+
+    def _measure(self, seconds: float) -> None:
+        """Prefill speed (prompt tokens per ms of steps that had any) and decode step time
+        (decode-only steps), as moving averages: what the master divides queues by."""
+        plan = self.engine.scheduler.plan
+        prefill = plan.num_tokens - plan.num_decode_rows
+        ms = max(seconds * 1000.0, 1e-3)
+        if prefill > 0:
+            rate = prefill / ms
+            self.prefill_tokens_per_ms = rate if not self.prefill_tokens_per_ms else \
+                0.8 * self.prefill_tokens_per_ms + 0.2 * rate
+        elif plan.num_rows:
+            self.decode_step_ms = ms if not self.decode_step_ms else 0.8 * self.decode_step_ms + 0.2 * ms
 
     def _die(self, error: BaseException) -> None:
         self.dead = error

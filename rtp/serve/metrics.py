@@ -50,6 +50,15 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._success_by_reason = {reason: self._success.labels(model_name, reason)
                                    for reason in ("stop", "length", "abort", "error")}
+        # prefill/decode disaggregation (rtp/serve/pd.py)
+        self._pd_events = Counter("rtp:pd_events", "Disaggregation events: reserved, reserve_full, "
+                                  "reserve_refused, peer_unreachable, push_broken, lease_expired, decoding "
+                                  "(decode side); decoded, local, failed, aborted (prefill side, per request).",
+                                  ["model_name", "event"], registry=self.registry)
+        self.kv_bytes_sent = counter("pd_kv_sent_bytes", "KV bytes pushed to decode nodes.")
+        self.kv_bytes_received = counter("pd_kv_received_bytes", "KV bytes received from prefill nodes.")
+        self.kv_transfer = histogram("pd_kv_transfer_seconds", "One request's KV push, first layer out to the "
+                                     "decode node's acknowledgement (prefill side).", _LATENCY_BUCKETS)
         self.read_stats: Callable[[], dict] = dict  # set by whoever owns the engine
         self.registry.register(_EngineCollector(self))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and friends
@@ -77,6 +86,16 @@ class ServerMetrics:
             self.generation_tokens.inc(tokens)
         if update.finished:
             self.e2e.observe(now - stream.arrival)
+
+    def pd_event(self, event: str) -> None:
+        self._pd_events.labels(self.model_name, event).inc()
+
+    def on_kv_sent(self, nbytes: int, seconds: float) -> None:
+        self.kv_bytes_sent.inc(nbytes)
+        self.kv_transfer.observe(seconds)
+
+    def on_kv_received(self, nbytes: int) -> None:
+        self.kv_bytes_received.inc(nbytes)
 
     def on_abort(self, stream) -> None:
         self._success_by_reason["abort"].inc(stream.unfinished)
@@ -109,6 +128,10 @@ class _EngineCollector:
         # free = truly free + evictable (cached by the prefix cache, unreferenced): what can be allocated
         yield gauge("num_free_blocks", "KV blocks free to allocate, evictable cached ones included.",
                     s.get("free_blocks", 0) + s.get("evictable_blocks", 0))
+        yield gauge("num_used_blocks", "KV blocks held by requests (running, reserved or handed off).",
+                    s.get("used_blocks", 0))
+        yield gauge("num_requests_reserved", "Decode node: reservations whose KV has not all arrived.",
+                    s.get("num_reserved", 0))
         yield counter("num_preemptions", "Sequences preempted (recomputed) for want of KV blocks.",
                       s.get("num_preemptions", 0))
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

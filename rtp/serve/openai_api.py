@@ -32,6 +32,7 @@ from starlette.routing import Route
 from rtp.sampling_params import SamplingParams
 from rtp.serve.async_engine import AsyncEngine, EngineDead, Stream
 from rtp.serve.metrics import ServerMetrics
+from rtp.serve.pd import PDNode, PeerError
 from rtp.serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -75,6 +76,8 @@ def _engine_error(e: Exception) -> APIError:
         return APIError(400, str(e), _param_of(str(e)))
     if isinstance(e, EngineDead):
         return APIError(503, f"the engine is down: {e}")
+    if isinstance(e, PeerError):  # the decode node failed it: another pair may not (the master retries)
+        return APIError(503, str(e))
     return APIError(500, f"the request failed: {e!r}")
 
 
@@ -132,8 +135,10 @@ class _ClientGone(Exception):
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, *, model_names: list[str],
-                 api_key: str | None = None, max_body_bytes: int = 8 << 20, max_queue: int = 512):
+                 api_key: str | None = None, max_body_bytes: int = 8 << 20, max_queue: int = 512,
+                 pd: PDNode | None = None):
         self.engine = engine
+        self.pd = pd  # the RPC routes; on a prefill node, the relay through a decode node
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -154,6 +159,7 @@ class OpenAIServing:
             Route("/detokenize", api(self.detokenize), methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
+            *(self.pd.routes() if self.pd is not None else []),
         ]
 
     def _api(self, handler):
@@ -220,7 +226,7 @@ class OpenAIServing:
         params = self._params(body, body.max_tokens, body.logprobs)
         for ids in prompts:
             self._check_length(len(ids), body.max_tokens, "prompt")
-        stream = self._submit("cmpl", prompts, params)
+        stream = await self._start(request, "cmpl", prompts, params)
         echo = [t if t is not None else self.tokenizer.decode(p) for t, p in zip(texts, prompts)] \
             if body.echo else None
         render = CompletionRender(stream.request_id, model, self.tokenizer, prompts, params.n,
@@ -236,7 +242,7 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         self._check_length(len(ids), max_tokens, "messages")
-        stream = self._submit("chatcmpl", [ids], params)
+        stream = await self._start(request, "chatcmpl", [ids], params)
         render = ChatRender(stream.request_id, model, self.tokenizer, [ids], params.n,
                             top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         return await self._respond(request, body, stream, render)
@@ -313,12 +319,27 @@ class OpenAIServing:
                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                            f"{max_tokens} in the completion). Please reduce the length.", "max_tokens")
 
-    def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
+    async def _start(self, request: Request, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
+        """Run the request here, or on a prefill node through its decode node (rtp/serve/pd.py)."""
+        if self.pd is None or not self.pd.relays(len(prompts), params):
+            return self._submit(kind, prompts, params)
+        self._admit()
+        try:
+            peer = self.pd.peer_for(request.headers)
+            return await self.pd.start(f"{kind}-{uuid.uuid4().hex}", prompts[0], params, peer)
+        except PeerError as e:
+            log.warning("%s", e)
+            raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
+
+    def _admit(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         if self.engine.num_unstarted >= self.max_queue:
             raise APIError(503, f"the server is overloaded: {self.engine.num_unstarted} requests are "
                            f"waiting (limit {self.max_queue}); retry later", headers={"Retry-After": "1"})
+
+    def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
+        self._admit()
         try:
             return self.engine.submit(f"{kind}-{uuid.uuid4().hex}", prompts, params)
         except EngineDead as e:

@@ -33,6 +33,11 @@ class ServeOptions:
     max_body_bytes: int = 8 << 20
     max_queue: int = 512
     grace_period: float = 30.0
+    # prefill/decode disaggregation (rtp/serve/pd.py)
+    role: str = "collocated"          # collocated | prefill | decode
+    decode_peer: str | None = None    # prefill: the decode node to hand requests to
+    rpc_token: str | None = None      # shared secret of the /rpc routes
+    kv_lease: float = 10.0            # decode: seconds a reservation waits for its KV
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -40,15 +45,28 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     from rtp.serve.async_engine import AsyncEngine
     from rtp.serve.metrics import ServerMetrics
     from rtp.serve.openai_api import OpenAIServing
+    from rtp.serve.pd import ROLES, PDNode
 
+    if options.role not in ROLES:
+        raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {options.role!r}")
+    if options.role != "collocated" and config.tensor_parallel_size > 1:
+        raise ValueError("--role prefill/decode with --tp > 1 is not supported yet")
+    if options.decode_peer and options.role != "prefill":
+        raise ValueError("--decode-peer is for --role prefill")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call otherwise
     _check_bindable(options.host, options.port)  # fail now, not after loading the model
     names = options.served_model_names or [config.model or DEFAULT_MODEL_NAME]
     metrics = ServerMetrics(names[0])
     # loaded on the thread that steps it: one OpenMP pool (AsyncEngine.load says why)
     async_engine = AsyncEngine.load(lambda: LLMEngine(config), metrics)
     metrics.read_stats = lambda: async_engine.stats
+    pd = PDNode(async_engine, metrics, role=options.role, model_name=names[0], token=options.rpc_token,
+                decode_peer=options.decode_peer, lease_seconds=options.kv_lease)
+    if options.rpc_token is None and options.role != "collocated":
+        log.warning("the /rpc routes are open to anyone who can reach %s:%d: pass --rpc-token", options.host,
+                    options.port)
     serving = OpenAIServing(async_engine, metrics, model_names=names, api_key=options.api_key,
-                            max_body_bytes=options.max_body_bytes, max_queue=options.max_queue)
+                            max_body_bytes=options.max_body_bytes, max_queue=options.max_queue, pd=pd)
     asyncio.run(_run(serving, options))
     if async_engine.dead is not None and config.tensor_parallel_size > 1:
         log.error("exiting: a tensor-parallel rank failed (%r)", async_engine.dead)
@@ -79,6 +97,8 @@ async def _run(serving, options: ServeOptions) -> None:
         try:
             yield
         finally:
+            if serving.pd is not None:
+                await serving.pd.close()
             serving.engine.stop()
 
     config = Config()
@@ -120,7 +140,9 @@ async def _run(serving, options: ServeOptions) -> None:
         serving.engine.on_dead = rank_failed
         watch = asyncio.create_task(watch_followers())
     app = build_app(serving, lifespan)
-    log.info("serving %s on http://%s:%d", ", ".join(serving.model_names), options.host, options.port)
+    role = serving.pd.role if serving.pd is not None else "collocated"
+    log.info("serving %s on http://%s:%d (role %s%s)", ", ".join(serving.model_names), options.host, options.port,
+             role, f", decoding on {serving.pd.decode_peer}" if role == "prefill" and serving.pd.decode_peer else "")
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
     if watch is not None:
         watch.cancel()

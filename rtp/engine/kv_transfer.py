@@ -1,0 +1,133 @@
+"""A request's KV cache, out of one node's blocks and into another's.
+
+On the wire a layer's KV is token-major: [lead, num_tokens, *trail] in the cache's
+dtype (lead 2 for K and V, 1 for MLA's latent; trail the per-token heads and dims),
+so it does not depend on either node's block size. Gathering on the prefill node
+and scattering on the decode node through each node's own block ids is the layout
+conversion: nodes with different block sizes exchange KV without either knowing
+the other's.
+
+The prefill node gathers a layer as soon as that layer's attention has written it
+(`LayerTaps`, a forward hook per attention layer), so the transfer of layer l
+proceeds while layers l+1.. still compute, instead of after the whole forward.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Protocol
+
+import msgspec
+import numpy as np
+import torch
+
+# the name a dtype has on the wire (torch's own, without the "torch." prefix)
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16,
+                                                        torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """What a node's KV cache looks like, block size aside: both ends of a transfer must agree."""
+
+    dtype: str
+    layers: list[list[int]]  # per layer: [lead, *trail] (the cache's shape without blocks and block size)
+
+    def token_bytes(self, layer: int) -> int:
+        """Bytes one token of this layer takes on the wire."""
+        return int(np.prod(self.layers[layer])) * torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+
+    def mismatch(self, other: "KVLayout") -> str | None:
+        """Why KV in layout `other` cannot go into this one (None: it can)."""
+        if other.dtype != self.dtype:
+            return f"KV dtype {other.dtype} cannot go into a {self.dtype} cache (start both nodes with the same --dtype)"
+        if other.layers != self.layers:
+            return (f"KV of {len(other.layers)} layers shaped {other.layers[:1]} cannot go into a cache of "
+                    f"{len(self.layers)} layers shaped {self.layers[:1]} (not the same model)")
+        return None
+
+
+def layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
+    """Each cache is [lead, num_blocks, block_size, *trail] (rtp/engine/kv_cache.py)."""
+    return KVLayout(str(kv_caches[0].dtype).removeprefix("torch."),
+                    [[c.shape[0], *c.shape[3:]] for c in kv_caches])
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def token_slots(blocks: np.ndarray, block_size: int, num_tokens: int) -> torch.Tensor:
+    """The cache slot (block * block_size + offset) of each of the first num_tokens tokens."""
+    pos = np.arange(num_tokens, dtype=np.int64)
+    return torch.from_numpy(np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
+
+
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The KV of the tokens at `slots`, token-major and contiguous: [lead, len(slots), *trail]."""
+    return cache.flatten(1, 2).index_select(1, slots.to(cache.device))
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array of an integer type of the same item size (numpy has
+    no bfloat16): the bytes as they are, without a copy."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+
+
+def scatter(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor | bytes | bytearray | memoryview) -> None:
+    """Write token-major KV [lead, len(slots), *trail] (a tensor, or its raw bytes as they came
+    off the wire) into the cache at `slots`.
+
+    On a CPU this runs on the event loop's thread, so it copies with numpy: a torch op there
+    could open an OpenMP region, and a second thread's OpenMP pool slows every engine step
+    (rtp/serve/async_engine.py, AsyncEngine.load)."""
+    shape = (cache.shape[0], len(slots), *cache.shape[3:])
+    raw = isinstance(kv, (bytes, bytearray, memoryview))
+    if cache.device.type == "cpu":
+        flat = raw_view(cache.flatten(1, 2))
+        data = np.frombuffer(kv, dtype=flat.dtype) if raw else raw_view(kv.contiguous())
+        flat[:, slots.numpy()] = data.reshape(shape)
+        return
+    if raw:
+        kv = torch.frombuffer(kv, dtype=cache.dtype)
+    cache.flatten(1, 2).index_copy_(1, slots.to(cache.device), kv.to(cache.device).view(shape))
+
+
+class LayerTaps:
+    """Forward hooks on the attention layers that hand each layer's KV of chosen requests to
+    their sinks as soon as that layer has written it.
+
+    `arm(taps)` before a forward, `disarm()` after: a tap is (slots, sink) and the sink's
+    `put_layer(layer, kv)` gets a copy (the blocks may be reused once the step ends; the copy
+    is what crosses to the sending thread). The hooks cost one attribute test per layer
+    while nothing is armed. Installed only on nodes that prefill for others, so a compiled
+    decode graph elsewhere never sees them."""
+
+    def __init__(self, layers: list[torch.nn.Module], kv_caches: list[torch.Tensor]):
+        self.kv_caches = kv_caches
+        self.taps: list[tuple[torch.Tensor, KVSink]] = []
+        self.handles = [layer.register_forward_hook(partial(self._done, i)) for i, layer in enumerate(layers)]
+
+    def arm(self, taps: list[tuple[torch.Tensor, KVSink]]) -> None:
+        self.taps = taps
+
+    def disarm(self) -> None:
+        self.taps = []
+
+    def _done(self, layer: int, module, args, output) -> None:
+        if not self.taps:
+            return
+        cache = self.kv_caches[layer]
+        for slots, sink in self.taps:
+            sink.put_layer(layer, gather(cache, slots))
+
+
+class KVSink(Protocol):
+    """Where a prefill-only request's KV and first token go (the serving side implements it);
+    both methods are called on the engine thread and must not block."""
+
+    def put_layer(self, layer: int, kv: torch.Tensor) -> None: ...
+
+    def finish(self, token: int, logprobs: dict[int, float] | None, num_cached_tokens: int) -> None: ...

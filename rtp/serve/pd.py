@@ -1,0 +1,535 @@
+"""Prefill/decode disaggregation: the RPC routes of a node, and the prefill node's relay.
+
+One request, prefill node P and decode node D (both `rtp serve`, rpc.py for the wire):
+
+    client -> P  OpenAI route
+    P -> D       reserve      D holds blocks for the prompt under a lease (503 to the client if D
+                              is unreachable or refuses; P retries a full D for up to reserve_wait)
+    P            prefill      its prefix cache first; each layer's KV is copied out as soon as the
+                              layer has written it (kv_transfer.LayerTaps) ...
+    P -> D       push_kv      ... and streamed to D while later layers compute; D writes each layer
+                              into the reserved blocks as it arrives; every frame renews the lease
+    P            first token  sampled; P's blocks are free at once (the prompt stays in its cache)
+    P -> D       decode       first token + logprobs; D continues exactly there and streams deltas
+    D -> P -> client          relayed as they come (SSE or one JSON body)
+
+A first token that already ends the request (eos, a stop string, max_tokens 1) is answered
+by P itself, and D's reservation aborted. Faults: a push that breaks returns D's blocks at
+once (and the lease returns them when nothing arrives at all); a broken decode stream
+fails the client's request with 503; a client that leaves aborts on P and, through the
+abort RPC, on D.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from rtp.engine.kv_transfer import KVLayout, raw_view
+from rtp.sampling_params import SamplingParams
+from rtp.serve import rpc
+from rtp.serve.async_engine import AsyncEngine, ChoiceDelta, EngineDead, Stream, Update
+
+log = logging.getLogger("rtp.serve.pd")
+
+ROLES = ("collocated", "prefill", "decode")
+
+
+class PeerError(Exception):
+    """The decode node cannot take or finish this request; the client gets 503 (the master retries)."""
+
+
+class PDNode:
+    """What a node does for prefill/decode disaggregation, whatever its role: the RPC routes
+    (stats and abort everywhere; reserve, push_kv and decode on a decode node) and, on a
+    prefill node, the relay of OpenAI requests through a decode node."""
+
+    def __init__(self, engine: AsyncEngine, metrics, *, role: str = "collocated", model_name: str,
+                 token: str | None = None, decode_peer: str | None = None, lease_seconds: float = 10.0,
+                 reserve_wait: float = 10.0, decode_read_timeout: float = 120.0):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        self.engine = engine
+        self.metrics = metrics
+        self.role = role
+        self.model_name = model_name
+        self.token = token
+        self.decode_peer = decode_peer.rstrip("/") if decode_peer else None
+        self.lease_seconds = lease_seconds
+        self.reserve_wait = reserve_wait
+        self.decode_read_timeout = decode_read_timeout
+        self.layout: KVLayout = engine.engine.kv_layout()
+        self.block_size = engine.engine.scheduler.block_size
+        self._reservations: dict[str, _Reservation] = {}  # decode: by request id
+        self._relays: dict[str, Relay] = {}                # prefill: by request id
+        self._reaper: asyncio.Task | None = None
+        self._http: httpx.AsyncClient | None = None
+
+    # -- routes -------------------------------------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        rpc_route = self._rpc
+        return [
+            Route("/rpc/stats", rpc_route(self.rpc_stats, rpc.StatsRequest), methods=["POST"]),
+            Route("/rpc/reserve", rpc_route(self.rpc_reserve, rpc.ReserveRequest, decode_only=True),
+                  methods=["POST"]),
+            Route("/rpc/push_kv", rpc_route(self.rpc_push_kv, None, decode_only=True), methods=["POST"]),
+            Route("/rpc/decode", rpc_route(self.rpc_decode, rpc.DecodeRequest, decode_only=True),
+                  methods=["POST"]),
+            Route("/rpc/abort", rpc_route(self.rpc_abort, rpc.AbortRequest), methods=["POST"]),
+        ]
+
+    def _rpc(self, handler, kind: type | None, decode_only: bool = False):
+        """Token, then the body (kind None: the handler reads a frame stream itself); every
+        failure becomes an RPCError with its status, never an exception out of the route."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                if not rpc.authorized(self.token, request.headers.get(rpc.TOKEN_HEADER)):
+                    return _error(401, f"missing or wrong RPC token (send the {rpc.TOKEN_HEADER} header)")
+                if decode_only and self.role != "decode":
+                    return _error(409, f"this node's role is {self.role}, not decode")
+                if kind is None:
+                    return await handler(request)
+                body = await request.body()
+                if len(body) > rpc.MAX_HEADER_BYTES:
+                    return _error(413, f"an RPC body of {len(body)} bytes (limit {rpc.MAX_HEADER_BYTES})")
+                return await handler(request, rpc.decode(kind, body))
+            except rpc.BadRequest as e:
+                return _error(400, str(e))
+            except ClientDisconnect:
+                return Response(status_code=499)
+            except Exception as e:  # a bug in a handler: this request fails, the node stays up
+                log.exception("RPC %s failed", request.url.path)
+                return _error(500, f"internal error: {e!r}")
+
+        return endpoint
+
+    async def rpc_stats(self, request: Request, body: rpc.StatsRequest) -> Response:
+        return _reply(self.worker_stats())
+
+    def worker_stats(self) -> rpc.WorkerStats:
+        s = self.engine.stats
+        return rpc.WorkerStats(
+            role=self.role, model=self.model_name, block_size=self.block_size,
+            total_blocks=s.get("num_blocks", 0), free_blocks=s.get("free_blocks", 0) + s.get("evictable_blocks", 0),
+            used_blocks=s.get("used_blocks", 0), cached_blocks=s.get("cached_blocks", 0),
+            num_waiting=s.get("num_waiting", 0), num_running=s.get("num_running", 0) + s.get("num_ready", 0),
+            num_reserved=s.get("num_reserved", 0), queued_prompt_tokens=s.get("queued_prompt_tokens", 0),
+            prefill_tokens_per_ms=s.get("prefill_tokens_per_ms", 0.0),
+            decode_step_ms=s.get("decode_step_ms", 0.0), kv_cache_usage=s.get("kv_cache_usage", 0.0))
+
+    async def rpc_abort(self, request: Request, body: rpc.AbortRequest) -> Response:
+        found = False
+        r = self._reservations.pop(body.request_id, None)
+        if r is not None:
+            found = True
+            self._drop_reservation(r, "aborted by the prefill node")
+        relay = self._relays.get(body.request_id)
+        if relay is not None:
+            found = True
+            relay.close()
+        return _reply(rpc.AbortResponse(found=found))
+
+    # -- decode node -----------------------------------------------------------------------------
+
+    async def rpc_reserve(self, request: Request, body: rpc.ReserveRequest) -> Response:
+        why = self.layout.mismatch(body.kv_layout)
+        if why is not None:
+            return _error(400, why)
+        if body.request_id in self._reservations:
+            return _error(409, f"request {body.request_id} is already reserved here")
+        engine_id = _engine_id(body.request_id)
+        try:
+            blocks = await self.engine.reserve(engine_id, body.prompt_token_ids, body.params)
+        except MemoryError as e:
+            self.metrics.pd_event("reserve_full")
+            return _error(503, f"KV cache full: {e}")
+        except (ValueError, OverflowError) as e:
+            return _error(400, str(e))
+        except EngineDead as e:
+            return _error(503, str(e))
+        except asyncio.CancelledError:
+            self.engine.drop(engine_id)  # reserved after the caller left: nobody will push
+            raise
+        r = _Reservation(body.request_id, engine_id, body.prompt_token_ids, body.params, blocks,
+                         time.monotonic() + self.lease_seconds)
+        self._reservations[body.request_id] = r
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap())
+        self.metrics.pd_event("reserved")
+        return _reply(rpc.ReserveResponse(request_id=body.request_id, num_blocks=len(blocks),
+                                          block_size=self.block_size, lease_seconds=self.lease_seconds))
+
+    async def rpc_push_kv(self, request: Request) -> Response:
+        """Frames of one request's KV, written into its reserved blocks as each layer arrives."""
+        reader = rpc.FrameReader(request.stream())
+        r: _Reservation | None = None
+        nbytes = 0
+        try:
+            while (head := await reader.header(rpc.KVFrame)) is not None:
+                if r is None:
+                    r = self._reservations.get(head.request_id)
+                    if r is None or r.state != "reserved":
+                        return _error(404, f"request {head.request_id} has no reservation here "
+                                      f"(never made, expired or aborted)")
+                    r.state = "receiving"
+                elif head.request_id != r.request_id:
+                    raise rpc.BadRequest("one push_kv carries one request's KV")
+                expected = len(r.prompt) * self.layout.token_bytes(head.layer) \
+                    if 0 <= head.layer < len(self.layout.layers) else -1
+                if head.num_tokens != len(r.prompt) or head.nbytes != expected:
+                    raise rpc.BadRequest(f"layer {head.layer}: {head.num_tokens} tokens in {head.nbytes} bytes; "
+                                         f"expected {len(r.prompt)} tokens in {expected} bytes")
+                payload = await reader.read(head.nbytes)
+                if r.state != "receiving":  # expired or aborted while the bytes came: the blocks are gone
+                    return _error(410, f"request {r.request_id}'s reservation ended during the transfer")
+                self.engine.engine.write_kv(head.layer, r.blocks, head.num_tokens, payload)
+                r.layers.add(head.layer)
+                r.deadline = time.monotonic() + self.lease_seconds
+                nbytes += head.nbytes
+        except (ClientDisconnect, EOFError) as e:
+            if r is not None and self._reservations.get(r.request_id) is r:
+                del self._reservations[r.request_id]
+                self._drop_reservation(r, f"the KV transfer broke off ({e or type(e).__name__})")
+            self.metrics.pd_event("push_broken")
+            return Response(status_code=499)
+        except rpc.BadRequest:
+            if r is not None and self._reservations.pop(r.request_id, None) is r:
+                self._drop_reservation(r, "a malformed KV frame")
+            raise
+        if r is None:
+            raise rpc.BadRequest("push_kv carried no KV frame")
+        if len(r.layers) != len(self.layout.layers):
+            missing = len(self.layout.layers) - len(r.layers)
+            if self._reservations.pop(r.request_id, None) is r:
+                self._drop_reservation(r, f"the KV transfer lacked {missing} layers")
+            raise rpc.BadRequest(f"request {r.request_id}: {missing} layers of KV missing")
+        r.state = "ready"
+        self.metrics.on_kv_received(nbytes)
+        return _reply(rpc.PushResponse(request_id=r.request_id, layers=len(r.layers)))
+
+    async def rpc_decode(self, request: Request, body: rpc.DecodeRequest) -> Response:
+        r = self._reservations.get(body.request_id)
+        if r is None:
+            return _error(404, f"request {body.request_id} has no reservation here (never made, expired or aborted)")
+        if r.state != "ready":
+            return _error(409, f"request {body.request_id}'s KV has not all arrived "
+                          f"({len(r.layers)} of {len(self.layout.layers)} layers)")
+        del self._reservations[body.request_id]
+        try:
+            stream = self.engine.resume(r.engine_id, r.prompt, body.first_token, body.logprobs,
+                                        body.num_cached_tokens, r.params)
+        except EngineDead as e:
+            self.engine.drop(r.engine_id)
+            return _error(503, str(e))
+        self.metrics.pd_event("decoding")
+        return _FrameStream(self._deltas(stream), on_close=stream.close)
+
+    async def _deltas(self, stream: Stream):
+        async for updates in stream:
+            frames = []
+            for update in updates:
+                if update.error is not None:
+                    e = update.error
+                    status = 400 if isinstance(e, (ValueError, KeyError)) else 503 if isinstance(e, EngineDead) else 500
+                    frames.append(rpc.frame(rpc.DecodeDelta(error=f"{type(e).__name__}: {e}", error_status=status)))
+                    break
+                for c in update.choices:
+                    frames.append(rpc.frame(rpc.DecodeDelta(
+                        text=c.text, num_tokens=c.num_tokens, logprobs=c.logprobs, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason, num_cached_tokens=update.num_cached_tokens)))
+            if frames:
+                yield b"".join(frames)
+
+    def _drop_reservation(self, r: "_Reservation", why: str) -> None:
+        r.state = "dropped"
+        self.engine.drop(r.engine_id)
+        log.info("reservation %s dropped: %s (%d blocks back to the pool)", r.request_id, why, len(r.blocks))
+
+    async def _reap(self) -> None:
+        """Expire leases: a reservation nothing renewed for lease_seconds returns its blocks."""
+        while self._reservations:
+            await asyncio.sleep(min(0.25, self.lease_seconds / 4))
+            now = time.monotonic()
+            for r in [r for r in self._reservations.values() if r.deadline < now]:
+                del self._reservations[r.request_id]
+                self.metrics.pd_event("lease_expired")
+                self._drop_reservation(r, f"its lease of {self.lease_seconds:g} s expired "
+                                       f"({len(r.layers)} of {len(self.layout.layers)} layers arrived)")
+
+    # -- prefill node ----------------------------------------------------------------------------
+
+    def relays(self, num_prompts: int, params: SamplingParams) -> bool:
+        """Whether an OpenAI request on this node goes through a decode node: on a prefill node, one
+        prompt and one choice (others run here, as on a collocated node)."""
+        return self.role == "prefill" and num_prompts == 1 and params.n == 1
+
+    def peer_for(self, headers) -> str:
+        """The decode node for a request: the master's pick (header, with the RPC token) or --decode-peer."""
+        named = headers.get(rpc.PEER_HEADER)
+        if named:
+            if not rpc.authorized(self.token, headers.get(rpc.TOKEN_HEADER)) or self.token is None:
+                raise PeerError(f"{rpc.PEER_HEADER} is honoured only with the RPC token "
+                                f"(and on a node started with --rpc-token)")
+            return named.rstrip("/")
+        if self.decode_peer is None:
+            raise PeerError("this prefill node has no decode node for the request "
+                            f"(start it with --decode-peer URL, or route through the master)")
+        return self.decode_peer
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            # generous pool: one connection per request in flight; timeouts per call below
+            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+                                           headers={rpc.TOKEN_HEADER: self.token} if self.token else {})
+        return self._http
+
+    async def start(self, request_id: str, prompt: list[int], params: SamplingParams, peer: str) -> "Relay":
+        """Reserve on the decode node (PeerError when it cannot), then run the request through it."""
+        body = rpc.encode(rpc.ReserveRequest(version=rpc.RPC_VERSION, request_id=request_id,
+                                             prompt_token_ids=prompt, params=params, kv_layout=self.layout))
+        deadline = time.monotonic() + self.reserve_wait
+        pause = 0.02
+        try:
+            while True:
+                status, reply = await self._call(peer, "/rpc/reserve", body, rpc.ReserveResponse, timeout=10.0)
+                if status != 503 or "KV cache full" not in reply.message or time.monotonic() + pause > deadline:
+                    break
+                await asyncio.sleep(pause)  # full now: blocks come back as requests finish
+                pause = min(pause * 2, 0.2)
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self._abort_peer(peer, request_id))
+            raise
+        if status != 200:
+            self.metrics.pd_event("reserve_refused")
+            raise PeerError(f"the decode node {peer} refused the request ({status}): {reply.message}")
+        relay = Relay(self, request_id, prompt, params, peer)
+        self._relays[request_id] = relay
+        relay.task = asyncio.create_task(relay.run())
+        return relay
+
+    async def _call(self, peer: str, path: str, body: bytes, kind: type, timeout: float):
+        """One unary RPC: (status, reply or RPCError); PeerError when the peer cannot be reached."""
+        try:
+            response = await self._client().post(peer + path, content=body, timeout=timeout,
+                                                 headers={"content-type": rpc.CONTENT_TYPE})
+        except httpx.HTTPError as e:
+            self.metrics.pd_event("peer_unreachable")
+            raise PeerError(f"the decode node {peer} is unreachable: {type(e).__name__}: {e}") from None
+        try:
+            if response.status_code == 200:
+                return 200, rpc.decode(kind, response.content)
+            return response.status_code, rpc.decode(rpc.RPCError, response.content)
+        except rpc.BadRequest as e:
+            raise PeerError(f"the decode node {peer} answered {response.status_code} with an unreadable body: {e}")
+
+    async def _abort_peer(self, peer: str, request_id: str) -> None:
+        body = rpc.encode(rpc.AbortRequest(version=rpc.RPC_VERSION, request_id=request_id))
+        try:
+            await self._call(peer, "/rpc/abort", body, rpc.AbortResponse, timeout=5.0)
+        except PeerError as e:  # its lease returns the blocks anyway
+            log.warning("abort of %s on %s failed: %s", request_id, peer, e)
+
+    async def close(self) -> None:
+        for relay in list(self._relays.values()):
+            relay.close()
+        if self._http is not None:
+            await self._http.aclose()
+
+
+def _engine_id(request_id: str) -> str:
+    return f"pd-{request_id}"
+
+
+@dataclass
+class _Reservation:
+    request_id: str
+    engine_id: str
+    prompt: list[int]
+    params: SamplingParams
+    blocks: np.ndarray
+    deadline: float
+    state: str = "reserved"  # reserved -> receiving -> ready (decode takes it); dropped
+    layers: set[int] = field(default_factory=set)
+
+
+class _Sink:
+    """The engine thread's end of a prefill-only request (kv_transfer.KVSink): layers and the
+    first token cross to the event loop as queue items."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.first: tuple[int, dict[int, float] | None, int] | None = None
+
+    def put_layer(self, layer: int, kv) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (layer, kv))
+
+    def finish(self, token: int, logprobs, num_cached_tokens: int) -> None:
+        self.first = (token, logprobs, num_cached_tokens)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+
+class Relay(Stream):
+    """A prefill node's client-facing stream of one request decoded elsewhere: the OpenAI layer
+    reads it as it reads a local Stream. Its updates come from the decode node (or from the local
+    engine when the first token already ends the request)."""
+
+    def __init__(self, node: PDNode, request_id: str, prompt: list[int], params: SamplingParams, peer: str):
+        super().__init__(node.engine, request_id, [prompt])
+        self.node = node
+        self.params = params
+        self.peer = peer
+        self.task: asyncio.Task | None = None
+        self.decode_started = False
+        node.engine.num_unstarted += 1  # as submit() counts a prompt until its first token
+
+    async def run(self) -> None:
+        node, engine = self.node, self.node.engine
+        outcome = "failed"
+        try:
+            outcome = await self._run()
+        except asyncio.CancelledError:
+            outcome = "aborted"
+        except Exception as e:
+            error = e if isinstance(e, PeerError) else PeerError(f"the disaggregated request failed: {e!r}")
+            if not isinstance(e, PeerError):
+                log.exception("relay %s failed", self.request_id)
+            self._fail(error)
+        finally:
+            node._relays.pop(self.request_id, None)
+            node.metrics.pd_event(outcome)
+            if outcome != "decoded":
+                engine._commands.put(("abort", self.engine_ids()))  # a no-op once it left the engine
+                if outcome != "local":
+                    await asyncio.shield(node._abort_peer(self.peer, self.request_id))
+                else:
+                    asyncio.ensure_future(node._abort_peer(self.peer, self.request_id))
+
+    def _fail(self, error: Exception) -> None:
+        if not self.closed:
+            self.engine._deliver([(self, Update(0, [], finished=True, error=error))], time.monotonic())
+
+    async def _run(self) -> str:
+        node, engine = self.node, self.node.engine
+        sink = _Sink(asyncio.get_running_loop())
+        local = engine.submit(self.request_id, self.prompts, self.params, kv_sink=sink)
+        push = asyncio.create_task(self._push(sink))
+        try:
+            updates = [u async for batch in local for u in batch]
+        finally:
+            local.close()
+        last = updates[-1] if updates else None
+        remote = (last is not None and last.error is None and last.choices
+                  and last.choices[-1].finish_reason == "remote" and sink.first is not None)
+        if not remote:
+            push.cancel()
+            for update in updates:  # the local answer (an error, or a first token that ended it)
+                if update.error is not None:
+                    self._fail(update.error)
+                    return "failed"
+                self.engine._deliver([(self, update)], time.monotonic())
+            return "local"
+        pushed = await push
+        token, logprobs, cached = sink.first
+        body = rpc.encode(rpc.DecodeRequest(version=rpc.RPC_VERSION, request_id=self.request_id, first_token=token,
+                                            logprobs=logprobs, num_cached_tokens=cached))
+        self.decode_started = True
+        timeout = httpx.Timeout(10.0, read=node.decode_read_timeout)
+        try:
+            async with node._client().stream("POST", self.peer + "/rpc/decode", content=body, timeout=timeout,
+                                             headers={"content-type": rpc.CONTENT_TYPE}) as response:
+                if response.status_code != 200:
+                    reply = rpc.decode(rpc.RPCError, await response.aread())
+                    raise PeerError(f"the decode node {self.peer} refused to decode ({response.status_code}): "
+                                    f"{reply.message}")
+                reader = rpc.FrameReader(response.aiter_bytes())
+                while (delta := await reader.header(rpc.DecodeDelta)) is not None:
+                    if delta.error is not None:
+                        raise PeerError(f"the decode node {self.peer} failed the request: {delta.error}")
+                    choice = ChoiceDelta(0, delta.text, delta.num_tokens, delta.logprobs, delta.finish_reason,
+                                         delta.stop_reason)
+                    self.engine._deliver([(self, Update(0, [choice], cached, delta.finish_reason is not None))],
+                                         time.monotonic())
+                    if delta.finish_reason is not None:
+                        log.debug("relay %s: %d KV bytes pushed", self.request_id, pushed)
+                        return "decoded"
+        except (httpx.HTTPError, EOFError, rpc.BadRequest) as e:
+            raise PeerError(f"the decode node {self.peer} broke off the stream: {type(e).__name__}: {e}") from None
+        raise PeerError(f"the decode node {self.peer} ended the stream before the request finished")
+
+    async def _push(self, sink: _Sink) -> int:
+        """Stream the KV layers to the decode node as the engine hands them over; returns the bytes sent."""
+        node = self.node
+        sent = 0
+        started = None
+
+        async def frames():
+            nonlocal sent, started
+            while (item := await sink.queue.get()) is not None:
+                layer, kv = item
+                started = started or time.monotonic()
+                payload = raw_view(kv).reshape(-1).view(np.uint8)
+                yield rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id, layer=layer,
+                                            num_tokens=kv.shape[1], nbytes=payload.nbytes))
+                yield payload.data
+                sent += payload.nbytes
+
+        timeout = httpx.Timeout(30.0, read=60.0)
+        try:
+            response = await node._client().post(self.peer + "/rpc/push_kv", content=frames(), timeout=timeout,
+                                                  headers={"content-type": rpc.CONTENT_TYPE})
+        except httpx.HTTPError as e:
+            raise PeerError(f"the KV transfer to {self.peer} failed: {type(e).__name__}: {e}") from None
+        if response.status_code != 200:
+            try:
+                message = rpc.decode(rpc.RPCError, response.content).message
+            except rpc.BadRequest:
+                message = response.text[:200]
+            raise PeerError(f"the decode node {self.peer} rejected the KV ({response.status_code}): {message}")
+        node.metrics.on_kv_sent(sent, time.monotonic() - (started or time.monotonic()))
+        return sent
+
+    def close(self) -> None:
+        """The client left (or the request ended): abort wherever the request is now."""
+        if self.closed:
+            return
+        super().close()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class _FrameStream(StreamingResponse):
+    """A streamed msgpack response that runs on_close however it ends (as openai_api.EventStream)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type=rpc.CONTENT_TYPE)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _reply(message) -> Response:
+    return Response(rpc.encode(message), media_type=rpc.CONTENT_TYPE)
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(rpc.encode(rpc.RPCError(status=status, message=message)), status, media_type=rpc.CONTENT_TYPE)
+
+
+def new_request_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
