@@ -34,12 +34,7 @@ import msgspec
 import torch
 
 from rtp.config import ModelConfig
-from rtp.engine.checkpoint import (
-    CheckpointError,
-    TensorRecord,
-    open_checkpoint,
-    stream_tensors,
-)
+from rtp.engine.checkpoint import CheckpointError, TensorRecord, open_checkpoint, stream_tensors
 from rtp.engine.prefault import Prefault
 from rtp.models import model_class
 
