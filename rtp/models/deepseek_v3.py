@@ -190,7 +190,8 @@ class DeepseekV3MoE(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate = DeepseekV3Router(config)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                num_slots=config.num_experts + config.num_redundant_experts)
         shared = config.raw.get("n_shared_experts") or 0
         self.shared_experts = LlamaMLP(config, config.moe_intermediate_size * shared) if shared else None
 
