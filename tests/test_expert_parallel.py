@@ -74,8 +74,10 @@ def _layer_rank(rank: int, init: str) -> dict:
                 x, weights, ids = routed(tokens, hidden=128, seed=tokens + placement_round)
                 ids[:, 0] = torch.where(ids[:, 0] % 3 == 0, 1, ids[:, 0])  # expert 1 hot: worth replicating
                 want = full(x, weights, ids)
-                for chunks, overlap in ((1, False), (2, False), (2, True), (4, True)):
-                    exchange.chunks, exchange.overlap, exchange.min_chunk_tokens = chunks, overlap, 4
+                for chunks, overlap, split in ((1, False, "experts"), (2, True, "experts"), (2, True, "tokens"),
+                                               (4, True, "tokens")):
+                    exchange.chunks, exchange.overlap, exchange.split = chunks, overlap, split
+                    exchange.min_chunk_tokens = 4
                     got = layer(x, weights, ids)
                     report["worst"] = max(report["worst"], (got - want).abs().max().item())
                     report["cases"] += 1
@@ -96,8 +98,9 @@ def _layer_rank(rank: int, init: str) -> dict:
 
 def test_ep2_layer_matches_one_rank_with_replicas_moves_and_overlap(tmp_path):
     """Replicas of a hot expert on both ranks, weights moved between ranks by place(), 1-97
-    tokens (ranks with no token of their own), 1, 2 and 4 micro-chunks with and without
-    overlap: always the single-process output (fp32, 1e-5); the load counter is global."""
+    tokens (ranks with no token of their own), one synchronous exchange or 2 and 4 overlapped
+    micro-chunks split by expert or by token: always the single-process output (fp32, 1e-5);
+    the load counter is global."""
     reports = run_ranks(_layer_rank, tmp_path=tmp_path)
     for report in reports:
         assert report["cases"] == 3 * 4 * 4 and report["moved"]
@@ -113,18 +116,20 @@ def _overlap_rank(rank: int, init: str) -> list:
     x, weights, ids = routed(256, hidden=128, seed=7)
     outs = []
     with torch.no_grad():
-        for chunks, overlap in ((1, False), (4, True), (4, False)):
-            layer.exchange.chunks, layer.exchange.overlap = chunks, overlap
+        for chunks, overlap, split in ((1, False, "experts"), (4, True, "experts"), (4, True, "tokens"),
+                                       (4, False, "tokens")):
+            layer.exchange.chunks, layer.exchange.overlap, layer.exchange.split = chunks, overlap, split
             assert layer.exchange.num_chunks(256) == (chunks if overlap else 1)
             outs.append(layer(x, weights, ids))
     return [(outs[0] - o).abs().max().item() for o in outs[1:]]
 
 
 def test_overlap_on_equals_overlap_off(tmp_path):
-    """4 overlapped micro-chunks give the output of one synchronous exchange (padded groups:
-    bit for bit), on both ranks."""
+    """4 overlapped micro-chunks, split by expert or by token, give the output of one
+    synchronous exchange bit for bit (an expert's rows stay one group, or its groups are
+    padded to REPRODUCIBLE_GROUP_ROWS), on both ranks."""
     for diffs in run_ranks(_overlap_rank, tmp_path=tmp_path):
-        assert diffs == [0.0, 0.0], diffs
+        assert diffs == [0.0, 0.0, 0.0], diffs
 
 
 # -- whole models ------------------------------------------------------------------------

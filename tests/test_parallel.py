@@ -26,7 +26,7 @@ from test_models import (
 )
 
 import rtp.distributed as dist
-from rtp.engine.loader import load_model
+from rtp.engine.loader import LoadOptions, load_model
 
 
 def _rank(rank: int, size: int, init: str, path, prompts, refs, results) -> None:
@@ -184,3 +184,57 @@ def test_serve_tp2_sigterm_stops_the_followers_and_exits_0(tmp_path):
         assert _state(followers[0]) in (None, "Z")  # gone (or a zombie the server never reaped)
     finally:
         server.stop()
+
+
+def _zero_tensor_data(path: Path) -> None:
+    """Keep a safetensors file's header, zero every tensor's bytes."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[start:] = bytes(len(data) - start)
+    path.write_bytes(bytes(data))
+
+
+def _load_rank(rank: int, size: int, init: str, paths, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        full = load_model(paths[0], torch.float32, torch.device("cpu"))[0].state_dict()  # one rank: the whole model
+        dist.init_tensor_parallel(size, rank, backend="gloo", init_method=init, timeout_s=60)
+        # rank 1's copy of the checkpoint has all-zero data: only rank 0's reads may reach the weights
+        shared = load_model(paths[rank], torch.float32, torch.device("cpu"))[0].state_dict()
+        own = load_model(paths[0], torch.float32, torch.device("cpu"), LoadOptions(broadcast=False))[0].state_dict()
+        same = sorted(shared) == sorted(own) and all(torch.equal(shared[n], own[n]) for n in own)
+        vocab = full["model.embed_tokens.weight"].shape[0] // size
+        o_in = full["model.layers.0.self_attn.o_proj.weight"].shape[1] // size
+        shards = (torch.equal(shared["model.embed_tokens.weight"], full["model.embed_tokens.weight"][rank * vocab:][:vocab])
+                  and torch.equal(shared["model.layers.0.self_attn.o_proj.weight"],
+                                  full["model.layers.0.self_attn.o_proj.weight"][:, rank * o_in:][:, :o_in])
+                  and torch.equal(shared["model.norm.weight"], full["model.norm.weight"]))
+        results.put((rank, (same, shards), None))
+    except Exception:  # noqa: BLE001 - any failure goes back to the test, with its traceback
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        dist.destroy_tensor_parallel()
+
+
+def test_tp2_loading_reads_once_and_broadcasts_each_rank_its_shard(tmp_path):
+    """With two ranks rank 0 reads the checkpoint and broadcasts every tensor: rank 1, given a
+    copy whose tensor bytes are all zero, still ends up with exactly the shards it would have
+    read itself from the real file, and each shard equals its slice of the tp=1 weights."""
+    import shutil
+
+    path, _ = make_checkpoint("llama", tmp_path / "ckpt")
+    zeroed = tmp_path / "zeroed"
+    shutil.copytree(path, zeroed)
+    _zero_tensor_data(zeroed / "model.safetensors")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init = f"file://{tmp_path}/rendezvous"
+    procs = [ctx.Process(target=_load_rank, args=(r, 2, init, [path, zeroed], results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = sorted(results.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    errors = [err for *_, err in out if err]
+    assert not errors, errors[0]
+    assert [value for _, value, _ in out] == [(True, True), (True, True)]

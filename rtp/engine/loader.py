@@ -34,6 +34,7 @@ import msgspec
 import torch
 
 from rtp.config import ModelConfig
+from rtp.distributed import world_rank, world_size
 from rtp.engine.checkpoint import CheckpointError, TensorRecord, open_checkpoint, stream_tensors
 from rtp.engine.prefault import Prefault
 from rtp.models import model_class
@@ -48,11 +49,13 @@ log = logging.getLogger("rtp.loader")
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to read: the reader's chunk size (None: 32 MiB) and O_DIRECT (None: unless the file
-    looks cached; True or False forces it, though a filesystem that refuses it still gets buffered reads)."""
+    """How to read: the reader's chunk size (None: 32 MiB), O_DIRECT (None: unless the file
+    looks cached; True or False forces it, though a filesystem that refuses it still gets buffered
+    reads), and whether rank 0 reads for every rank and broadcasts (None: with more than one rank)."""
 
     chunk_bytes: int | None = None
     direct: bool | None = None
+    broadcast: bool | None = None
 
 
 def check_against_model(model_cls, config: ModelConfig, records: Sequence[TensorRecord],
@@ -97,23 +100,51 @@ def _checkpoint_name(model: torch.nn.Module, target: str) -> str:
 def checkpoint_tensors(records: Sequence[TensorRecord], device: torch.device,
                        options: LoadOptions, progress: Callable[[int], None] | None = None
                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor on `device`) for every record, in file order. The seam for tensor parallelism.
+    """(name, tensor on `device`) for every record, in file order.
 
-    Today every process reads the whole checkpoint itself. With tensor parallelism
-    (DESIGN.md, "Loading") only this function changes: one rank per node runs the
-    reader and broadcasts each tensor over torch.distributed, in this same order; the
-    other ranks know every name, shape and dtype from the records they built from the
-    headers, receive into a buffer of that shape, and yield it. Each rank's weight
-    loaders then keep their own shard (rtp/models/layers.py), so nothing above changes.
+    With more than one rank (tensor or expert parallelism, DESIGN.md "Loading") only
+    rank 0 runs the reader and broadcasts each tensor over torch.distributed, in this
+    same order; the other ranks know every name, shape and dtype from the records they
+    built from the headers, receive into a buffer of that shape, and yield it. Each
+    rank's weight loaders then keep their own shard (rtp/models/layers.py, moe.py), so
+    nothing above changes, and the disk is read once rather than once per rank.
 
     On CUDA each tensor leaves the reader's pinned buffer with a non-blocking copy; the
     reader refills a buffer only after the copies out of it have run.
     """
+    if options.broadcast if options.broadcast is not None else world_size() > 1:
+        yield from _broadcast_tensors(records, device, options, progress)
+        return
     cuda = device.type == "cuda"
     with contextlib.closing(stream_tensors(records, chunk_bytes=options.chunk_bytes, direct=options.direct,
                                            device=device, progress=progress)) as stream:
         for record, tensor in stream:
             yield record.name, tensor.to(device, non_blocking=True) if cuda else tensor
+
+
+def _broadcast_tensors(records: Sequence[TensorRecord], device: torch.device, options: LoadOptions,
+                       progress: Callable[[int], None] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """checkpoint_tensors with rank 0 reading and every tensor broadcast (as bytes: any dtype
+    the backend can move) to the others. A rank that fails leaves the others in a broadcast
+    until the collective timeout."""
+    import torch.distributed as dist
+
+    # NCCL moves device tensors only; gloo CPU ones
+    where = device if device.type == "cuda" else torch.device("cpu")
+    if world_rank() == 0:
+        with contextlib.closing(stream_tensors(records, chunk_bytes=options.chunk_bytes, direct=options.direct,
+                                               device=device, progress=progress)) as stream:
+            for record, tensor in stream:
+                tensor = tensor.to(where, non_blocking=True).contiguous()
+                dist.broadcast(tensor.reshape(-1).view(torch.uint8), 0)
+                yield record.name, tensor
+        return
+    for record in records:
+        tensor = torch.empty(record.shape, dtype=record.dtype, device=where)
+        dist.broadcast(tensor.reshape(-1).view(torch.uint8), 0)
+        if progress is not None:
+            progress(record.nbytes)
+        yield record.name, tensor
 
 
 class ProgressBar:

@@ -90,31 +90,48 @@ class AllToAllExchange:
 
     | step     | what                                                                     |
     |----------|--------------------------------------------------------------------------|
+    | chunk    | its pairs split into micro-chunks (`split`, below)                       |
     | counts   | one all-to-all of pair counts per (chunk, destination slot): the only    |
     |          | host sync, it sizes every later exchange                                 |
-    | dispatch | per micro-chunk, its pairs sorted by global slot (so by destination rank |
-    |          | and local slot): token rows out, pair rows in, all_to_all_single         |
+    | dispatch | per chunk, its pairs sorted by global slot (so by destination rank and   |
+    |          | local slot): token rows out, pair rows in, all_to_all_single             |
     | compute  | received rows laid out slot-major (from the counts alone), grouped GEMMs |
-    | combine  | result rows back over the reverse all_to_all_single; weighted sum over k |
+    | combine  | result rows back over the reverse all_to_all_single, into pair order     |
+    | reduce   | weighted sum over k (in k order, fp32) once every chunk is back          |
     | gather   | the ranks' token slices all-gathered: every rank has the layer's output  |
 
     With `overlap`, chunk m+1's dispatch and chunk m-1's combine run (async_op: gloo's
-    worker threads on the CPU, NCCL's stream on CUDA) while chunk m's GEMMs compute; the
-    chunk count is the same on every rank (a function of T), as the collectives must be.
-    Without it each exchange is waited on at once. `stall_s` accumulates the seconds this
-    rank spent waiting on the exchange (counts, waits, gather) while `timing` is set.
+    worker threads on the CPU, NCCL's stream on CUDA) while chunk m's GEMMs compute.
+    `split` says what a chunk is:
+
+      "experts"  the pairs bound for local slots [m * L/M, (m + 1) * L/M) of each rank:
+                 every expert's weights are read once per layer, as without chunks, and
+                 its rows stay one group (the output is bit for bit the unchunked one)
+      "tokens"   the pairs of tokens [m * T_r/M, (m + 1) * T_r/M), DeepEP's micro-batches:
+                 each chunk reads every hot expert's weights again, which costs more than
+                 the overlap saves where expert GEMMs are bound by weight bandwidth (a CPU
+                 at these token counts: tools/bench_parallel.py)
+
+    The chunk count is the same on every rank (a function of T), as the collectives must
+    be. Without overlap each exchange is waited on at once. `stall_s` accumulates the
+    seconds this rank spent waiting on the exchange (counts, waits, gather) while `timing`
+    is set.
     """
 
-    def __init__(self, chunks: int = 2, min_chunk_tokens: int = 16, overlap: bool = True):
+    def __init__(self, chunks: int = 2, min_chunk_tokens: int = 16, overlap: bool = True, split: str = "experts"):
+        if split not in ("experts", "tokens"):
+            raise ValueError(f"split is experts or tokens, not {split!r}")
         self.chunks = chunks
         self.min_chunk_tokens = min_chunk_tokens
         self.overlap = overlap
+        self.split = split
         self.timing = False
         self.stall_s = 0.0
 
     def num_chunks(self, tokens: int) -> int:
-        """Micro-chunks for a layer of `tokens` tokens: 1 unless each rank's chunk keeps at
-        least min_chunk_tokens (below that the per-exchange overhead outweighs the overlap)."""
+        """Micro-chunks for a layer of `tokens` tokens: 1 unless each rank's share keeps at
+        least min_chunk_tokens per chunk (below that the per-exchange overhead outweighs the
+        overlap)."""
         if not self.overlap:
             return 1
         return max(1, min(self.chunks, tokens // (ep_size() * self.min_chunk_tokens)))
@@ -125,8 +142,11 @@ class AllToAllExchange:
         per_rank = -(-tokens // ep_size())
         lo = min(tokens, ep_rank() * per_rank)
         hi = min(tokens, lo + per_rank)
+        chunks = min(self.num_chunks(tokens), experts.local_slots)
+        y = self._exchange(experts, x[lo:hi], slots[lo:hi], chunks)
         out = torch.zeros(per_rank, x.shape[1], dtype=torch.float32, device=x.device)
-        self._exchange(experts, x[lo:hi], slots[lo:hi], weights[lo:hi], out, self.num_chunks(tokens))
+        if hi > lo:
+            out[:hi - lo] = _weighted_sum(y, weights[lo:hi])
         start = time.perf_counter()
         gathered = ep_all_gather(out)[:tokens]
         self._stalled(start)
@@ -142,15 +162,19 @@ class AllToAllExchange:
             work.wait()
             self._stalled(start)
 
-    def _exchange(self, experts: GroupedExperts, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                  out: torch.Tensor, chunks: int) -> None:
+    def _exchange(self, experts: GroupedExperts, x: torch.Tensor, slots: torch.Tensor, chunks: int) -> torch.Tensor:
+        """This rank's pairs through the experts of every rank -> [pairs, hidden], pair order."""
         ranks, local = ep_size(), experts.local_slots
-        k = slots.shape[1]
-        bounds = [len(x) * c // chunks for c in range(chunks + 1)]
-        # pairs per (chunk, global slot) -> per destination rank: [ranks, chunks, local]
-        send_counts = torch.stack([
-            torch.bincount(slots[a:b].reshape(-1), minlength=ranks * local) for a, b in itertools.pairwise(bounds)])
-        send_counts = send_counts.view(chunks, ranks, local).transpose(0, 1).contiguous()
+        tokens, k = slots.shape
+        flat = slots.reshape(-1)
+        if self.split == "experts":
+            chunk = (flat % local) * chunks // local
+        else:
+            chunk = torch.arange(tokens, device=x.device).repeat_interleave(k) * chunks // max(tokens, 1)
+        key = chunk * (ranks * local) + flat
+        order = key.argsort(stable=True)  # chunk-major, then by global slot: by rank, then local slot
+        counts = torch.bincount(key, minlength=chunks * ranks * local).view(chunks, ranks, local)
+        send_counts = counts.transpose(0, 1).contiguous()  # [ranks, chunks, local]: what goes where
         recv_counts = torch.empty_like(send_counts)
         start = time.perf_counter()
         all_to_all(recv_counts, send_counts)
@@ -160,47 +184,43 @@ class AllToAllExchange:
         # slot-major rows each chunk's grouped GEMMs run, padding included
         grouped_rows = _padded(recv_counts.sum(dim=0), experts.min_group_rows).sum(dim=1).tolist()
         recv_counts = recv_counts.to(x.device)
+        bounds = [0, *itertools.accumulate(sum(split) for split in send_splits)]
+        y = x.new_empty(tokens * k, x.shape[1])
         sync = not self.overlap
 
         def dispatch(c: int):
-            a, b = bounds[c], bounds[c + 1]
-            order = slots[a:b].reshape(-1).argsort(stable=True)  # by slot: by rank, then local slot
-            sent = x[a:b].index_select(0, order // k)
+            pairs = order[bounds[c]:bounds[c + 1]]
             received = x.new_empty(sum(recv_splits[c]), x.shape[1])
-            work = all_to_all(received, sent, recv_splits[c], send_splits[c], async_op=True)
+            work = all_to_all(received, x.index_select(0, pairs // k), recv_splits[c], send_splits[c],
+                              async_op=True)
             if sync:
                 self._wait(work)
-                work = None
-            return order, received, work
+            return received, None if sync else work
 
-        def compute_and_return(c: int, received: torch.Tensor):
+        def combine(c: int, received: torch.Tensor):
             back = self._compute(experts, received, recv_counts[:, c], grouped_rows[c])
-            returned = x.new_empty(sum(send_splits[c]), x.shape[1])
+            returned = x.new_empty(bounds[c + 1] - bounds[c], x.shape[1])
             work = all_to_all(returned, back, send_splits[c], recv_splits[c], async_op=True)
             if sync:
                 self._wait(work)
-                work = None
-            return returned, work
+            return returned, None if sync else work
 
-        def finish(c: int, order: torch.Tensor, returned: torch.Tensor) -> None:
-            a, b = bounds[c], bounds[c + 1]
-            if b > a:
-                y = torch.empty_like(returned).index_copy_(0, order, returned)  # back to pair order
-                out[a:b] = _weighted_sum(y, weights[a:b])
+        def land(c: int, returned: torch.Tensor, work) -> None:
+            self._wait(work)
+            y.index_copy_(0, order[bounds[c]:bounds[c + 1]], returned)
 
         dispatched = [dispatch(0)]
-        returning = []  # (order, returned rows, work) per chunk
+        returning = []
         for c in range(chunks):
             if c + 1 < chunks:
                 dispatched.append(dispatch(c + 1))  # in flight while chunk c computes
-            order, received, work = dispatched[c]
+            received, work = dispatched[c]
             self._wait(work)
-            returning.append((order, *compute_and_return(c, received)))
+            returning.append(combine(c, received))
             if c > 0:  # chunk c-1's results came back while chunk c computed
-                self._wait(returning[c - 1][2])
-                finish(c - 1, *returning[c - 1][:2])
-        self._wait(returning[-1][2])
-        finish(chunks - 1, *returning[-1][:2])
+                land(c - 1, *returning[c - 1])
+        land(chunks - 1, *returning[-1])
+        return y
 
     @staticmethod
     def _compute(experts: GroupedExperts, received: torch.Tensor, counts: torch.Tensor,
