@@ -28,8 +28,12 @@ def test_cli_help_and_info():
 
 def test_bench_eplb_small_trace_prints_a_json_last_line():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_eplb.py"), "--layers", "3", "--experts", "32",
-                          "--ranks", "4", "--tokens", "4000"], capture_output=True, text=True, check=True, timeout=120)
+                          "--ranks", "4", "--tokens", "4000", "--real-run-prompts", "4"],
+                         capture_output=True, text=True, check=True, timeout=180)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     naive, static, eplb = (result["results"][k]["max_min_mean"] for k in ("naive", "static", "eplb"))
     assert eplb <= static <= naive
     assert 0 < result["results"]["eplb"]["replica_memory_share"] <= 0.15
+    real = result["real_run"]  # the small DeepSeek-V3 through the runtime, EPLB's placement applied
+    assert real["eplb_output_unchanged"]
+    assert real["results"]["eplb"]["max_min_mean"] < real["results"]["naive"]["max_min_mean"]

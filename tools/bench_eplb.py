@@ -16,6 +16,16 @@ rate (torch._grouped_mm, bf16, measured here on a scaled-down shape) plus the al
 at an assumed --link-gbps per rank. Targets (issue 6): EPLB max/min <= 1.10 with at most
 15 % replica memory; static between naive and EPLB.
 
+Then a real run in this process (--real-run-ranks, 0 to skip): a small random DeepSeek-V3
+(rtp's model, 64 routed experts, top-6 in 4 of 8 groups, 3 MoE layers) whose
+e_score_correction_bias is skewed Zipf-like per layer, so some experts run hot. Random
+prompts go through the real runtime (scheduler, paged MLA cache, FusedMoE) twice: the
+first window's per-expert load counters make the plans, the second window's counters
+judge them (per-rank loads with each expert's tokens split evenly over its copies, as the
+dispatch deals them). The EPLB plan is then applied with FusedMoE.place (replicas in the
+layers' spare slots) and the second window rerun: its logits must equal the identity
+placement's bit for bit (fp32).
+
 Output: a table, then as the LAST line one JSON object with the same figures.
 """
 
@@ -80,6 +90,91 @@ def grouped_gemm_gflops() -> float:
     return 2 * groups * rows * hidden * inter / best / 1e9
 
 
+def real_run(args) -> dict:
+    """The small DeepSeek-V3 of the module docstring, through rtp's runtime; see there."""
+    import msgspec
+    import torch
+
+    from rtp._runtime import BlockAllocator, Scheduler
+    from rtp.config import ModelConfig
+    from rtp.engine.runner import ModelRunner
+    from rtp.models import model_class
+    from rtp.models.moe import FusedMoE
+
+    ranks, experts, vocab = args.real_run_ranks, 64, 512
+    hf = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": vocab, "hidden_size": 256,
+          "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": experts,
+          "num_experts_per_tok": 6, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 1,
+          "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 64,
+          "q_lora_rank": 96, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+          "max_position_embeddings": 512, "rms_norm_eps": 1e-6}
+    extra = replica_slots(experts, ranks, share=args.replica_share)
+    config = msgspec.structs.replace(ModelConfig.from_hf(hf), num_redundant_experts=extra)
+    torch.manual_seed(args.seed)
+    model = model_class(hf["architectures"])(config).eval()
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                # Zipf-like popularity in a random expert order per layer: log-popularity as bias
+                rank = torch.randperm(experts).float() + 1
+                param.copy_(-args.bias_skew * torch.log(rank))
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0, 0.05)
+    block_size, prompts, prompt_len, new = 16, args.real_run_prompts, 64, 4
+    blocks = prompts * -(-(prompt_len + new) // block_size) + 1
+    runner = ModelRunner(model, num_blocks=blocks, block_size=block_size, max_num_seqs=prompts,
+                         max_num_batched_tokens=1024, max_model_len=prompt_len + new,
+                         kv_dtype=torch.float32, device=torch.device("cpu"))
+    rng = np.random.default_rng(args.seed)
+    windows = [rng.integers(1, vocab, (prompts, prompt_len)) for _ in range(2)]
+
+    def run(window: np.ndarray) -> tuple[np.ndarray, list]:
+        """Greedy decode of the window's prompts; (per-layer expert load, every step's logits)."""
+        for layer in layers:
+            layer.expert_load.zero_()
+        alloc = BlockAllocator(blocks, block_size)
+        sched = Scheduler(alloc, runner.plan, max_num_seqs=prompts, max_num_batched_tokens=1024,
+                          max_model_len=prompt_len + new)
+        for i, prompt in enumerate(window):
+            sched.add_request(i, prompt.astype(np.int32), max_tokens=new, ignore_eos=True)
+        seen = []
+        while sched.has_unfinished:
+            sched.schedule()
+            logits = runner.forward()
+            seen.append(logits.clone())
+            sched.update(logits.argmax(dim=-1).numpy().astype(np.int64))
+        return torch.stack([layer.expert_load for layer in layers]).numpy().copy(), seen
+
+    start = time.perf_counter()
+    window_load, _ = run(windows[0])
+    judged_load, before = run(windows[1])
+    plans = {
+        "naive": naive_placement(len(layers), experts, ranks),
+        "static": static_placement(window_load, ranks),
+        "eplb": eplb_placement(window_load, ranks, extra),
+    }
+    for layer, slots in zip(layers, plans["eplb"].slots):
+        layer.place(slots.reshape(-1).tolist())
+    placed_load, after = run(windows[1])
+    unchanged = (np.array_equal(placed_load, judged_load) and len(before) == len(after)
+                 and all(torch.equal(a, b) for a, b in zip(before, after)))
+    sorted_load = np.sort(judged_load, axis=1)[:, ::-1]
+    results = {}
+    for name, plan in plans.items():
+        ratio = imbalance(plan.rank_loads(judged_load))
+        results[name] = {"max_min_mean": round(float(ratio.mean()), 4), "max_min_worst": round(float(ratio.max()), 4),
+                         "replica_memory_share": round((plan.slots.shape[2] * ranks - experts) / experts, 4)}
+    return {"ranks": ranks, "experts": experts, "moe_layers": len(layers), "replica_slots": extra,
+            "tokens_per_window": int(judged_load[0].sum() // hf["num_experts_per_tok"]),
+            "hottest_over_median": round(float((sorted_load[:, 0] / np.maximum(sorted_load[:, experts // 2], 1)).mean()), 2),
+            "results": results, "eplb_output_unchanged": bool(unchanged),
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=58)
@@ -93,6 +188,12 @@ def main() -> int:
     p.add_argument("--inter", type=int, default=2048, help="expert intermediate size (DeepSeek-V3: 2048)")
     p.add_argument("--link-gbps", type=float, default=50.0, help="assumed all-to-all GB/s per rank")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--real-run-ranks", type=int, default=8,
+                   help="EP ranks of the real small-model run (0: skip it; default 8)")
+    p.add_argument("--real-run-prompts", type=int, default=16,
+                   help="real run: prompts of 64 tokens per window, each decoding 4 more (default 16)")
+    p.add_argument("--bias-skew", type=float, default=0.12,
+                   help="real run: correction bias = -skew * log(popularity rank) (default 0.12)")
     args = p.parse_args()
 
     rng = np.random.default_rng(args.seed)
@@ -139,8 +240,18 @@ def main() -> int:
         <= results["naive"]["max_min_mean"],
     }
     print("targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in met.items()))
+    real = real_run(args) if args.real_run_ranks else None
+    if real is not None:
+        print(f"\nreal run: random DeepSeek-V3, {real['moe_layers']} MoE layers x {real['experts']} experts over "
+              f"{real['ranks']} EP ranks, skewed router bias (hottest/median expert {real['hottest_over_median']:g}x), "
+              f"{real['tokens_per_window']} tokens per window, {real['seconds']:g} s")
+        print(f"{'placement':10s} {'max/min mean':>13s} {'max/min worst':>14s} {'replica mem':>12s}")
+        for name, r in real["results"].items():
+            print(f"{name:10s} {r['max_min_mean']:13.3f} {r['max_min_worst']:14.3f} "
+                  f"{r['replica_memory_share'] * 100:11.1f}%")
+        print(f"EPLB placement applied (FusedMoE.place): logits {'unchanged' if real['eplb_output_unchanged'] else 'CHANGED'}")
     print(json.dumps({"config": vars(args), "grouped_gemm_gflops": round(gflops, 1), "results": results,
-                      "targets_met": met}))
+                      "targets_met": met, "real_run": real}))
     return 0
 
 
