@@ -155,20 +155,6 @@ def test_greedy_generation_matches_transformers_and_runs_eagerly(tmp_path):
     assert bf16.engine.runner.cpu_graphs == [] and bf16.engine.runner.graph_steps == 0
 
 
-def with_spare_slots(model, extra: int) -> list[FusedMoE]:
-    """Give every MoE layer `extra` spare physical slots (experts in their home slots, as loaded)."""
-    layers = []
-    for block in (m for m in model.modules() if hasattr(m, "experts") and isinstance(m.experts, FusedMoE)):
-        old = block.experts
-        new = FusedMoE(old.num_experts, old.w13.shape[2], old.intermediate_size, num_slots=old.num_experts + extra)
-        with torch.no_grad():
-            new.w13[: old.num_experts] = old.w13
-            new.w2[: old.num_experts] = old.w2
-        block.experts = new
-        layers.append(new)
-    return layers
-
-
 def test_eplb_replicas_and_a_rebalance_mid_generation_keep_logits_bit_for_bit(tmp_path):
     """Experts replicated and moved by EPLB plans from the model's own load counters (4 ranks of
     3 slots, 4 of them replicas), applied before the run and again between decode steps: every
@@ -178,8 +164,9 @@ def test_eplb_replicas_and_a_rebalance_mid_generation_keep_logits_bit_for_bit(tm
     path, hf = make_checkpoint("q-lora-yarn", tmp_path)
     prompts = prompts_of((5, 23, 40), seed=5)
     refs = hf_reference(hf, prompts)
-    model, _ = load_model(path, torch.float32, torch.device("cpu"))
-    layers = with_spare_slots(model, extra=4)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), redundant_experts=4)
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == 2 and all(layer.num_slots == 12 for layer in layers)
     worst, identity = drive(model, prompts, refs)
     assert worst < 1e-4
 
