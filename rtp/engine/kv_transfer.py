@@ -36,7 +36,7 @@ class KVLayout(msgspec.Struct, frozen=True):
         """Bytes one token of this layer takes on the wire."""
         return int(np.prod(self.layers[layer])) * torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
 
-    def mismatch(self, other: "KVLayout") -> str | None:
+    def mismatch(self, other: KVLayout) -> str | None:
         """Why KV in layout `other` cannot go into this one (None: it can)."""
         if other.dtype != self.dtype:
             return f"KV dtype {other.dtype} cannot go into a {self.dtype} cache (start both nodes with the same --dtype)"

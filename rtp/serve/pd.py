@@ -70,6 +70,7 @@ class PDNode:
         self.layout: KVLayout = engine.engine.kv_layout()
         self.block_size = engine.engine.scheduler.block_size
         self._reservations: dict[str, _Reservation] = {}  # decode: by request id
+        self._decoding: dict[str, Stream] = {}             # decode: resumed requests, by request id
         self._relays: dict[str, Relay] = {}                # prefill: by request id
         self._reaper: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
@@ -126,7 +127,8 @@ class PDNode:
             num_waiting=s.get("num_waiting", 0), num_running=s.get("num_running", 0) + s.get("num_ready", 0),
             num_reserved=s.get("num_reserved", 0), queued_prompt_tokens=s.get("queued_prompt_tokens", 0),
             prefill_tokens_per_ms=s.get("prefill_tokens_per_ms", 0.0),
-            decode_step_ms=s.get("decode_step_ms", 0.0), kv_cache_usage=s.get("kv_cache_usage", 0.0))
+            decode_step_ms=s.get("decode_step_ms", 0.0), kv_cache_usage=s.get("kv_cache_usage", 0.0),
+            kv_layout=self.layout)
 
     async def rpc_abort(self, request: Request, body: rpc.AbortRequest) -> Response:
         found = False
@@ -134,10 +136,10 @@ class PDNode:
         if r is not None:
             found = True
             self._drop_reservation(r, "aborted by the prefill node")
-        relay = self._relays.get(body.request_id)
-        if relay is not None:
-            found = True
-            relay.close()
+        for stream in (self._decoding.get(body.request_id), self._relays.get(body.request_id)):
+            if stream is not None:
+                found = True
+                stream.close()
         return _reply(rpc.AbortResponse(found=found))
 
     # -- decode node -----------------------------------------------------------------------------
@@ -185,6 +187,11 @@ class PDNode:
                     r.state = "receiving"
                 elif head.request_id != r.request_id:
                     raise rpc.BadRequest("one push_kv carries one request's KV")
+                if r.state != "receiving":
+                    return _error(410, f"request {r.request_id}'s reservation ended during the transfer")
+                if head.layer == rpc.HEARTBEAT and head.nbytes == 0:
+                    r.deadline = time.monotonic() + self.lease_seconds
+                    continue
                 expected = len(r.prompt) * self.layout.token_bytes(head.layer) \
                     if 0 <= head.layer < len(self.layout.layers) else -1
                 if head.num_tokens != len(r.prompt) or head.nbytes != expected:
@@ -233,7 +240,13 @@ class PDNode:
             self.engine.drop(r.engine_id)
             return _error(503, str(e))
         self.metrics.pd_event("decoding")
-        return _FrameStream(self._deltas(stream), on_close=stream.close)
+        self._decoding[body.request_id] = stream
+
+        def closed() -> None:
+            self._decoding.pop(body.request_id, None)
+            stream.close()  # aborts it if it still runs: the prefill node (or its client) left
+
+        return _FrameStream(self._deltas(stream), on_close=closed)
 
     async def _deltas(self, stream: Stream):
         async for updates in stream:
@@ -251,7 +264,7 @@ class PDNode:
             if frames:
                 yield b"".join(frames)
 
-    def _drop_reservation(self, r: "_Reservation", why: str) -> None:
+    def _drop_reservation(self, r: _Reservation, why: str) -> None:
         r.state = "dropped"
         self.engine.drop(r.engine_id)
         log.info("reservation %s dropped: %s (%d blocks back to the pool)", r.request_id, why, len(r.blocks))
@@ -271,8 +284,8 @@ class PDNode:
 
     def relays(self, num_prompts: int, params: SamplingParams) -> bool:
         """Whether an OpenAI request on this node goes through a decode node: on a prefill node, one
-        prompt and one choice (others run here, as on a collocated node)."""
-        return self.role == "prefill" and num_prompts == 1 and params.n == 1
+        prompt, one choice, more than one token (others run here, as on a collocated node)."""
+        return self.role == "prefill" and num_prompts == 1 and params.n == 1 and params.max_tokens != 1
 
     def peer_for(self, headers) -> str:
         """The decode node for a request: the master's pick (header, with the RPC token) or --decode-peer."""
@@ -284,7 +297,7 @@ class PDNode:
             return named.rstrip("/")
         if self.decode_peer is None:
             raise PeerError("this prefill node has no decode node for the request "
-                            f"(start it with --decode-peer URL, or route through the master)")
+                            "(start it with --decode-peer URL, or route through the master)")
         return self.decode_peer
 
     def _client(self) -> httpx.AsyncClient:
@@ -294,7 +307,7 @@ class PDNode:
                                            headers={rpc.TOKEN_HEADER: self.token} if self.token else {})
         return self._http
 
-    async def start(self, request_id: str, prompt: list[int], params: SamplingParams, peer: str) -> "Relay":
+    async def start(self, request_id: str, prompt: list[int], params: SamplingParams, peer: str) -> Relay:
         """Reserve on the decode node (PeerError when it cannot), then run the request through it."""
         body = rpc.encode(rpc.ReserveRequest(version=rpc.RPC_VERSION, request_id=request_id,
                                              prompt_token_ids=prompt, params=params, kv_layout=self.layout))
@@ -313,7 +326,7 @@ class PDNode:
         if status != 200:
             self.metrics.pd_event("reserve_refused")
             raise PeerError(f"the decode node {peer} refused the request ({status}): {reply.message}")
-        relay = Relay(self, request_id, prompt, params, peer)
+        relay = Relay(self, request_id, prompt, params, peer, reply.lease_seconds)
         self._relays[request_id] = relay
         relay.task = asyncio.create_task(relay.run())
         return relay
@@ -345,6 +358,10 @@ class PDNode:
             relay.close()
         if self._http is not None:
             await self._http.aclose()
+
+
+async def _drain(stream: Stream) -> list[Update]:
+    return [u async for batch in stream for u in batch]
 
 
 def _engine_id(request_id: str) -> str:
@@ -385,9 +402,11 @@ class Relay(Stream):
     reads it as it reads a local Stream. Its updates come from the decode node (or from the local
     engine when the first token already ends the request)."""
 
-    def __init__(self, node: PDNode, request_id: str, prompt: list[int], params: SamplingParams, peer: str):
+    def __init__(self, node: PDNode, request_id: str, prompt: list[int], params: SamplingParams, peer: str,
+                 lease_seconds: float):
         super().__init__(node.engine, request_id, [prompt])
         self.node = node
+        self.lease_seconds = lease_seconds
         self.params = params
         self.peer = peer
         self.task: asyncio.Task | None = None
@@ -421,19 +440,33 @@ class Relay(Stream):
             self.engine._deliver([(self, Update(0, [], finished=True, error=error))], time.monotonic())
 
     async def _run(self) -> str:
-        node, engine = self.node, self.node.engine
+        engine = self.node.engine
         sink = _Sink(asyncio.get_running_loop())
         local = engine.submit(self.request_id, self.prompts, self.params, kv_sink=sink)
         push = asyncio.create_task(self._push(sink))
         try:
-            updates = [u async for batch in local for u in batch]
+            return await self._relay(local, sink, push)
         finally:
-            local.close()
+            local.close()  # aborts the prefill if it still runs
+            if not push.done():
+                push.cancel()  # closes the push connection: the decode node drops the reservation
+
+    async def _relay(self, local: Stream, sink: _Sink, push: asyncio.Task) -> str:
+        node = self.node
+        collect = asyncio.ensure_future(_drain(local))
+        try:
+            # a push that fails (the decode node gone or refusing) ends the prefill too
+            await asyncio.wait((collect, push), return_when=asyncio.FIRST_COMPLETED)
+            if push.done() and push.exception() is not None and not collect.done():
+                raise push.exception()
+            updates = await collect
+        finally:
+            if not collect.done():
+                collect.cancel()
         last = updates[-1] if updates else None
         remote = (last is not None and last.error is None and last.choices
                   and last.choices[-1].finish_reason == "remote" and sink.first is not None)
         if not remote:
-            push.cancel()
             for update in updates:  # the local answer (an error, or a first token that ended it)
                 if update.error is not None:
                     self._fail(update.error)
@@ -475,8 +508,20 @@ class Relay(Stream):
         started = None
 
         async def frames():
+            # opened at once, so the decode node's lease runs on heartbeats while the prompt waits
+            # for its turn and prefills here, then on the layers; a dead link ends it either way
             nonlocal sent, started
-            while (item := await sink.queue.get()) is not None:
+            heartbeat = rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id,
+                                              layer=rpc.HEARTBEAT, num_tokens=0, nbytes=0))
+            yield heartbeat
+            while True:
+                try:
+                    item = await asyncio.wait_for(sink.queue.get(), self.lease_seconds / 3)
+                except asyncio.TimeoutError:
+                    yield heartbeat
+                    continue
+                if item is None:
+                    break
                 layer, kv = item
                 started = started or time.monotonic()
                 payload = raw_view(kv).reshape(-1).view(np.uint8)

@@ -8,7 +8,8 @@ header `x-rtp-rpc-token` (401 without it).
 
     POST /rpc/stats     StatsRequest   -> WorkerStats            (any role; the FlexLB master polls it)
     POST /rpc/reserve   ReserveRequest -> ReserveResponse        (decode: blocks held under a lease)
-    POST /rpc/push_kv   frames of KVFrame + raw KV bytes -> PushResponse  (decode)
+    POST /rpc/push_kv   frames of KVFrame + raw KV bytes -> PushResponse  (decode; opened right after
+                        the reservation, heartbeats renew the lease until the layers come)
     POST /rpc/decode    DecodeRequest  -> frames of DecodeDelta  (decode: the continuation, streamed)
     POST /rpc/abort     AbortRequest   -> AbortResponse          (any role)
 
@@ -70,6 +71,7 @@ class WorkerStats(Struct, kw_only=True):
     prefill_tokens_per_ms: float  # measured (moving average); 0 until a prefill ran
     decode_step_ms: float         # measured (moving average) over decode-only steps; 0 until one ran
     kv_cache_usage: float
+    kv_layout: KVLayout           # a prefill node hands KV only to a decode node of the same layout
 
 
 class ReserveRequest(Struct, kw_only=True):
@@ -96,6 +98,9 @@ class KVFrame(Struct, kw_only=True):
     layer: int
     num_tokens: int
     nbytes: int
+
+
+HEARTBEAT = -1  # a KVFrame of this layer (no bytes) only renews the lease: the prompt is still queued or prefilling
 
 
 class PushResponse(Struct, kw_only=True):
