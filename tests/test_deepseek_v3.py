@@ -197,3 +197,28 @@ def test_tp2_splits_heads_and_matches_transformers(tmp_path):
     prompts = prompts_of((5, 23, 40), seed=1)
     worst = run_tensor_parallel(path, prompts, hf_reference(hf, prompts), tmp_path)
     assert max(worst) < 1e-4, worst
+
+
+def test_loader_skips_the_multi_token_prediction_layer_and_refuses_fp8(tmp_path):
+    """The released checkpoints carry one more layer than num_hidden_layers (the MTP head):
+    rtp skips it, as transformers does, and loads the same weights. An FP8 release (weights
+    with *_scale_inv) is refused by name, not loaded wrong."""
+    from safetensors.torch import load_file, save_file
+
+    from rtp.engine.checkpoint import CheckpointError
+
+    path, _ = make_checkpoint("q-lora-yarn", tmp_path)
+    plain, _ = load_model(path, torch.float32, torch.device("cpu"))
+    tensors = load_file(path / "model.safetensors")
+    last = SMALL["num_hidden_layers"] - 1
+    mtp = {name.replace(f"layers.{last}.", f"layers.{last + 1}."): t.clone()
+           for name, t in tensors.items() if f"layers.{last}." in name}
+    mtp[f"model.layers.{last + 1}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    with_mtp, _ = load_model(path, torch.float32, torch.device("cpu"))
+    for (name, a), (_, b) in zip(plain.state_dict().items(), with_mtp.state_dict().items()):
+        assert torch.equal(a, b), name
+    scale = {"model.layers.0.self_attn.q_a_proj.weight_scale_inv": torch.ones(1, 1)}
+    save_file({**tensors, **scale}, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="FP8"):
+        load_model(path, torch.float32, torch.device("cpu"))
