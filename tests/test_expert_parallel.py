@@ -223,3 +223,17 @@ def test_engine_ep2_generates_what_ep1_does(tmp_path):
         llm.engine.shutdown()
     assert got == want
     assert dist.world_size() == 1 and not llm.engine._followers[0].is_alive()
+
+
+def test_ep_needs_experts_to_split(tmp_path):
+    """--ep 2 on a dense model is a clear error on every rank, not two ranks repeating one model."""
+    from test_models import make_checkpoint as make_dense
+
+    from rtp import LLM
+
+    path, _ = make_dense("llama", tmp_path / "ckpt")
+    write_word_tokenizer(path, SMALL["vocab_size"])
+    with pytest.raises(ValueError, match="has no experts to split"):
+        LLM(model=str(path), dtype="float32", compile=False, max_model_len=128, kv_cache_memory=1 << 22,
+            expert_parallel_size=2)
+    assert dist.world_size() == 1

@@ -28,6 +28,7 @@ from rtp.distributed import (
     world_rank,
     world_size,
 )
+from rtp.engine.checkpoint import open_checkpoint
 from rtp.engine.kv_cache import num_kv_blocks
 from rtp.engine.kv_transfer import KVLayout, KVSink, LayerTaps, layout_of, scatter, token_slots
 from rtp.engine.loader import load_model
@@ -135,6 +136,10 @@ class LLMEngine:
         self._followers: list = []
         self._channel: PlanChannel | None = None
         tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+        if ep > 1:  # checked before any rank starts: each would only repeat the same dense model
+            checkpoint = ModelConfig.from_hf(open_checkpoint(path).config)
+            if not checkpoint.num_experts:
+                raise ValueError(f"expert_parallel_size {ep}: {checkpoint.architecture} has no experts to split")
         ranks = max(tp, ep)  # config.validate() checked each is 1 or this
         if ranks > 1 and world_size() == 1:  # rank 0 starts the others (under torchrun they exist)
             init, self._followers = spawn_followers(config, ranks)
