@@ -71,16 +71,18 @@ def test_logits_match_transformers(kind, tmp_path):
     assert worst < 1e-4, f"{kind}: max abs logit difference {worst}"
 
 
-def drive(model, prompts, refs, *, between_steps=None, new_tokens=NEW_TOKENS):
-    """run_rtp over an already loaded model: every sampled row's logits, in step order, and the
-    worst difference from transformers'. between_steps(step) runs after each step's update."""
+def drive(model, prompts, refs, *, between_steps=None, new_tokens=NEW_TOKENS, max_batched=32):
+    """run_rtp over an already loaded model: the worst difference from transformers' logits,
+    every sampled row's logits in step order, and the prompt tokens found in the prefix cache.
+    between_steps(step) runs after each step's update."""
     block_size, max_seqs = 4, 8
     alloc = BlockAllocator(256, block_size)
     runner = ModelRunner(model, num_blocks=256, block_size=block_size, max_num_seqs=max_seqs,
-                         max_num_batched_tokens=32, max_model_len=128, kv_dtype=torch.float32,
+                         max_num_batched_tokens=max_batched, max_model_len=128, kv_dtype=torch.float32,
                          device=torch.device("cpu"))
-    sched = Scheduler(alloc, runner.plan, cache=RadixCache(alloc), max_num_seqs=max_seqs,
-                      max_num_batched_tokens=32, max_model_len=128)
+    cache = RadixCache(alloc)
+    sched = Scheduler(alloc, runner.plan, cache=cache, max_num_seqs=max_seqs,
+                      max_num_batched_tokens=max_batched, max_model_len=128)
     for i, p in enumerate(prompts):
         sched.add_request(i, p, max_tokens=new_tokens, ignore_eos=True)
     length = {i: len(p) for i, p in enumerate(prompts)}
@@ -100,7 +102,20 @@ def drive(model, prompts, refs, *, between_steps=None, new_tokens=NEW_TOKENS):
         step += 1
         if between_steps is not None:
             between_steps(step)
-    return worst, seen
+    return worst, seen, cache.hit_tokens
+
+
+def test_prefix_cache_hits_and_small_chunks_keep_logits(tmp_path):
+    """Prompts sharing a 30-token prefix, prefilled 16 tokens a step: later prompts attend to
+    latents another request wrote (a prefix-cache hit), chunks to their own earlier chunks."""
+    path, hf = make_checkpoint("q-lora-yarn", tmp_path)
+    rng = np.random.default_rng(2)
+    shared = rng.integers(1, 160, 30).tolist()
+    prompts = [shared + rng.integers(1, 160, n).tolist() for n in (3, 11)] + [shared[:17]]
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    worst, _, hits = drive(model, prompts, hf_reference(hf, prompts), max_batched=16)
+    assert hits > 0
+    assert worst < 1e-4
 
 
 def test_kv_cache_holds_only_the_latent_and_rope_key(tmp_path):
@@ -167,7 +182,7 @@ def test_eplb_replicas_and_a_rebalance_mid_generation_keep_logits_bit_for_bit(tm
     model, _ = load_model(path, torch.float32, torch.device("cpu"), redundant_experts=4)
     layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(layers) == 2 and all(layer.num_slots == 12 for layer in layers)
-    worst, identity = drive(model, prompts, refs)
+    worst, identity, _ = drive(model, prompts, refs)
     assert worst < 1e-4
 
     def rebalance(step=None):
@@ -180,7 +195,7 @@ def test_eplb_replicas_and_a_rebalance_mid_generation_keep_logits_bit_for_bit(tm
     rebalance()  # from the whole first run's load
     for layer in layers:
         layer.expert_load.zero_()
-    worst, placed = drive(model, prompts, refs, between_steps=lambda step: step in (3, 9) and rebalance())
+    worst, placed, _ = drive(model, prompts, refs, between_steps=lambda step: step in (3, 9) and rebalance())
     assert worst < 1e-4
     assert len(placed) == len(identity)
     for a, b in zip(placed, identity):
