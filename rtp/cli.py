@@ -136,7 +136,8 @@ def _serve(args: argparse.Namespace) -> int:
         options = ServeOptions(host=args.host, port=args.port, served_model_names=args.served_model_name,
                                api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                                max_queue=args.max_queue, grace_period=args.grace_period, role=args.role,
-                               decode_peer=args.decode_peer, rpc_token=args.rpc_token, kv_lease=args.kv_lease)
+                               decode_peer=args.decode_peer, rpc_token=args.rpc_token, kv_lease=args.kv_lease,
+                               kv_port=args.kv_port)
         return serve(config, options)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"rtp serve: {e}", file=sys.stderr)
@@ -277,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lease", type=float, default=10.0, metavar="SECONDS",
                    help="decode node: how long reserved KV blocks wait for the next piece of their KV "
                    "before returning to the pool (default 10)")
+    p.add_argument("--kv-port", type=int, default=0, metavar="PORT",
+                   help="decode node: the TCP port prefill nodes stream KV to, announced in each reservation "
+                   "(default 0: any free port; -1: none, KV goes over HTTP push_kv, which any proxy carries)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser(
@@ -306,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
                          description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_serve.add_arguments(b)
     p.set_defaults(func=_bench, bench_parser=p)
+
+    from rtp.sim import command as simulate_command  # stdlib imports only, until it runs
+
+    p = sub.add_parser("simulate", help="simulate a cluster of prefill/decode workers under rtp's routing",
+                       description=simulate_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    simulate_command.add_arguments(p)
+    p.set_defaults(func=simulate_command.main)
 
     return parser
 

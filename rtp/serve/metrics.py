@@ -59,6 +59,9 @@ class ServerMetrics:
         self.kv_bytes_received = counter("pd_kv_received_bytes", "KV bytes received from prefill nodes.")
         self.kv_transfer = histogram("pd_kv_transfer_seconds", "One request's KV push, first layer out to the "
                                      "decode node's acknowledgement (prefill side).", _LATENCY_BUCKETS)
+        self.kv_transfer_tail = histogram("pd_kv_transfer_tail_seconds", "From the prefill's first token to the "
+                                          "decode node's acknowledgement of the KV: the part of the transfer the "
+                                          "prefill of later layers did not hide.", _LATENCY_BUCKETS)
         self.read_stats: Callable[[], dict] = dict  # set by whoever owns the engine
         self.registry.register(_EngineCollector(self))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and friends
@@ -90,9 +93,10 @@ class ServerMetrics:
     def pd_event(self, event: str) -> None:
         self._pd_events.labels(self.model_name, event).inc()
 
-    def on_kv_sent(self, nbytes: int, seconds: float) -> None:
+    def on_kv_sent(self, nbytes: int, seconds: float, tail: float) -> None:
         self.kv_bytes_sent.inc(nbytes)
         self.kv_transfer.observe(seconds)
+        self.kv_transfer_tail.observe(max(0.0, tail))
 
     def on_kv_received(self, nbytes: int) -> None:
         self.kv_bytes_received.inc(nbytes)

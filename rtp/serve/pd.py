@@ -23,10 +23,14 @@ abort RPC, on D.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -74,6 +78,17 @@ class PDNode:
         self._relays: dict[str, Relay] = {}                # prefill: by request id
         self._reaper: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
+        self._kv_server: asyncio.Server | None = None
+        self.kv_port = 0  # decode: the bound KV port (0: none)
+
+    async def open_kv_port(self, host: str, kv_port: int = 0) -> None:
+        """On a decode node, open the KV port (kv_port 0: any free one; -1: none, KV over HTTP only)."""
+        if self.role != "decode" or kv_port < 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._kv_server = await loop.create_server(lambda: _KVPort(self), host.strip("[]"), kv_port)
+        self.kv_port = self._kv_server.sockets[0].getsockname()[1]
+        log.info("KV port %d", self.kv_port)
 
     # -- routes -------------------------------------------------------------------------------
 
@@ -170,60 +185,29 @@ class PDNode:
             self._reaper = asyncio.create_task(self._reap())
         self.metrics.pd_event("reserved")
         return _reply(rpc.ReserveResponse(request_id=body.request_id, num_blocks=len(blocks),
-                                          block_size=self.block_size, lease_seconds=self.lease_seconds))
+                                          block_size=self.block_size, lease_seconds=self.lease_seconds,
+                                          kv_port=self.kv_port, kv_key=r.kv_key))
 
     async def rpc_push_kv(self, request: Request) -> Response:
-        """Frames of one request's KV, written into its reserved blocks as each layer arrives."""
+        """Frames of one request's KV over HTTP (the proxy-friendly path; the KV port is faster),
+        written into its reserved blocks as each layer arrives."""
         reader = rpc.FrameReader(request.stream())
-        r: _Reservation | None = None
-        nbytes = 0
+        intake = _Intake(self)
         try:
             while (head := await reader.header(rpc.KVFrame)) is not None:
-                if r is None:
-                    r = self._reservations.get(head.request_id)
-                    if r is None or r.state != "reserved":
-                        return _error(404, f"request {head.request_id} has no reservation here "
-                                      f"(never made, expired or aborted)")
-                    r.state = "receiving"
-                elif head.request_id != r.request_id:
-                    raise rpc.BadRequest("one push_kv carries one request's KV")
-                if r.state != "receiving":
-                    return _error(410, f"request {r.request_id}'s reservation ended during the transfer")
-                if head.layer == rpc.HEARTBEAT and head.nbytes == 0:
-                    r.deadline = time.monotonic() + self.lease_seconds
-                    continue
-                expected = len(r.prompt) * self.layout.token_bytes(head.layer) \
-                    if 0 <= head.layer < len(self.layout.layers) else -1
-                if head.num_tokens != len(r.prompt) or head.nbytes != expected:
-                    raise rpc.BadRequest(f"layer {head.layer}: {head.num_tokens} tokens in {head.nbytes} bytes; "
-                                         f"expected {len(r.prompt)} tokens in {expected} bytes")
-                payload = await reader.read(head.nbytes)
-                if r.state != "receiving":  # expired or aborted while the bytes came: the blocks are gone
-                    return _error(410, f"request {r.request_id}'s reservation ended during the transfer")
-                self.engine.engine.write_kv(head.layer, r.blocks, head.num_tokens, payload)
-                r.layers.add(head.layer)
-                r.deadline = time.monotonic() + self.lease_seconds
-                nbytes += head.nbytes
-        except (ClientDisconnect, EOFError) as e:
-            if r is not None and self._reservations.get(r.request_id) is r:
-                del self._reservations[r.request_id]
-                self._drop_reservation(r, f"the KV transfer broke off ({e or type(e).__name__})")
-            self.metrics.pd_event("push_broken")
-            return Response(status_code=499)
-        except rpc.BadRequest:
-            if r is not None and self._reservations.pop(r.request_id, None) is r:
-                self._drop_reservation(r, "a malformed KV frame")
+                n = intake.header(head, key=None)  # the RPC token authenticated this one
+                if n:
+                    intake.payload(head, await reader.read(n))
+            return _reply(intake.finish())
+        except _Refused as e:
+            intake.broken(e.message)
+            return _error(e.status, e.message)
+        except rpc.BadRequest as e:
+            intake.broken(str(e))
             raise
-        if r is None:
-            raise rpc.BadRequest("push_kv carried no KV frame")
-        if len(r.layers) != len(self.layout.layers):
-            missing = len(self.layout.layers) - len(r.layers)
-            if self._reservations.pop(r.request_id, None) is r:
-                self._drop_reservation(r, f"the KV transfer lacked {missing} layers")
-            raise rpc.BadRequest(f"request {r.request_id}: {missing} layers of KV missing")
-        r.state = "ready"
-        self.metrics.on_kv_received(nbytes)
-        return _reply(rpc.PushResponse(request_id=r.request_id, layers=len(r.layers)))
+        except (ClientDisconnect, EOFError) as e:
+            intake.broken(f"the KV transfer broke off ({e or type(e).__name__})")
+            return Response(status_code=499)
 
     async def rpc_decode(self, request: Request, body: rpc.DecodeRequest) -> Response:
         r = self._reservations.get(body.request_id)
@@ -326,7 +310,7 @@ class PDNode:
         if status != 200:
             self.metrics.pd_event("reserve_refused")
             raise PeerError(f"the decode node {peer} refused the request ({status}): {reply.message}")
-        relay = Relay(self, request_id, prompt, params, peer, reply.lease_seconds)
+        relay = Relay(self, request_id, prompt, params, peer, reply)
         self._relays[request_id] = relay
         relay.task = asyncio.create_task(relay.run())
         return relay
@@ -356,6 +340,8 @@ class PDNode:
     async def close(self) -> None:
         for relay in list(self._relays.values()):
             relay.close()
+        if self._kv_server is not None:
+            self._kv_server.close()
         if self._http is not None:
             await self._http.aclose()
 
@@ -368,6 +354,150 @@ def _engine_id(request_id: str) -> str:
     return f"pd-{request_id}"
 
 
+class _Refused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class _Intake:
+    """One push of one request's KV into its reservation, whichever transport carries the frames
+    (HTTP push_kv or the KV port). Every frame renews the lease; a layer is written into the
+    reserved blocks the moment its bytes are in."""
+
+    def __init__(self, node: PDNode):
+        self.node = node
+        self.r: _Reservation | None = None
+        self.nbytes = 0
+
+    def header(self, head: rpc.KVFrame, key: str | None) -> int:
+        """Check a frame header; the payload bytes to read next (0 for a heartbeat). _Refused says why not.
+        key: the reservation's KV key, required on the KV port (None: authenticated otherwise)."""
+        node = self.node
+        if self.r is None:
+            r = node._reservations.get(head.request_id)
+            if r is None or r.state != "reserved":
+                raise _Refused(404, f"request {head.request_id} has no reservation here (never made, expired "
+                               f"or aborted)")
+            if key is not None and not hmac.compare_digest(key.encode(), r.kv_key.encode()):
+                raise _Refused(401, f"wrong KV key for request {head.request_id}")
+            r.state = "receiving"
+            self.r = r
+        elif head.request_id != self.r.request_id:
+            raise _Refused(400, "one push carries one request's KV")
+        r = self.r
+        if r.state != "receiving":  # expired or aborted meanwhile: the blocks are no longer ours
+            raise _Refused(410, f"request {r.request_id}'s reservation ended during the transfer")
+        r.deadline = time.monotonic() + node.lease_seconds
+        if head.layer == rpc.HEARTBEAT and head.nbytes == 0:
+            return 0
+        layers = node.layout.layers
+        expected = len(r.prompt) * node.layout.token_bytes(head.layer) if 0 <= head.layer < len(layers) else -1
+        if head.num_tokens != len(r.prompt) or head.nbytes != expected:
+            raise _Refused(400, f"layer {head.layer}: {head.num_tokens} tokens in {head.nbytes} bytes; expected "
+                           f"{len(r.prompt)} tokens in {expected} bytes")
+        return head.nbytes
+
+    def payload(self, head: rpc.KVFrame, data) -> None:
+        r = self.r
+        if r.state != "receiving":
+            raise _Refused(410, f"request {r.request_id}'s reservation ended during the transfer")
+        self.node.engine.engine.write_kv(head.layer, r.blocks, head.num_tokens, data)
+        r.layers.add(head.layer)
+        r.deadline = time.monotonic() + self.node.lease_seconds
+        self.nbytes += head.nbytes
+
+    def finish(self) -> rpc.PushResponse:
+        r, layers = self.r, len(self.node.layout.layers)
+        if r is None:
+            raise _Refused(400, "the push carried no KV frame")
+        if len(r.layers) != layers:
+            raise _Refused(400, f"request {r.request_id}: {layers - len(r.layers)} of {layers} layers of KV missing")
+        r.state = "ready"
+        self.node.metrics.on_kv_received(self.nbytes)
+        return rpc.PushResponse(request_id=r.request_id, layers=layers)
+
+    def broken(self, why: str) -> None:
+        """The push failed: unless all its KV is in, the reservation's blocks go back now."""
+        r, node = self.r, self.node
+        if r is not None and r.state == "receiving" and node._reservations.get(r.request_id) is r:
+            del node._reservations[r.request_id]
+            node.metrics.pd_event("push_broken")
+            node._drop_reservation(r, why)
+
+
+class _KVPort(asyncio.BufferedProtocol):
+    """The decode node's KV port: frames as on push_kv, on a bare TCP connection, received
+    straight into each frame's own buffer (no copy between the socket and the cache write but
+    the write itself). The first frame carries the reservation's KV key. One reply frame (a
+    PushResponse or an RPCError) ends the connection."""
+
+    def __init__(self, node: PDNode):
+        self.node = node
+        self.intake = _Intake(node)
+        self.transport = None
+        self.head: rpc.KVFrame | None = None
+        self._expect(4, "length")
+        self.done = False
+
+    def _expect(self, n: int, what: str) -> None:
+        self.buf = bytearray(n)
+        self.view = memoryview(self.buf)
+        self.have = 0
+        self.what = what
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # fewer, larger reads: a layer is megabytes
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+
+    def get_buffer(self, sizehint: int):
+        return self.view[self.have:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.have += nbytes
+        try:
+            while self.have == len(self.buf) and not self.done:
+                self._complete()
+        except _Refused as e:
+            self._end(rpc.RPCError(status=e.status, message=e.message))
+        except rpc.BadRequest as e:
+            self._end(rpc.RPCError(status=400, message=str(e)))
+        except Exception as e:  # a bug: this push fails, the node stays up
+            log.exception("KV port failed")
+            self._end(rpc.RPCError(status=500, message=f"internal error: {e!r}"))
+
+    def _complete(self) -> None:
+        if self.what == "length":
+            (n,) = rpc.LENGTH.unpack(self.buf)
+            if n > rpc.MAX_HEADER_BYTES:
+                raise rpc.BadRequest(f"a frame header of {n} bytes")
+            self._expect(n, "header")
+        elif self.what == "header":
+            self.head = rpc.decode(rpc.KVFrame, self.buf)
+            if self.head.layer == rpc.END and self.head.nbytes == 0:
+                self._end(self.intake.finish())
+                return
+            n = self.intake.header(self.head, key=self.head.key if self.intake.r is None else None)
+            self._expect(n, "payload") if n else self._expect(4, "length")
+        else:
+            self.intake.payload(self.head, self.buf)
+            self._expect(4, "length")
+
+    def _end(self, reply) -> None:
+        self.done = True
+        if isinstance(reply, rpc.RPCError):
+            self.intake.broken(reply.message)
+        self.transport.write(rpc.frame(reply))
+        self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if not self.done:
+            self.done = True
+            self.intake.broken(f"the KV connection dropped ({exc or 'closed'})")
+
+
 @dataclass
 class _Reservation:
     request_id: str
@@ -376,6 +506,7 @@ class _Reservation:
     params: SamplingParams
     blocks: np.ndarray
     deadline: float
+    kv_key: str = field(default_factory=lambda: secrets.token_hex(16))
     state: str = "reserved"  # reserved -> receiving -> ready (decode takes it); dropped
     layers: set[int] = field(default_factory=set)
 
@@ -388,11 +519,13 @@ class _Sink:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.first: tuple[int, dict[int, float] | None, int] | None = None
+        self.sampled_at = 0.0
 
     def put_layer(self, layer: int, kv) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (layer, kv))
 
     def finish(self, token: int, logprobs, num_cached_tokens: int) -> None:
+        self.sampled_at = time.monotonic()  # the prefill's last layer is done: every layer is queued
         self.first = (token, logprobs, num_cached_tokens)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
@@ -403,10 +536,11 @@ class Relay(Stream):
     engine when the first token already ends the request)."""
 
     def __init__(self, node: PDNode, request_id: str, prompt: list[int], params: SamplingParams, peer: str,
-                 lease_seconds: float):
+                 reservation: rpc.ReserveResponse):
         super().__init__(node.engine, request_id, [prompt])
         self.node = node
-        self.lease_seconds = lease_seconds
+        self.reservation = reservation
+        self.lease_seconds = reservation.lease_seconds
         self.params = params
         self.peer = peer
         self.task: asyncio.Task | None = None
@@ -443,7 +577,7 @@ class Relay(Stream):
         engine = self.node.engine
         sink = _Sink(asyncio.get_running_loop())
         local = engine.submit(self.request_id, self.prompts, self.params, kv_sink=sink)
-        push = asyncio.create_task(self._push(sink))
+        push = asyncio.create_task(self._push_tcp(sink) if self.reservation.kv_port else self._push(sink))
         try:
             return await self._relay(local, sink, push)
         finally:
@@ -501,6 +635,61 @@ class Relay(Stream):
             raise PeerError(f"the decode node {self.peer} broke off the stream: {type(e).__name__}: {e}") from None
         raise PeerError(f"the decode node {self.peer} ended the stream before the request finished")
 
+    async def _push_tcp(self, sink: _Sink) -> int:
+        """Stream the KV layers to the decode node's KV port as the engine hands them over (heartbeats
+        while none comes); returns the bytes sent once the decode node acknowledged them all."""
+        host = urlsplit(self.peer).hostname or "127.0.0.1"
+        port, key = self.reservation.kv_port, self.reservation.kv_key
+        sent, started = 0, None
+
+        def control(layer: int, first: bool = False) -> bytes:
+            return rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id, layer=layer,
+                                         num_tokens=0, nbytes=0, key=key if first else ""))
+
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10.0)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise PeerError(f"the decode node's KV port {host}:{port} is unreachable: {e!r}") from None
+        writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        writer.transport.set_write_buffer_limits(high=8 << 20)  # a layer in flight without waiting
+        try:
+            writer.write(control(rpc.HEARTBEAT, first=True))
+            while True:
+                try:
+                    item = await asyncio.wait_for(sink.queue.get(), self.lease_seconds / 3)
+                except asyncio.TimeoutError:
+                    writer.write(control(rpc.HEARTBEAT))
+                    await writer.drain()
+                    continue
+                if item is None:
+                    break
+                layer, kv = item
+                started = started or time.monotonic()
+                payload = raw_view(kv).reshape(-1).view(np.uint8)
+                writer.write(rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id,
+                                                   layer=layer, num_tokens=kv.shape[1], nbytes=payload.nbytes)))
+                writer.write(payload.data)
+                await writer.drain()  # back-pressure: one layer in flight in the socket buffers at most
+                sent += payload.nbytes
+            writer.write(control(rpc.END))
+            (n,) = rpc.LENGTH.unpack(await asyncio.wait_for(reader.readexactly(4), 60.0))
+            data = await asyncio.wait_for(reader.readexactly(n), 60.0)
+        except (OSError, EOFError, asyncio.TimeoutError) as e:
+            raise PeerError(f"the KV transfer to {host}:{port} failed: {e!r}") from None
+        finally:
+            writer.close()
+        try:
+            rpc.decode(rpc.PushResponse, data)
+        except rpc.BadRequest:
+            try:
+                message = rpc.decode(rpc.RPCError, data).message
+            except rpc.BadRequest as e:
+                message = f"an unreadable reply: {e}"
+            raise PeerError(f"the decode node {self.peer} rejected the KV: {message}") from None
+        now = time.monotonic()
+        self.node.metrics.on_kv_sent(sent, now - (started or now), now - (sink.sampled_at or now))
+        return sent
+
     async def _push(self, sink: _Sink) -> int:
         """Stream the KV layers to the decode node as the engine hands them over; returns the bytes sent."""
         node = self.node
@@ -542,7 +731,8 @@ class Relay(Stream):
             except rpc.BadRequest:
                 message = response.text[:200]
             raise PeerError(f"the decode node {self.peer} rejected the KV ({response.status_code}): {message}")
-        node.metrics.on_kv_sent(sent, time.monotonic() - (started or time.monotonic()))
+        now = time.monotonic()
+        node.metrics.on_kv_sent(sent, now - (started or now), now - (sink.sampled_at or now))
         return sent
 
     def close(self) -> None:

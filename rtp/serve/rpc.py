@@ -39,7 +39,7 @@ TOKEN_HEADER = "x-rtp-rpc-token"
 PEER_HEADER = "x-rtp-decode-peer"
 
 _encoder = msgspec.msgpack.Encoder()
-_LENGTH = struct.Struct(">I")
+LENGTH = struct.Struct(">I")
 MAX_HEADER_BYTES = 16 << 20  # a reserve carries a whole prompt; nothing else comes near
 
 
@@ -88,6 +88,8 @@ class ReserveResponse(Struct, kw_only=True):
     num_blocks: int
     block_size: int
     lease_seconds: float          # renewed by every KV frame; expired, the blocks return to the pool
+    kv_port: int = 0              # the decode node's KV port (0: none, push over HTTP)
+    kv_key: str = ""              # what the first frame on the KV port must carry
 
 
 class KVFrame(Struct, kw_only=True):
@@ -98,9 +100,11 @@ class KVFrame(Struct, kw_only=True):
     layer: int
     num_tokens: int
     nbytes: int
+    key: str = ""                 # on the KV port, the first frame's: the reservation's kv_key
 
 
 HEARTBEAT = -1  # a KVFrame of this layer (no bytes) only renews the lease: the prompt is still queued or prefilling
+END = -2        # on the KV port: every layer was sent, reply now
 
 
 class PushResponse(Struct, kw_only=True):
@@ -171,7 +175,7 @@ def decode(kind: type, data: bytes | bytearray | memoryview):
 def frame(header: Struct) -> bytes:
     """A frame's length prefix and header (a KVFrame's nbytes raw bytes are to follow it)."""
     data = _encoder.encode(header)
-    return _LENGTH.pack(len(data)) + data
+    return LENGTH.pack(len(data)) + data
 
 
 def authorized(token: str | None, given: str | None) -> bool:
@@ -204,7 +208,7 @@ class FrameReader:
                 if self._buf:
                     raise EOFError("the stream ended inside a frame's length")
                 return None
-        (n,) = _LENGTH.unpack_from(self._buf)
+        (n,) = LENGTH.unpack_from(self._buf)
         if n > MAX_HEADER_BYTES:
             raise BadRequest(f"a frame header of {n} bytes (more than {MAX_HEADER_BYTES})")
         data = await self.read(4 + n)

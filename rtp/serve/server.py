@@ -38,6 +38,7 @@ class ServeOptions:
     decode_peer: str | None = None    # prefill: the decode node to hand requests to
     rpc_token: str | None = None      # shared secret of the /rpc routes
     kv_lease: float = 10.0            # decode: seconds a reservation waits for its KV
+    kv_port: int = 0                  # decode: the KV port (0: any free port; -1: none, KV over HTTP)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -94,6 +95,8 @@ async def _run(serving, options: ServeOptions) -> None:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         serving.engine.start()  # the engine thread delivers into this loop
+        if serving.pd is not None:
+            await serving.pd.open_kv_port(options.host, options.kv_port)
         try:
             yield
         finally:
