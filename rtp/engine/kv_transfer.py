@@ -131,7 +131,10 @@ class LayerTaps:
             return
         cache = self.kv_caches[layer]
         for slots, sink in self.taps:
-            sink.put_layer(layer, gather(cache, slots))
+            kv = gather(cache, slots)
+            # the sender reads host memory; on CUDA this copy waits for the layer (a side stream
+            # and an event per layer would let it overlap, not done yet)
+            sink.put_layer(layer, kv if kv.device.type == "cpu" else kv.cpu())
 
 
 class KVSink(Protocol):
