@@ -34,12 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtp.config import ModelConfig
-from rtp.distributed import tp_size
+from rtp.distributed import tp_rank, tp_size
 from rtp.models.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RMSNorm,
     RowParallelLinear,
+    _copy_checked,
 )
 from rtp.models.llama import LlamaMLP
 from rtp.models.mixtral import MixtralForCausalLM
@@ -87,6 +88,21 @@ def _deinterleave_rope_rows(linear: nn.Module, row_group: int, rope: int) -> Non
             param.weight_loader = _deinterleaving(param.weight_loader, row_group, rope)
 
 
+def _kv_b_loader(nope: int, v_head_dim: int) -> Callable:
+    """kv_b_proj's loader: this rank's heads, their key rows (all heads) then their value rows
+    (rtp/models/mla.py), from the checkpoint's per-head [H, N + V, C] rows."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        per_head = nope + v_head_dim
+        if loaded.dim() != 2 or loaded.shape[0] % (per_head * tp_size()):
+            raise ValueError(f"kv_b_proj: checkpoint shape {tuple(loaded.shape)} is not heads of {per_head} rows")
+        heads = loaded.shape[0] // per_head // tp_size()
+        w = loaded.view(-1, per_head, loaded.shape[1]).narrow(0, tp_rank() * heads, heads)
+        _copy_checked(param.data, torch.cat((w[:, :nope].flatten(0, 1), w[:, nope:].flatten(0, 1))), "kv_b_proj")
+
+    return load
+
+
 class DeepseekV3Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -113,6 +129,7 @@ class DeepseekV3Attention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim))
+        self.kv_b_proj.weight.weight_loader = _kv_b_loader(self.qk_nope_head_dim, self.v_head_dim)
         self.o_proj = RowParallelLinear(heads * self.v_head_dim, hidden, bias=bias)
         if raw.get("rope_interleave", True):
             _deinterleave_rope_rows(q_out, qk_head_dim, rope)

@@ -6,8 +6,12 @@ block_size, 1, C + R] (KVCacheSpec(1, 1, C + R)), so a token costs (C + R) * ite
 bytes per layer (DeepSeek-V3: 576 values) where multi-head attention would cache
 2 * heads * head_dim (DeepSeek-V3's 128 heads: 40960 values).
 
-kv_b_proj, W [H * (N + V), C], expands a latent into each head's key part, W_UK [H, N, C]
-(N = qk_nope_head_dim), and value, W_UV [H, V, C]. A head's score for a cached token is
+kv_b_proj expands a latent into each head's key part, W_UK [H, N, C] (N = qk_nope_head_dim),
+and value, W_UV [H, V, C]. The checkpoint interleaves them per head ([H, N + V, C]); the
+loader stores them apart, W = [W_UK as [H * N, C] | W_UV as [H * V, C]] (the same rows
+reordered), so decode reads each as one contiguous [H, *, C] batch of matrices (bmm over a
+strided batch ran slower in bf16 on this CPU) and prefill's one matmul still yields every
+head's key part and value. A head's score for a cached token is
 q_nope . (W_UK c) + q_pe . k_pe = (W_UK^T q_nope) . c + q_pe . k_pe, and its output is
 W_UV (sum_j p_j c_j), so attention can run in either form:
 
@@ -34,13 +38,11 @@ from rtp.models.attention import KVCacheSpec, causal_attention, get_forward_cont
 
 
 def absorbed_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, w_kv_b: torch.Tensor, v_head_dim: int, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per row: q_nope [B, H, N], q_pe [B, H, R], cache [blocks, block_size, C + R],
-    w_kv_b [H * (N + V), C] -> [B, H, V]."""
-    b, heads, nope = q_nope.shape
-    latent_dim = w_kv_b.shape[1]
-    w = w_kv_b.view(heads, nope + v_head_dim, latent_dim)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]                           # [H, N, C], [H, V, C]
+    w_uk [H, N, C], w_uv [H, V, C] -> [B, H, V]."""
+    b = q_nope.shape[0]
+    latent_dim = w_uk.shape[2]
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
     q = torch.cat((q_latent, q_pe), dim=-1)                         # [B, H, C + R]
     # index_select on the flat table: 2-3x faster than advanced indexing on the CPU
@@ -76,23 +78,26 @@ class MLAAttention(nn.Module):
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                 kv_b_proj: nn.Module) -> torch.Tensor:
         """q_nope [T, H, N], q_pe [T, H, R] (rotated), latent [T, C] (normed), k_pe [T, R] (rotated);
-        kv_b_proj: the layer's C -> H * (N + V) projection. Returns [T, H * V]."""
+        kv_b_proj: the layer's C -> H * (N + V) projection, rows [W_UK | W_UV] (module docstring).
+        Returns [T, H * V]."""
         meta = get_forward_context()
         cache = self.kv_cache[0, :, :, 0]  # [blocks, block_size, C + R]
         width = cache.shape[-1]
         cache.view(-1, width).index_copy_(0, meta.slot_mapping, torch.cat((latent, k_pe), dim=-1).to(cache.dtype))
         q_nope, q_pe = q_nope.to(cache.dtype), q_pe.to(cache.dtype)
+        heads, nope, rope = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
         nd = meta.num_decode
         parts = []
         if nd:
+            w_uk, w_uv = kv_b_proj.weight.split([heads * nope, heads * self.v_head_dim])
             parts.append(absorbed_decode(q_nope[:nd], q_pe[:nd], cache, meta.decode_block_tables,
-                                         meta.decode_seq_lens, kv_b_proj.weight, self.v_head_dim, self.scale))
-        heads, nope, rope = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+                                         meta.decode_seq_lens, w_uk.view(heads, nope, -1),
+                                         w_uv.view(heads, self.v_head_dim, -1), self.scale))
         for row in meta.prefill:
             context = cache[row.block_ids].flatten(0, 1)[:row.context_len]  # [L, C + R]
             length = context.shape[0]
-            kv = kv_b_proj(context[:, :self.kv_lora_rank]).view(length, heads, nope + self.v_head_dim)
-            k_nope, v = kv.split([nope, self.v_head_dim], dim=-1)
+            k_nope, v = kv_b_proj(context[:, :self.kv_lora_rank]).split([heads * nope, heads * self.v_head_dim], dim=-1)
+            k_nope, v = k_nope.view(length, heads, nope), v.view(length, heads, self.v_head_dim)
             k = torch.cat((k_nope, context[:, None, self.kv_lora_rank:].expand(length, heads, rope)), dim=-1)
             rows = slice(row.query_start, row.query_end)
             q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
