@@ -97,7 +97,7 @@ def _kv_b_loader(nope: int, v_head_dim: int) -> Callable:
         if loaded.dim() != 2 or loaded.shape[0] % (per_head * tp_size()):
             raise ValueError(f"kv_b_proj: checkpoint shape {tuple(loaded.shape)} is not heads of {per_head} rows")
         heads = loaded.shape[0] // per_head // tp_size()
-        w = loaded.view(-1, per_head, loaded.shape[1]).narrow(0, tp_rank() * heads, heads)
+        w = loaded.reshape(-1, per_head, loaded.shape[1]).narrow(0, tp_rank() * heads, heads)
         _copy_checked(param.data, torch.cat((w[:, :nope].flatten(0, 1), w[:, nope:].flatten(0, 1))), "kv_b_proj")
 
     return load
