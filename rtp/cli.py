@@ -144,6 +144,51 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def _route(args: argparse.Namespace) -> int:
+    """Run the FlexLB master until SIGTERM or Ctrl-C."""
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from rtp.serve.flexlb import RouteOptions, route
+
+    beta = args.beta
+    if beta != "auto":
+        try:
+            beta = float(beta)
+        except ValueError:
+            print(f"rtp route: --beta must be a number in [0, 1] or 'auto', got {beta!r}", file=sys.stderr)
+            return 2
+    options = RouteOptions(prefill=args.prefill, decode=args.decode, collocated=args.collocated,
+                           policy=args.policy, beta=beta, gamma=args.gamma, rpc_token=args.rpc_token,
+                           poll_interval=args.poll_interval, request_timeout=args.request_timeout,
+                           retries=args.retries, host=args.host, port=args.port)
+    try:
+        options.validate()
+        from rtp.serve.routing import Router
+
+        Router(options.policy, beta=options.beta)  # a bad policy or beta fails here, before loading
+        tokenizer = _route_tokenizer(args.model)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"rtp route: {e}", file=sys.stderr)
+        return 2
+    return route(options, tokenizer)
+
+
+def _route_tokenizer(model: str | None):
+    """The tokenizer the workers use, so the master's prefix view is in their tokens."""
+    from pathlib import Path
+
+    from rtp.engine.tokenizer import Tokenizer
+
+    if model is None:
+        from rtp.engine.default_model import default_model_path
+
+        return Tokenizer.from_pretrained(default_model_path())
+    return Tokenizer.from_pretrained(Path(model).expanduser())
+
+
 def _convert(args: argparse.Namespace) -> int:
     """Rewrite a checkpoint as safetensors in the model's order, with config and tokenizer files."""
     import logging
@@ -282,6 +327,42 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode node: the TCP port prefill nodes stream KV to, announced in each reservation "
                    "(default 0: any free port; -1: none, KV goes over HTTP push_kv, which any proxy carries)")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser(
+        "route", help="the FlexLB master: route OpenAI requests to prefill/decode or collocated workers",
+        description="An OpenAI-compatible front for a cluster of `rtp serve` workers. Each request goes to "
+        "the prefill worker maximising beta * (prefix it holds) / |prompt| - (1 - beta) * (queue time), and "
+        "the decode worker with the most free KV net of what its running requests are expected to generate "
+        "(--gamma); with --collocated workers only, to the best collocated one by the same prefill rule. "
+        "Worker stats come from their /rpc/stats; a failed worker leaves the pool until it answers again, "
+        "and a request that had not started streaming is retried once elsewhere.",
+        epilog="example: rtp route --prefill http://p1:8000 http://p2:8000 --decode http://d1:8000 "
+        "--rpc-token $TOKEN --beta auto")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers (rtp serve --role prefill)")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers (rtp serve --role decode)")
+    p.add_argument("--collocated", nargs="+", default=[], metavar="URL",
+                   help="collocated workers (plain rtp serve), used when no prefill/decode pair is given")
+    p.add_argument("--policy", default="flexlb", choices=["flexlb", "round-robin", "least-loaded", "cache-aware"],
+                   help="routing policy (default flexlb; the others are for comparison)")
+    p.add_argument("--beta", default="0.65",
+                   help="FlexLB's weight of prefix affinity against queue time, in [0, 1], or 'auto' to tune "
+                   "it online from the observed prefix sharing and queue imbalance (default 0.65)")
+    p.add_argument("--gamma", type=float, default=1.0,
+                   help="decode choice: weight of the tokens running requests are still expected to generate "
+                   "against free KV tokens (default 1.0)")
+    p.add_argument("--model", default=None,
+                   help="the workers' model (its tokenizer and chat template; default: the default model)")
+    p.add_argument("--rpc-token", default=None, help="the workers' --rpc-token (stats RPC and P/D hand-off)")
+    p.add_argument("--poll-interval", type=float, default=0.5, metavar="SECONDS",
+                   help="seconds between stats polls of every worker (default 0.5)")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="longest a proxied request may take (default 600)")
+    p.add_argument("--retries", type=int, default=1,
+                   help="times a request that failed before streaming is retried on another worker (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_route)
 
     p = sub.add_parser(
         "convert", help="rewrite a checkpoint (HF safetensors or GGUF) as safetensors in the model's order",

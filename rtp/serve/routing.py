@@ -189,32 +189,35 @@ def _first_block(tokens, block_size: int) -> bytes | None:
 
 
 class AutoBeta:
-    """Online beta: lean on cache affinity when prompts share prefixes, on queues when
-    they are imbalanced.
+    """Online beta: lean on cache affinity as much as the traffic's prefix sharing pays for,
+    and back off when that piles the queue onto few workers.
 
-    The rule of thumb (0.65 for heavily shared system prompts, 0.30 for little
-    commonality) becomes a line through those two points over the observed
-    sharing ratio s (the share of prompt tokens some worker already holds, a
-    moving average), pulled down while queue times are imbalanced across workers
-    (coefficient of variation above 0.5): affinity is worth little when it
-    piles requests onto one worker.
+    The seed's rule of thumb -- about 0.65 for heavily shared system prompts, 0.30 for
+    little commonality -- becomes a line over the observed sharing ratio s (the share of
+    each prompt the best-placed worker already holds, a moving average). In this
+    router's units (the queue term measured against R's own prefill time, or the mean
+    queue) the line runs from 0.5 at s = 0, where the score is plain estimated time to
+    first token, to 0.9 at s >= 0.8: `rtp simulate`'s beta sweeps put the best fixed
+    beta at 0.5-0.65 for low sharing and 0.65-0.9 for heavy sharing. A queue imbalance
+    (coefficient of variation of queue time across workers) past 1.5 -- most of the
+    queue on a few workers, the way affinity fails -- pulls beta down.
     """
 
-    def __init__(self, low: float = 0.30, high: float = 0.65, halflife: int = 200):
+    def __init__(self, low: float = 0.5, high: float = 0.9, halflife: int = 200):
         self.low, self.high = low, high
         self.alpha = 1 - 0.5 ** (1 / halflife)
         self.sharing = 0.0
         self.imbalance = 0.0
-        self.beta = 0.5 * (low + high)
+        self.beta = low
 
     def observe(self, best_hit_ratio: float, queue_cv: float) -> float:
         a = self.alpha
         self.sharing += a * (best_hit_ratio - self.sharing)
         self.imbalance += a * (queue_cv - self.imbalance)
-        s = min(1.0, self.sharing / 0.5)   # half the prompt shared already counts as heavy sharing
+        s = min(1.0, self.sharing / 0.8)
         beta = self.low + (self.high - self.low) * s
-        beta -= 0.3 * max(0.0, self.imbalance - 0.5)
-        self.beta = min(0.9, max(0.05, beta))
+        beta -= 0.2 * max(0.0, self.imbalance - 1.5)
+        self.beta = min(0.95, max(0.05, beta))
         return self.beta
 
 
