@@ -228,6 +228,78 @@ def measure_ttft(prefill: Node, ctx: int, repeat: int, vocab: int, transfer_s: f
             "hidden_fraction": min(1.0, max(0.0, 1 - tail / transfer_s))}
 
 
+def mixed_requests(n: int, long_every: int, long_len: int, short_len: int, vocab: int, seed: int):
+    """Every long_every-th request a long prompt (long_len tokens, 16 out), the others short
+    (short_len tokens, 64 out): the workload where a collocated node's prefills stall its decodes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        long = i % long_every == 0
+        out.append(("long" if long else "short",
+                    {"prompt": rng.integers(100, vocab - 1, size=long_len if long else short_len).tolist(),
+                     "max_tokens": 16 if long else 64, "ignore_eos": True, "temperature": 0, "stream": True,
+                     "stream_options": {"include_usage": True}}))
+    return out
+
+
+async def drive(urls: list[str], model: str, requests, rate: float, seed: int):
+    """Send the requests at Poisson arrivals, request i to urls[i % len(urls)] (round robin: what a
+    load balancer in front of collocated nodes does), timing each with `rtp bench serve`'s client."""
+    import msgspec
+
+    from rtp.bench.serve import _send
+
+    rng = np.random.default_rng(seed + 1)
+    headers = {"Content-Type": "application/json"}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=httpx.Limits(max_connections=256)) as client:
+        tasks = []
+        for i, (kind, body) in enumerate(requests):
+            url = urls[i % len(urls)] + "/v1/completions"
+            tasks.append((kind, asyncio.create_task(_send(client, url, headers,
+                                                          msgspec.json.encode({**body, "model": model})))))
+            await asyncio.sleep(rng.exponential(1.0 / rate))
+        return [(kind, await task) for kind, task in tasks]
+
+
+def p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99)) if values else float("nan")
+
+
+def run_mixed(args) -> list[dict]:
+    """2 collocated nodes (round robin) against 1 prefill + 1 decode node, same requests."""
+    common = ["--max-model-len", str(args.mixed_long + 128), "--kv-cache-memory", "512MiB"]
+    requests = mixed_requests(args.mixed_requests, 4, args.mixed_long, 64, 49152, seed=2)
+    out = []
+    for setup in ("2 collocated", "1 prefill + 1 decode"):
+        if setup == "2 collocated":
+            nodes = [Node(*common), Node(*common)]
+            urls = [n.url for n in nodes]
+        else:
+            decode = Node("--role", "decode", *common)
+            nodes = [decode, Node("--role", "prefill", "--decode-peer", decode.url, *common)]
+            urls = [nodes[1].url]
+        try:
+            for n in nodes:
+                n.wait()
+            model = httpx.get(urls[0] + "/v1/models", timeout=30).json()["data"][0]["id"]
+            asyncio.run(drive(urls, model, mixed_requests(2, 2, 256, 64, 49152, seed=9), 10.0, 0))  # warm up
+            start = time.perf_counter()
+            results = asyncio.run(drive(urls, model, requests, args.mixed_rate, 0))
+            duration = time.perf_counter() - start
+        finally:
+            for n in nodes:
+                n.stop()
+        ok = [(k, r) for k, r in results if r.ok]
+        row = {"setup": setup, "requests": len(results), "failed": len(results) - len(ok), "duration_s": duration,
+               "output_tok_per_s": sum(r.output_tokens for _, r in ok) / duration}
+        for kind in ("short", "long", "all"):
+            chosen = [r for k, r in ok if kind in ("all", k)]
+            row[f"p99_ttft_{kind}_ms"] = p99([r.ttft for r in chosen]) * 1e3
+            row[f"p99_tbt_{kind}_ms"] = p99([gap for r in chosen for gap in r.itl]) * 1e3
+        out.append(row)
+    return out
+
+
 def run_shape(name: str, model_args: list[str], ctx: int, repeat: int, vocab: int, kv_memory: str) -> dict:
     common = ["--no-compile", "--max-model-len", str(ctx + 64), "--kv-cache-memory", kv_memory,
               "--max-num-seqs", "4", "--no-enable-prefix-caching", *model_args]
@@ -249,7 +321,17 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=2048, help="context tokens (default 2048)")
     p.add_argument("--repeat", type=int, default=5, help="measurements per figure (default 5; medians)")
     p.add_argument("--skip-large", action="store_true", help="only the default model")
+    p.add_argument("--mixed", action="store_true", help="also: a mixed workload on 2 collocated nodes vs 1P+1D")
+    p.add_argument("--mixed-only", action="store_true", help="only the mixed workload")
+    p.add_argument("--mixed-requests", type=int, default=24, help="mixed: requests (every 4th long; default 24)")
+    p.add_argument("--mixed-long", type=int, default=1536, help="mixed: tokens of a long prompt (default 1536)")
+    p.add_argument("--mixed-rate", type=float, default=1.0, help="mixed: requests per second (default 1)")
     args = p.parse_args()
+    if args.mixed_only:
+        mixed = run_mixed(args)
+        print_mixed(mixed)
+        print(json.dumps({"bench": "pd-mixed", "results": mixed}))
+        return 0
     results = [run_shape("default (SmolLM2-135M)", [], args.ctx, args.repeat, 49152, "512MiB")]
     if not args.skip_large:
         path = random_llama(Path(tempfile.gettempdir()) / "rtp-bench-pd-llama")
@@ -262,8 +344,20 @@ def main() -> int:
               f"{r['http_gb_per_s_median']:>9.2f} {r['tcp_push_s_median']:>7.3f} {r['ttft_collocated_s']:>9.3f} "
               f"{r['ttft_pd_s']:>8.3f} {r['tail_s']:>7.3f} {r['tail_share_of_ttft']:>9.1%} "
               f"{r['hidden_fraction']:>7.0%} {r['exposed_s']:>8.3f}")
-    print(json.dumps({"bench": "pd", "ctx": args.ctx, "results": results}))
+    mixed = run_mixed(args) if args.mixed else []
+    if mixed:
+        print_mixed(mixed)
+    print(json.dumps({"bench": "pd", "ctx": args.ctx, "results": results, "mixed": mixed}))
     return 0
+
+
+def print_mixed(rows: list[dict]) -> None:
+    print(f"{'setup':<22} {'ok':>4} {'tok/s':>6} {'P99 TTFT short':>14} {'P99 TTFT long':>13} "
+          f"{'P99 TBT short':>13} {'P99 TBT all':>11}")
+    for r in rows:
+        print(f"{r['setup']:<22} {r['requests'] - r['failed']:>4} {r['output_tok_per_s']:>6.1f} "
+              f"{r['p99_ttft_short_ms']:>12.0f}ms {r['p99_ttft_long_ms']:>11.0f}ms {r['p99_tbt_short_ms']:>11.0f}ms "
+              f"{r['p99_tbt_all_ms']:>9.0f}ms")
 
 
 if __name__ == "__main__":
