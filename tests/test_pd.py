@@ -17,16 +17,42 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgspec
+import numpy as np
 import openai
 import pytest
+import torch
 from test_serve import MODEL, Server, _free_port, metrics
 
+from rtp.engine.kv_transfer import gather, layout_of, raw_view, scatter, token_slots
 from rtp.sampling_params import SamplingParams
 from rtp.serve import rpc
 
 TOKEN = "pd-test-secret"
 COMMON = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "96MiB", "--max-num-seqs", "16")
 LEASE = 2.0
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs", "n"), [(16, 16, 64), (16, 8, 61), (4, 16, 33), (16, 32, 5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_moves_token_major_between_block_sizes(src_bs, dst_bs, n, dtype):
+    """Gather on one node, raw bytes on the wire, scatter on the other: the layout conversion."""
+    rng = np.random.default_rng(n)
+    src = torch.randn(2, 40, src_bs, 3, 8).to(dtype)
+    dst = torch.zeros(2, 80, dst_bs, 3, 8, dtype=dtype)
+    src_blocks = rng.permutation(np.arange(1, 40))[: -(-n // src_bs)]
+    dst_blocks = rng.permutation(np.arange(1, 80))[: -(-n // dst_bs)]
+    kv = gather(src, token_slots(src_blocks, src_bs, n))
+    wire = raw_view(kv).tobytes()
+    scatter(dst, token_slots(dst_blocks, dst_bs, n), wire)
+    assert torch.equal(gather(dst, token_slots(dst_blocks, dst_bs, n)), kv)
+    pos = np.arange(n)  # token t of the request sits in its block t // bs at offset t % bs
+    assert torch.equal(dst[:, dst_blocks[pos // dst_bs], pos % dst_bs], src[:, src_blocks[pos // src_bs], pos % src_bs])
+    untouched = np.setdiff1d(np.arange(80), dst_blocks)
+    assert not dst[:, untouched].any()
+    layout = layout_of([src])
+    assert layout.token_bytes(0) * n == len(wire)
+    assert layout.mismatch(layout_of([dst])) is None
+    assert "dtype" in layout.mismatch(layout_of([dst.to(torch.float16)]))
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +191,7 @@ def test_a_first_token_that_ends_the_request_is_answered_by_the_prefill_node(nod
 
 def test_logprobs_and_usage_cross_the_pair(nodes, clients):
     pd, colo = clients
-    args = dict(model=MODEL, prompt="Water boils at", temperature=0, max_tokens=6, logprobs=2)
+    args = {"model": MODEL, "prompt": "Water boils at", "temperature": 0, "max_tokens": 6, "logprobs": 2}
     a, b = pd.completions.create(**args), colo.completions.create(**args)
     assert a.choices[0].logprobs.tokens == b.choices[0].logprobs.tokens
     assert a.choices[0].logprobs.token_logprobs == pytest.approx(b.choices[0].logprobs.token_logprobs, abs=1e-3)
@@ -185,7 +211,7 @@ def test_rpc_routes_want_the_token_and_well_formed_bodies(nodes):
     status, e = call(d.url, "/rpc/abort", msgspec.msgpack.encode({"version": 1, "request_id": 7}))
     assert status == 400 and "request_id" in e.message
     layout = stats(d).kv_layout
-    reserve = dict(version=1, request_id="r-bad", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4))
+    reserve = {"version": 1, "request_id": "r-bad", "prompt_token_ids": [1, 2, 3], "params": SamplingParams(max_tokens=4)}
     status, e = call(d.url, "/rpc/reserve", rpc.ReserveRequest(**reserve, kv_layout=rpc.KVLayout("bfloat16",
                                                                                                  layout.layers)))
     assert status == 400 and "dtype bfloat16" in e.message

@@ -14,10 +14,16 @@ For each shape (the default model, and a random Llama with a larger KV per token
    TTFT(pd) - TTFT(collocated) is what the client waited for it, the rest was hidden behind the
    prefill of later layers (layers are sent as each one's attention has written its KV).
 
+3. with --mixed (or --mixed-only): the same mixed workload (every 4th request a long prompt,
+   the others short, Poisson arrivals) against 2 collocated nodes, requests dealt round robin as
+   a load balancer would, and against 1 prefill + 1 decode node; P99 TTFT and P99 time between
+   tokens (TBT) of each, timed by `rtp bench serve`'s client (`rtp bench serve` itself targets one
+   URL, so it cannot deal requests over two nodes).
+
 Prints a table, then one line of JSON. Every node shares this machine's cores with the others
 and with this client: read the figures as what loopback on this machine gives, not a network.
 
-    python tools/bench_pd.py [--ctx 2048] [--repeat 5] [--skip-large]
+    python tools/bench_pd.py [--ctx 2048] [--repeat 5] [--skip-large] [--mixed | --mixed-only]
 """
 
 from __future__ import annotations
