@@ -52,7 +52,8 @@ def _generate(args: argparse.Namespace) -> int:
                                 max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
         # one prompt: one decode bucket to compile, not seven
         engine = dict(model=args.model, dtype=args.dtype, compile=args.compile, max_model_len=args.max_model_len,
-                      max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
+                      max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
+                      **_eplb_config(args))
         if _follows_rank_0(engine):
             return 0
         llm = LLM(**engine)
@@ -131,7 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
                               tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
                               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-                              compile=args.compile, seed=args.seed)
+                              compile=args.compile, seed=args.seed, **_eplb_config(args))
         config.validate()
         options = ServeOptions(host=args.host, port=args.port, served_model_names=args.served_model_name,
                                api_key=args.api_key, max_body_bytes=args.max_body_bytes,
@@ -217,6 +218,34 @@ def _bench(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _add_eplb_arguments(p: argparse.ArgumentParser) -> None:
+    """EPLB's flags, named as vLLM names them (README, "EPLB")."""
+    p.add_argument("--enable-eplb", action="store_true",
+                   help="MoE models: replicate and rebalance experts from their measured load while serving")
+    p.add_argument("--eplb-window-size", type=int, default=1000, metavar="STEPS",
+                   help="engine steps whose expert load a plan is made from (default 1000)")
+    p.add_argument("--eplb-step-interval", type=int, default=3000, metavar="STEPS",
+                   help="engine steps between rebalances (default 3000)")
+    p.add_argument("--num-redundant-experts", type=int, default=None, metavar="N",
+                   help="spare expert slots per MoE layer for replicas (default: --eplb-replica-share of "
+                        "the experts), capped by --eplb-memory-cap")
+    p.add_argument("--eplb-replica-share", type=float, default=0.05, metavar="FRACTION",
+                   help="experts to replicate, as a share of all (default 0.05: the top 5 %%)")
+    p.add_argument("--eplb-memory-cap", type=float, default=0.15, metavar="FRACTION",
+                   help="most replica memory, as a share of the memory free beside the weights (default 0.15)")
+    p.add_argument("--eplb-kv-pressure", type=float, default=0.85, metavar="FRACTION",
+                   help="KV cache usage above which replicas are dropped (default 0.85)")
+    p.add_argument("--eplb-num-ranks", type=int, default=0, metavar="N",
+                   help="ranks to balance over in one process (with --ep: the EP ranks; default: the "
+                        "largest of 8, 4, 2 that leaves each rank two experts or more)")
+
+
+def _eplb_config(args: argparse.Namespace) -> dict:
+    names = ("enable_eplb", "eplb_window_size", "eplb_step_interval", "num_redundant_experts",
+             "eplb_replica_share", "eplb_memory_cap", "eplb_kv_pressure", "eplb_num_ranks")
+    return {name: getattr(args, name) for name in names}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rtp",
@@ -256,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1,
                    help="split each MoE layer's experts over this many processes (default 1): 1 or "
                         "the --tp size, or with --tp 1 attention runs replicated on every rank")
+    _add_eplb_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     p.set_defaults(func=_generate)
 
@@ -289,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1,
                    help="split each MoE layer's experts over this many processes (default 1): 1 or "
                         "the --tp size, or with --tp 1 attention runs replicated on every rank")
+    _add_eplb_arguments(p)
     p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=512,
                    help="prompt tokens a step may take while other requests decode; smaller keeps "
                         "inter-token latency low, larger prefills faster (default 512, 0: up to "

@@ -173,6 +173,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # ranks as tensor parallelism (each size is 1 or the number of ranks); with tp 1 every rank
     # runs attention on the same tokens and only the experts are split
     expert_parallel_size: int = 1
+    # EPLB while serving (rtp/engine/expert_balancer.py), named as vLLM names them: every
+    # eplb_step_interval engine steps, the experts' loads over the last eplb_window_size steps
+    # make a new placement and the weights move between steps
+    enable_eplb: bool = False
+    eplb_window_size: int = 1000
+    eplb_step_interval: int = 3000
+    # spare slots per MoE layer for replicas; None: eplb_replica_share of the experts (rounded up
+    # to a multiple of the ranks), as many as eplb_memory_cap of the free memory pays for
+    num_redundant_experts: int | None = None
+    eplb_replica_share: float = 0.05
+    eplb_memory_cap: float = 0.15
+    # KV cache usage above which the next plan has no replicas (replicas are dropped first)
+    eplb_kv_pressure: float = 0.85
+    # ranks the planner balances over in one process (logical ranks; with --ep N: N). 0: the
+    # largest of 8, 4, 2 that leaves each rank two experts or more
+    eplb_num_ranks: int = 0
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"):
@@ -194,5 +210,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        for name in ("eplb_window_size", "eplb_step_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("eplb_replica_share", "eplb_memory_cap", "eplb_kv_pressure"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be between 0 and 1, got {getattr(self, name)}")
+        if (self.num_redundant_experts or 0) < 0 or self.eplb_num_ranks < 0:
+            raise ValueError("num_redundant_experts and eplb_num_ranks must not be negative")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be fcfs or lpm, got {self.scheduling_policy!r}")

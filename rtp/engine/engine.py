@@ -29,6 +29,7 @@ from rtp.distributed import (
     world_size,
 )
 from rtp.engine.checkpoint import open_checkpoint
+from rtp.engine.expert_balancer import ExpertBalancer, spare_slots_for
 from rtp.engine.kv_cache import num_kv_blocks
 from rtp.engine.kv_transfer import KVLayout, KVSink, LayerTaps, layout_of, scatter, token_slots
 from rtp.engine.loader import load_model
@@ -36,6 +37,7 @@ from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SamplingBatch
 from rtp.engine.tensor_parallel import PlanChannel, spawn_followers, threads_per_rank
 from rtp.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from rtp.models.moe import FusedMoE
 from rtp.sampling_params import SamplingParams
 
 log = logging.getLogger("rtp.engine")
@@ -149,7 +151,8 @@ class LLMEngine:
             raise ValueError(f"tensor_parallel_size {tp} and expert_parallel_size {ep}, but the process group "
                              f"has tp {tp_size()} and ep {ep_size()}")
         self.model_path = path
-        self.model, self.model_config = load_model(path, self.dtype, self.device)
+        eplb_ranks, spare = self._eplb_slots(path) if config.enable_eplb else (0, 0)
+        self.model, self.model_config = load_model(path, self.dtype, self.device, redundant_experts=spare)
         self.tokenizer = Tokenizer.from_pretrained(path)
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 8192),
@@ -180,6 +183,11 @@ class LLMEngine:
         if world_size() > 1:
             self._channel = PlanChannel(self.runner.plan)
         self.warmup_seconds = self.runner.warmup(progress=sys.stderr.isatty())
+        self.balancer: ExpertBalancer | None = None
+        if eplb_ranks:  # after warm-up: its dummy steps are no traffic
+            self.balancer = ExpertBalancer([m for m in self.model.modules() if isinstance(m, FusedMoE)],
+                                           num_ranks=eplb_ranks, window=config.eplb_window_size,
+                                           interval=config.eplb_step_interval, kv_pressure=config.eplb_kv_pressure)
         self._seqs: dict[int, _Sequence] = {}
         self._requests: dict[str, list[int]] = {}  # request id -> runtime ids of its choices
         self._next_rid = itertools.count()
@@ -305,7 +313,38 @@ class LLMEngine:
             if seq is not None and reason is not None and seq.output.finish_reason is None:
                 self._finish(seq, reason, stop_reason=int(self.scheduler.event_tokens[i])
                              if reason == "stop" else None)
+        if self.balancer is not None:
+            self._rebalance_experts()
         return list(touched.values())
+
+    # -- EPLB ---------------------------------------------------------------------------------
+
+    def _eplb_slots(self, path: Path) -> tuple[int, int]:
+        """(planner ranks, spare expert slots per layer) for --enable-eplb; (0, 0) for a dense model."""
+        if self.compile and os.environ.get("RTP_FREEZE") == "1":  # frozen weights would not see the moves
+            raise ValueError("--enable-eplb moves expert weights in place: not with RTP_FREEZE=1 graphs")
+        mc = ModelConfig.from_hf(open_checkpoint(path).config)
+        if not mc.num_experts:
+            log.warning("--enable-eplb: %s has no experts; EPLB stays off", mc.architecture)
+            return 0, 0
+        files = [path] if path.is_file() else list(path.glob("*.safetensors")) + list(path.glob("*.bin"))
+        ranks, spare = spare_slots_for(self.config, mc, sum(f.stat().st_size for f in files), self.dtype,
+                                       self.device, self.config.expert_parallel_size)
+        if world_size() > 1:  # each rank measured its own free memory: every layer needs the same slots
+            agreed = torch.tensor([spare])
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            spare = int(agreed)
+        return ranks, spare
+
+    def _rebalance_experts(self) -> None:
+        """Between steps: a due EPLB plan, made here and applied on every rank before the next step."""
+        a = self.allocator
+        decision = self.balancer.after_step(a.num_used / max(1, a.num_blocks - 1))
+        if decision is None:
+            return
+        if self._channel is not None:
+            self._channel.send_rebalance(decision.slots)
+        self.balancer.apply(decision.slots, decision)
 
     # -- prefill/decode disaggregation ------------------------------------------------------------
 
@@ -397,7 +436,8 @@ class LLMEngine:
         if self._channel is None or world_rank() == 0:
             raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
         try:
-            while self._channel.receive():
+            on_rebalance = self.balancer.apply if self.balancer is not None else None
+            while self._channel.receive(on_rebalance):
                 self.runner.forward()
         finally:
             destroy_parallel()
@@ -485,7 +525,10 @@ class LLMEngine:
         request.finished = True
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.balancer is not None:
+            stats["eplb"] = self.balancer.stats()
+        return stats
 
 
 def _default_model() -> Path:

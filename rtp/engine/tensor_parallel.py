@@ -22,7 +22,7 @@ from rtp.distributed import init_parallel
 
 log = logging.getLogger("rtp.tp")
 
-_STOP, _STEP = 0, 1
+_STOP, _STEP, _REBALANCE = 0, 1, 2
 _PLAN_ARRAYS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
                 "logits_indices", "sample_slots", "sample_req_ids")
 
@@ -45,17 +45,33 @@ class PlanChannel:
         for array in self.arrays:
             dist.broadcast(array, 0)
 
+    def send_rebalance(self, slots) -> None:
+        """EPLB's new slots [layers, num_slots] (int64), to be applied by every rank now."""
+        import torch.distributed as dist
+
+        self._header[:3] = (_REBALANCE, *slots.shape)
+        dist.broadcast(self.header, 0)
+        dist.broadcast(torch.from_numpy(slots), 0)
+
     def send_stop(self) -> None:
         import torch.distributed as dist
 
         self._header[0] = _STOP
         dist.broadcast(self.header, 0)
 
-    def receive(self) -> bool:
-        """Wait for rank 0's next message; True with the plan in place, False on stop."""
+    def receive(self, on_rebalance=None) -> bool:
+        """Wait for rank 0's next step; True with the plan in place, False on stop. Rebalances
+        sent before it are handed to on_rebalance(slots) in order, as they arrive."""
         import torch.distributed as dist
 
         dist.broadcast(self.header, 0)
+        while self._header[0] == _REBALANCE:
+            slots = torch.empty(int(self._header[1]), int(self._header[2]), dtype=torch.int64)
+            dist.broadcast(slots, 0)
+            if on_rebalance is None:
+                raise RuntimeError("rank 0 rebalanced experts, but this rank runs no EPLB")
+            on_rebalance(slots.numpy())
+            dist.broadcast(self.header, 0)
         if self._header[0] == _STOP:
             return False
         for array in self.arrays:

@@ -146,3 +146,27 @@ class _EngineCollector:
         # (parsing, tokenizing, SSE encoding, metrics): the server's own overhead next to
         # process_cpu_seconds_total, which adds the engine's threads
         yield counter("event_loop_cpu_seconds", "CPU time of the event loop thread.", time.thread_time())
+        eplb = s.get("eplb")
+        if eplb:  # --enable-eplb on a MoE model (rtp/engine/expert_balancer.py)
+            yield from self._eplb(eplb, name, gauge, counter)
+
+    def _eplb(self, eplb: dict, name: list[str], gauge, counter):
+        ratio = GaugeMetricFamily("rtp:eplb_rank_load_ratio", "Most over least loaded rank's routed tokens, per "
+                                  "MoE layer, for the current placement on the last window's load (NaN before "
+                                  "the first plan, +Inf while a rank had no tokens).",
+                                  labels=["model_name", "layer"])
+        replicas = GaugeMetricFamily("rtp:eplb_replicas", "Expert replicas (slots holding a second or later "
+                                     "copy) per MoE layer.", labels=["model_name", "layer"])
+        for layer, (r, n) in enumerate(zip(eplb["rank_load_ratio"], eplb["replicas"])):
+            ratio.add_metric([*name, str(layer)], r)
+            replicas.add_metric([*name, str(layer)], n)
+        yield ratio
+        yield replicas
+        yield gauge("eplb_rank_load_ratio_max", "The worst MoE layer's max/min rank load.",
+                    eplb["rank_load_ratio_max"])
+        yield gauge("eplb_rank_load_ratio_mean", "Mean over MoE layers of max/min rank load (finite ones).",
+                    eplb["rank_load_ratio_mean"])
+        yield gauge("eplb_spare_slots", "Slots per MoE layer preallocated for replicas.", eplb["spare_slots"])
+        yield counter("eplb_rebalances", "Expert placements applied.", eplb["rebalances"])
+        yield counter("eplb_move_seconds", "Seconds spent moving expert weights between slots.",
+                      eplb["move_seconds"])

@@ -1,0 +1,246 @@
+"""EPLB while serving: the engine-side loop around rtp/engine/eplb.py and FusedMoE.place.
+
+The MoE layers count the (token, expert) pairs their routers send to each logical
+expert into preallocated counters, inside the forward (graph-safe, no host sync).
+This loop reads them only when it needs them:
+
+| when                                  | what                                                  |
+|---------------------------------------|-------------------------------------------------------|
+| a step that starts a window           | snapshot the counters (a device copy, no host sync)  |
+| every `interval` steps                | load = counters now - the window's snapshot (the one |
+|                                       | host read); eplb_placement over `ranks`; move weights |
+| KV use > `kv_pressure` with replicas  | the same at once, with no replicas                    |
+
+Only rank 0 plans (it alone knows the KV use); it sends the slots to the other ranks
+(rtp/engine/tensor_parallel.py) and every rank then calls `apply` at the same point
+between two steps, so the weight moves' all-to-alls (expert parallelism) pair up.
+The counters count every token on every rank, so rank 0's are the global load.
+
+Memory. Replica slots are preallocated in each layer's stacked weights at load
+(`num_redundant_experts` of them, capped so that they take at most `memory_cap` of
+the memory free beside the weights), and the KV cache is preallocated too. So
+"dropping replicas to give memory back" means here: the planner stops using the
+spare slots (they become empty, the dispatch never reads them) and no new copies
+are made while the cache is under pressure; the bytes themselves stay allocated.
+What the KV cache gains is fixed at start-up: on CUDA its budget is a share of the
+memory free *after* the weights, spare slots included, so the replicas are paid out
+of it once. A cache that grows into released slots would need a resizable block pool.
+
+Moving weights keeps every tensor's address (place() copies in place), so captured
+graphs (CUDA graphs, Inductor without freezing) stay valid across a rebalance.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rtp.engine.eplb import Placement, eplb_placement, imbalance, replica_slots
+
+log = logging.getLogger("rtp.eplb")
+
+
+def logical_ranks(num_experts: int, ep: int, requested: int = 0) -> int:
+    """Ranks the planner balances over: the expert-parallel ranks, or in one process
+    `requested` logical ranks (0: the largest of 8, 4, 2 that leaves each rank at least two
+    experts; replica slots come in multiples of the ranks, so few experts want few ranks)."""
+    if ep > 1:
+        return ep
+    if requested:
+        if num_experts % requested:
+            raise ValueError(f"eplb_num_ranks {requested} does not split {num_experts} experts")
+        return requested
+    return next((n for n in (8, 4, 2) if num_experts % n == 0 and num_experts >= 2 * n), 1)
+
+
+def redundant_slots(num_experts: int, num_ranks: int, *, requested: int | None, share: float,
+                    slot_bytes: int, free_bytes: int, memory_cap: float) -> int:
+    """Spare slots per MoE layer: `requested` (rounded up to a multiple of the ranks) or
+    `share` of the experts, never more than `memory_cap` of `free_bytes` pays for when
+    one slot (in every MoE layer) costs `slot_bytes`."""
+    capped = replica_slots(num_experts, num_ranks, share=1.0, expert_bytes=slot_bytes, free_bytes=free_bytes,
+                           memory_cap=memory_cap)
+    if requested is None:
+        return min(capped, replica_slots(num_experts, num_ranks, share=share))
+    wanted = -(-requested // num_ranks) * num_ranks
+    if wanted > capped:
+        log.warning("num_redundant_experts %d: %d fit in %.0f %% of %.1f GiB free memory", requested, capped,
+                    memory_cap * 100, free_bytes / 2**30)
+    return min(wanted, capped)
+
+
+@dataclass
+class Rebalance:
+    """Rank 0's decision: new slots [layers, num_slots] and what they were judged on."""
+
+    slots: np.ndarray
+    load: np.ndarray    # [layers, experts]: the window's routed pairs it was made from
+    before: np.ndarray  # per layer max/min rank load of the current placement, on the window's load
+    after: np.ndarray   # the same for the new placement
+    reason: str         # "interval" | "kv pressure"
+
+
+class ExpertBalancer:
+    """The EPLB loop over the MoE layers (FusedMoE) of one model; see the module docstring."""
+
+    def __init__(self, layers, *, num_ranks: int, window: int, interval: int, kv_pressure: float):
+        if not layers:
+            raise ValueError("EPLB needs a model with MoE layers")
+        self.layers = list(layers)
+        self.num_experts = self.layers[0].num_experts
+        self.num_slots = self.layers[0].num_slots
+        if any((m.num_experts, m.num_slots) != (self.num_experts, self.num_slots) for m in self.layers):
+            raise ValueError("EPLB needs every MoE layer to have the same experts and slots")
+        if self.num_experts % num_ranks or self.num_slots % num_ranks:
+            raise ValueError(f"{self.num_experts} experts in {self.num_slots} slots do not split over "
+                             f"{num_ranks} ranks")
+        self.num_ranks = num_ranks
+        self.spare = self.num_slots - self.num_experts
+        self.window, self.interval, self.kv_pressure = window, interval, kv_pressure
+        # as loaded: expert e in slot e, spare slots empty
+        self.current = np.full((len(self.layers), self.num_slots), -1, dtype=np.int64)
+        self.current[:, : self.num_experts] = np.arange(self.num_experts)
+        self.steps = 0
+        self._snapshots = {0: self._counters()}  # step -> counters then (warm-up's steps excluded)
+        # what /metrics shows
+        self.rebalances = 0
+        self.move_seconds = 0.0
+        self.ratio = np.full(len(self.layers), np.nan)  # current placement on the last window's load
+        self.last: Rebalance | None = None
+
+    def _counters(self) -> torch.Tensor:
+        return torch.stack([m.expert_load for m in self.layers])
+
+    def replicas(self) -> np.ndarray:
+        """[layers]: slots holding a second (or later) copy of an expert."""
+        return (self.current >= 0).sum(axis=1) - self.num_experts
+
+    # -- rank 0 ------------------------------------------------------------------------------
+
+    def after_step(self, kv_usage: float) -> Rebalance | None:
+        """Count a step that ran; a new placement when one is due (None otherwise)."""
+        self.steps += 1
+        s = self.steps
+        pressured = kv_usage > self.kv_pressure
+        if (s + self.window) % self.interval == 0:  # the window of the plan at step s + window starts here
+            self._snapshots[s] = self._counters()
+        if s % self.interval == 0:
+            return self.plan(pressured)
+        if pressured and self.replicas().any():  # replicas go first, without waiting for the interval
+            return self.plan(True)
+        return None
+
+    def window_load(self) -> np.ndarray:
+        """[layers, experts] int64: pairs routed to each expert since the window's snapshot (the
+        latest at or before `window` steps ago, else the oldest); the one host read of the loop."""
+        start = self.steps - self.window
+        older = [k for k in self._snapshots if k <= start]
+        key = max(older) if older else min(self._snapshots)
+        for k in [k for k in self._snapshots if k < key]:  # later plans start later still
+            del self._snapshots[k]
+        return (self._counters() - self._snapshots[key]).cpu().numpy()
+
+    def plan(self, pressured: bool) -> Rebalance | None:
+        load = self.window_load()
+        if not pressured and not load.any():
+            return None  # nothing routed in the window: nothing to balance by
+        extra = 0 if pressured else self.spare
+        placement = _padded(eplb_placement(load, self.num_ranks, extra), self.num_slots // self.num_ranks)
+        before = imbalance(self._as_placement(self.current).rank_loads(load))
+        after = imbalance(placement.rank_loads(load))
+        self.ratio = after
+        slots = placement.slots.reshape(len(self.layers), self.num_slots)
+        if np.array_equal(slots, self.current):
+            return None
+        return Rebalance(slots, load, before, after, "kv pressure" if pressured else "interval")
+
+    def _as_placement(self, slots: np.ndarray) -> Placement:
+        return Placement(slots.reshape(len(self.layers), self.num_ranks, -1))
+
+    # -- every rank --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def apply(self, slots: np.ndarray, decision: Rebalance | None = None) -> None:
+        """Move every layer whose slots changed (between steps; every rank, the same slots)."""
+        start = time.perf_counter()
+        moved = [i for i in range(len(self.layers)) if not np.array_equal(slots[i], self.current[i])]
+        for i in moved:
+            self.layers[i].place(slots[i].tolist())
+            self.current[i] = slots[i]
+        device = self.layers[0].w13.device
+        if device.type == "cuda":  # the copies are asynchronous: time them whole
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        self.rebalances += 1
+        self.move_seconds += seconds
+        if decision is not None:
+            log.info("EPLB rebalance %d at step %d (%s): %d/%d layers moved, max/min rank load "
+                     "%s -> %s (worst layer), %s -> %s (mean), replicas %d per layer, %.1f ms",
+                     self.rebalances, self.steps, decision.reason, len(moved), len(self.layers),
+                     _ratio(decision.before.max()), _ratio(decision.after.max()),
+                     _ratio(decision.before.mean()), _ratio(decision.after.mean()),
+                     int(self.replicas().max()), seconds * 1e3)
+
+    def stats(self) -> dict:
+        finite = self.ratio[np.isfinite(self.ratio)]
+        return {
+            "ranks": self.num_ranks,
+            "rank_load_ratio": self.ratio.tolist(),
+            "rank_load_ratio_max": float(self.ratio.max()) if not np.isnan(self.ratio).all() else float("nan"),
+            "rank_load_ratio_mean": float(finite.mean()) if finite.size else float("nan"),
+            "replicas": self.replicas().tolist(),
+            "spare_slots": self.spare,
+            "rebalances": self.rebalances,
+            "move_seconds": self.move_seconds,
+        }
+
+
+def _padded(placement: Placement, per_rank: int) -> Placement:
+    """A placement with fewer slots per rank (replicas dropped) widened with empty slots."""
+    layers, ranks, used = placement.slots.shape
+    out = np.full((layers, ranks, per_rank), -1, dtype=np.int64)
+    out[:, :, :used] = placement.slots
+    return Placement(out)
+
+
+def _ratio(x: float) -> str:
+    return "inf" if not np.isfinite(x) else f"{x:.3f}"
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on the device now (on a CPU: the host's MemAvailable)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def spare_slots_for(config, model_config, checkpoint_bytes: int, dtype: torch.dtype,
+                    device: torch.device, ep: int) -> tuple[int, int]:
+    """(planner ranks, spare slots per MoE layer) for an engine about to load `model_config`.
+
+    The cap is taken against the memory free beside the weights: free memory now, less the
+    checkpoint's bytes (this rank's share of them with expert parallelism on CUDA, where
+    each rank has its own device and holds 1/ep of the replicas)."""
+    mc = model_config
+    ranks = logical_ranks(mc.num_experts, ep, config.eplb_num_ranks)
+    moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
+    slot_bytes = 3 * mc.hidden_size * mc.moe_intermediate_size * dtype.itemsize * moe_layers
+    per_device = ep if device.type == "cuda" else 1
+    free = max(0, free_memory(device) - checkpoint_bytes // per_device) * per_device
+    spare = redundant_slots(mc.num_experts, ranks, requested=config.num_redundant_experts,
+                            share=config.eplb_replica_share, slot_bytes=slot_bytes, free_bytes=free,
+                            memory_cap=config.eplb_memory_cap)
+    log.info("EPLB: %d spare expert slots per MoE layer (%d layers, %.1f MiB in all) over %d ranks",
+             spare, moe_layers, spare * slot_bytes / 2**20, ranks)
+    return ranks, spare

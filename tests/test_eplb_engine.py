@@ -1,0 +1,206 @@
+"""EPLB while serving (rtp/engine/expert_balancer.py) through the real engine.
+
+Tiny random Mixtral checkpoints (tests/test_moe.py's) run through LLM in fp32. The
+rebalance interval is a few steps, so the experts move (and replicas appear) several
+times while the requests decode; the greedy tokens must not change. The CPU graphs
+the runner would capture for decode steps refuse MoE layers (their routing runs torch
+ops outside rtp's kernels), so these runs are eager; the place() moves copy in place,
+which is what keeps captured graphs valid where they exist (test_moves_keep_addresses).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from test_models import write_word_tokenizer
+from test_moe import SMALL, make_checkpoint, prompts_of, routed
+
+from rtp.engine.expert_balancer import ExpertBalancer, redundant_slots
+from rtp.models.moe import FusedMoE
+
+KW = {"dtype": "float32", "compile": False, "max_model_len": 128, "enable_prefix_caching": False}
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    path, _ = make_checkpoint("mixtral", tmp_path_factory.mktemp("eplb") / "ckpt")
+    write_word_tokenizer(path, SMALL["vocab_size"])
+    return str(path)
+
+
+def run(path, prompts, max_tokens=20, **config):
+    from rtp import LLM, SamplingParams
+
+    llm = LLM(model=path, **KW, **config)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [o.outputs[0] for o in outs]
+
+
+def test_rebalancing_mid_generation_keeps_greedy_outputs(mixtral, caplog):
+    """EPLB on, a rebalance every 3 steps: tokens equal EPLB off, logprobs within 1e-5 (the
+    layers with spare slots pad expert groups to 16 rows, other MKL kernels), and bit for bit
+    equal to EPLB on without any rebalance (moves and replicas change nothing)."""
+    prompts = prompts_of((5, 23, 40, 9), seed=2)
+    _, off = run(mixtral, prompts)
+    with caplog.at_level(logging.INFO, logger="rtp.eplb"):
+        llm, on = run(mixtral, prompts, enable_eplb=True, eplb_step_interval=3, eplb_window_size=4)
+    _, still = run(mixtral, prompts, enable_eplb=True, eplb_step_interval=10**6)
+    b = llm.engine.balancer
+    assert b.num_ranks == 4 and b.spare == 4  # 5 % of 8 experts, rounded up to one slot per rank
+    assert b.rebalances >= 3 and b.steps > 3 * b.interval  # moves happened while requests decoded
+    assert (b.replicas() == 4).all()
+    for layer, slots in zip(b.layers, b.current):  # the layers' tables follow the applied slots
+        assert torch.equal(layer.replica_count, torch.bincount(torch.from_numpy(slots[slots >= 0]), minlength=8))
+    assert not (b.current[:, :8] == np.arange(8)).all()  # experts left their load-time slots
+    for a, c, s in zip(off, on, still):
+        assert a.token_ids == c.token_ids == s.token_ids
+        assert c.logprobs == s.logprobs
+        assert abs(a.cumulative_logprob - c.cumulative_logprob) < 1e-5
+    lines = [r.getMessage() for r in caplog.records if "EPLB rebalance" in r.getMessage()]
+    assert len(lines) == b.rebalances and "max/min rank load" in lines[0] and "replicas 4 per layer" in lines[0]
+
+
+def test_moves_keep_addresses(mixtral):
+    """A rebalance copies into the same storage (weights, dispatch tables, counters): a graph
+    captured before it reads the moved experts after it."""
+    from rtp import LLM
+
+    llm = LLM(model=mixtral, **KW, enable_eplb=True, eplb_step_interval=10**6)
+    b = llm.engine.balancer
+    names = ("w13", "w2", "logical_to_physical", "replica_count", "expert_load")
+    before = [[getattr(m, n).data_ptr() for n in names] for m in b.layers]
+    slots = b.current.copy()
+    slots[:, 8:] = [1, 3, 5, 7]
+    b.apply(slots[:, ::-1].copy())
+    assert [[getattr(m, n).data_ptr() for n in names] for m in b.layers] == before
+    assert (b.replicas() == 4).all() and int(b.layers[0].replica_count[1]) == 2
+
+
+def test_replicas_are_dropped_under_kv_pressure_and_return(mixtral, caplog):
+    """A KV cache of 11 usable blocks: two 72-token prompts (80 with their tokens) fill 10 of them (91 % > 85 %), and
+    the replicas go at once, without waiting for the interval; once the long requests finish,
+    the next interval's plan brings them back. Tokens equal EPLB off throughout."""
+    block = 16 * 2 * 2 * 2 * 16 * 4  # tokens x layers x (K, V) x kv heads x head dim x fp32
+    kv = {"kv_cache_memory": 12 * block, "block_size": 16}
+    short, long = prompts_of((6, 7), seed=5), prompts_of((72, 72), seed=6)
+    from rtp import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = LLM(model=mixtral, **KW, **kv)
+    want = [[o.outputs[0].token_ids for o in ref.generate(p, params, use_tqdm=False)] for p in (short, long, short)]
+    llm = LLM(model=mixtral, **KW, **kv, enable_eplb=True, eplb_step_interval=4, eplb_window_size=4)
+    b, engine = llm.engine.balancer, llm.engine
+    assert engine.allocator.num_blocks - 1 == 11
+    got = [[o.outputs[0].token_ids for o in llm.generate(short, params, use_tqdm=False)]]
+    assert (b.replicas() == 4).all()
+    with caplog.at_level(logging.INFO, logger="rtp.eplb"):
+        for i, p in enumerate(long):
+            engine.add_request(f"long{i}", p, params)
+        usage, replicas = [], []
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[out.request_id] = out
+            usage.append(engine.allocator.num_used / 11)
+            replicas.append(int(b.replicas().max()))
+    got.append([outs[f"long{i}"].outputs[0].token_ids for i in range(2)])
+    assert max(usage) > 0.85
+    # no replicas after any step that ended over 85 % (the step's end is when plans are made)
+    assert all(r == 0 for u, r in zip(usage, replicas) if u > 0.85)
+    assert any("(kv pressure)" in r.getMessage() for r in caplog.records)
+    got.append([o.outputs[0].token_ids for o in llm.generate(short, params, use_tqdm=False)])
+    assert (b.replicas() == 4).all()  # pressure gone: the interval's plan replicates again
+    assert got == want
+
+
+def test_planner_never_exceeds_its_memory_cap():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        experts, ranks = int(rng.choice([8, 16, 64, 256])), int(rng.choice([1, 2, 4, 8]))
+        slot_bytes, free = int(rng.integers(1, 1 << 20)), int(rng.integers(0, 1 << 26))
+        cap = float(rng.uniform(0, 0.3))
+        requested = None if rng.random() < 0.5 else int(rng.integers(0, 64))
+        spare = redundant_slots(experts, ranks, requested=requested, share=0.05, slot_bytes=slot_bytes,
+                                free_bytes=free, memory_cap=cap)
+        assert spare % ranks == 0 and spare >= 0
+        assert spare * slot_bytes <= cap * free
+    # plenty of memory: the share (rounded up to the ranks) or what was asked for
+    assert redundant_slots(256, 16, requested=None, share=0.05, slot_bytes=1, free_bytes=1 << 40, memory_cap=0.15) == 16
+    assert redundant_slots(256, 16, requested=20, share=0.05, slot_bytes=1, free_bytes=1 << 40, memory_cap=0.15) == 32
+
+
+def test_engine_with_no_memory_for_replicas_keeps_one_slot_per_expert(mixtral):
+    llm, _ = run(mixtral, prompts_of((9,), seed=1), max_tokens=8, enable_eplb=True, num_redundant_experts=4,
+                 eplb_memory_cap=0.0, eplb_step_interval=2)
+    b = llm.engine.balancer
+    assert b.spare == 0 and all(m.num_slots == 8 for m in b.layers) and (b.replicas() == 0).all()
+
+
+def test_window_load_is_the_last_window_of_steps():
+    """Counters snapshotted where a window starts: the plans at steps 6 and 12 see the 4 steps
+    before them only."""
+    torch.manual_seed(0)
+    layers = [FusedMoE(8, 64, 32, num_slots=12) for _ in range(2)]
+    for m in layers:
+        torch.nn.init.normal_(m.w13, std=0.1)
+        torch.nn.init.normal_(m.w2, std=0.1)
+    b = ExpertBalancer(layers, num_ranks=4, window=4, interval=6, kv_pressure=0.85)
+    per_step = []
+    with torch.no_grad():
+        for step in range(12):
+            x, w, ids = routed(3 + step, seed=step)
+            for m in layers:
+                m(x, w, ids)
+            per_step.append(np.bincount(ids.flatten().numpy(), minlength=8))
+            decision = b.after_step(0.0)
+            assert (decision is not None) == ((step + 1) % 6 == 0)
+            if decision is not None:
+                for layer in range(2):
+                    assert np.array_equal(decision.load[layer], sum(per_step[-4:]))
+                b.apply(decision.slots, decision)
+    assert b.rebalances == 2 and (b.replicas() == 4).all()
+    assert sorted(b._snapshots) == [8]  # older snapshots dropped: no plan needs them
+
+
+def test_metrics_show_ratio_replicas_and_moves(mixtral):
+    from prometheus_client import generate_latest
+
+    from rtp.serve.metrics import ServerMetrics
+
+    llm, _ = run(mixtral, prompts_of((12, 30), seed=3), max_tokens=10, enable_eplb=True, eplb_step_interval=3)
+    metrics = ServerMetrics("m")
+    metrics.read_stats = llm.engine.stats
+    text = generate_latest(metrics.registry).decode()
+    s = llm.engine.stats()["eplb"]
+    assert s["rebalances"] >= 2 and s["move_seconds"] > 0
+    assert f'rtp:eplb_rank_load_ratio{{layer="1",model_name="m"}} {s["rank_load_ratio"][1]}' in text
+    assert 'rtp:eplb_replicas{layer="0",model_name="m"} 4.0' in text
+    assert f'rtp:eplb_rebalances_total{{model_name="m"}} {float(s["rebalances"])}' in text
+    assert "rtp:eplb_move_seconds_total" in text and "rtp:eplb_rank_load_ratio_max" in text
+    assert 1.0 <= s["rank_load_ratio_max"] < float("inf")
+
+
+def test_ep2_rebalances_on_both_ranks(mixtral):
+    """--ep 2: rank 0 plans, sends the slots, and both ranks move their experts (over the
+    all-to-all) between the same two steps; tokens equal the single-process run."""
+    from rtp import distributed as dist
+
+    prompts = prompts_of((7, 30, 12), seed=4)
+    _, want = run(mixtral, prompts, max_tokens=12, enable_eplb=True, eplb_step_interval=3)
+    from rtp import LLM, SamplingParams
+
+    llm = LLM(model=mixtral, **KW, kv_cache_memory=1 << 22, expert_parallel_size=2, enable_eplb=True,
+              eplb_step_interval=3)
+    try:
+        b = llm.engine.balancer
+        assert b.num_ranks == 2 and b.layers[0].local_slots == 5  # (8 experts + 2 spare) / 2 ranks
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert b.rebalances >= 3 and (b.replicas() == 2).all()
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.token_ids for o in want]
+    assert dist.world_size() == 1
