@@ -31,6 +31,16 @@ def mixtral(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """DeepSeek-V3 (MLA, sigmoid group-limited routing, a dense first layer, shared experts)."""
+    from test_deepseek_v3 import make_checkpoint as make_deepseek
+
+    path, _ = make_deepseek("q-lora-yarn", tmp_path_factory.mktemp("eplb") / "ckpt")
+    write_word_tokenizer(path, SMALL["vocab_size"])
+    return str(path)
+
+
 def run(path, prompts, max_tokens=20, **config):
     from rtp import LLM, SamplingParams
 
@@ -40,10 +50,12 @@ def run(path, prompts, max_tokens=20, **config):
     return llm, [o.outputs[0] for o in outs]
 
 
-def test_rebalancing_mid_generation_keeps_greedy_outputs(mixtral, caplog):
+@pytest.mark.parametrize("model", ["mixtral", "deepseek"])
+def test_rebalancing_mid_generation_keeps_greedy_outputs(model, request, caplog):
     """EPLB on, a rebalance every 3 steps: tokens equal EPLB off, logprobs within 1e-5 (the
     layers with spare slots pad expert groups to 16 rows, other MKL kernels), and bit for bit
     equal to EPLB on without any rebalance (moves and replicas change nothing)."""
+    mixtral = request.getfixturevalue(model)
     prompts = prompts_of((5, 23, 40, 9), seed=2)
     _, off = run(mixtral, prompts)
     with caplog.at_level(logging.INFO, logger="rtp.eplb"):
@@ -184,20 +196,23 @@ def test_metrics_show_ratio_replicas_and_moves(mixtral):
     assert 1.0 <= s["rank_load_ratio_max"] < float("inf")
 
 
-def test_ep2_rebalances_on_both_ranks(mixtral):
-    """--ep 2: rank 0 plans, sends the slots, and both ranks move their experts (over the
-    all-to-all) between the same two steps; tokens equal the single-process run."""
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
+def test_two_ranks_rebalance_at_the_same_step(mixtral, tp, ep):
+    """Rank 0 plans and sends the slots; every rank moves its experts between the same two
+    steps: with --ep 2 over the all-to-all (each rank holds half the slots), with --tp 2 each
+    rank moves its full copy. Tokens equal the single-process run."""
     from rtp import distributed as dist
 
     prompts = prompts_of((7, 30, 12), seed=4)
-    _, want = run(mixtral, prompts, max_tokens=12, enable_eplb=True, eplb_step_interval=3)
+    _, want = run(mixtral, prompts, max_tokens=12)
     from rtp import LLM, SamplingParams
 
-    llm = LLM(model=mixtral, **KW, kv_cache_memory=1 << 22, expert_parallel_size=2, enable_eplb=True,
-              eplb_step_interval=3)
+    llm = LLM(model=mixtral, **KW, kv_cache_memory=1 << 22, tensor_parallel_size=tp, expert_parallel_size=ep,
+              enable_eplb=True, eplb_step_interval=3, eplb_num_ranks=2)
     try:
         b = llm.engine.balancer
-        assert b.num_ranks == 2 and b.layers[0].local_slots == 5  # (8 experts + 2 spare) / 2 ranks
+        # (8 experts + 2 spare) over 2 ranks
+        assert b.num_ranks == 2 and b.layers[0].local_slots == (5 if ep == 2 else 10)
         got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert b.rebalances >= 3 and (b.replicas() == 2).all()
     finally:

@@ -28,7 +28,8 @@ expert-parallel exchange reads its counts on the host: it runs eagerly).
 Nothing on this path syncs with the host or loops in Python where `torch._grouped_mm`
 takes the dtype, so it can be captured in a graph.
 
-EPLB plugs in through three buffers, written in place (rtp/engine/eplb.py, later):
+EPLB plugs in through three buffers, written in place (the planner: rtp/engine/eplb.py; the
+loop that reads the counters and calls `place` between steps: rtp/engine/expert_balancer.py):
 `logical_to_physical` [E, max_replicas] and `replica_count` [E] say which slots hold
 each logical expert (the first replica_count[e] entries of row e; loading puts
 expert e in slot e, the identity), and `expert_load` [E] int64 accumulates the pairs
@@ -222,13 +223,14 @@ class FusedMoE(nn.Module):
                 param.data.copy_(param.data.index_select(0, source.to(param.device)))
         else:
             self._move_across_ranks(source, target >= 0)
-        table = torch.full_like(self.logical_to_physical, -1)
+        # built on the host, copied once: per-element writes into a device tensor would each launch
+        table = torch.full(self.logical_to_physical.shape, -1, dtype=torch.int64)
         filled = torch.zeros(self.num_experts, dtype=torch.int64)
         for slot, expert in enumerate(target.tolist()):
             if expert >= 0:
                 table[expert, filled[expert]] = slot
                 filled[expert] += 1
-        self.logical_to_physical.copy_(table)
+        self.logical_to_physical.copy_(table)  # in place: graphs captured over these tables stay valid
         self.replica_count.copy_(count)
 
     def _move_across_ranks(self, source: torch.Tensor, used: torch.Tensor) -> None:
