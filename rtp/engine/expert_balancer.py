@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,7 +111,8 @@ class ExpertBalancer:
         self.rebalances = 0
         self.move_seconds = 0.0
         self.ratio = np.full(len(self.layers), np.nan)  # current placement on the last window's load
-        self.last: Rebalance | None = None
+        self.history: deque[dict] = deque(maxlen=64)  # rank 0's latest rebalances, as logged
+        self._stats: dict | None = None
 
     def _counters(self) -> torch.Tensor:
         return torch.stack([m.expert_load for m in self.layers])
@@ -153,6 +155,7 @@ class ExpertBalancer:
         before = imbalance(self._as_placement(self.current).rank_loads(load))
         after = imbalance(placement.rank_loads(load))
         self.ratio = after
+        self._stats = None
         slots = placement.slots.reshape(len(self.layers), self.num_slots)
         if np.array_equal(slots, self.current):
             return None
@@ -177,7 +180,13 @@ class ExpertBalancer:
         seconds = time.perf_counter() - start
         self.rebalances += 1
         self.move_seconds += seconds
+        self._stats = None
         if decision is not None:
+            self.history.append({"step": self.steps, "reason": decision.reason, "layers_moved": len(moved),
+                                 "before_max": float(decision.before.max()), "after_max": float(decision.after.max()),
+                                 "before_mean": float(decision.before.mean()),
+                                 "after_mean": float(decision.after.mean()),
+                                 "replicas": int(self.replicas().max()), "ms": seconds * 1e3})
             log.info("EPLB rebalance %d at step %d (%s): %d/%d layers moved, max/min rank load "
                      "%s -> %s (worst layer), %s -> %s (mean), replicas %d per layer, %.1f ms",
                      self.rebalances, self.steps, decision.reason, len(moved), len(self.layers),
@@ -186,6 +195,12 @@ class ExpertBalancer:
                      int(self.replicas().max()), seconds * 1e3)
 
     def stats(self) -> dict:
+        """For /metrics: rebuilt only when a plan changed something (the engine asks every step)."""
+        if self._stats is None:
+            self._stats = self._snapshot_stats()
+        return self._stats
+
+    def _snapshot_stats(self) -> dict:
         finite = self.ratio[np.isfinite(self.ratio)]
         return {
             "ranks": self.num_ranks,
