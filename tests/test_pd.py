@@ -286,6 +286,32 @@ def test_a_broken_transfer_or_an_unused_lease_returns_the_blocks(nodes):
     assert status == 404 and "expired" in e.message
 
 
+def test_a_first_token_that_cannot_continue_is_refused_and_frees_the_reservation(nodes):
+    d = nodes["decode"]
+    layout = stats(d).kv_layout
+    params = SamplingParams(max_tokens=8, stop_token_ids=[7])
+    status, reply = call(d.url, "/rpc/reserve", rpc.ReserveRequest(
+        version=1, request_id="stops-at-once", prompt_token_ids=list(range(100, 140)), params=params,
+        kv_layout=layout), kind=rpc.ReserveResponse)
+    assert status == 200, reply
+
+    def frames():
+        for layer in range(len(layout.layers)):
+            n = 40 * layout.token_bytes(layer)
+            yield rpc.frame(rpc.KVFrame(version=1, request_id="stops-at-once", layer=layer, num_tokens=40, nbytes=n))
+            yield bytes(n)
+
+    status, pushed = call(d.url, "/rpc/push_kv", b"".join(frames()), kind=rpc.PushResponse)
+    assert status == 200 and pushed.layers == len(layout.layers)
+    # token 7 is a stop token: the prefill node should have finished the request itself
+    r = httpx.post(d.url + "/rpc/decode", content=rpc.encode(rpc.DecodeRequest(
+        version=1, request_id="stops-at-once", first_token=7)), headers={rpc.TOKEN_HEADER: TOKEN}, timeout=30)
+    (n,) = rpc.LENGTH.unpack(r.content[:4])
+    delta = rpc.decode(rpc.DecodeDelta, r.content[4:4 + n])
+    assert delta.error_status == 400 and "finishes" in delta.error
+    wait_idle(d)
+
+
 def test_a_client_that_leaves_aborts_on_both_nodes(nodes):
     p, d = nodes["prefill"], nodes["decode"]
     before = pd_events(p).get("aborted", 0)

@@ -122,6 +122,7 @@ class AsyncEngine:
         self.stats: dict = engine.stats()  # replaced (never mutated) by the engine thread
         # measured on the engine thread (exponential moving averages), for the FlexLB master's stats
         self.prefill_tokens_per_ms = 0.0
+        self._prefill_tokens = self._prefill_ms = 0.0
         self.decode_step_ms = 0.0
         self.num_unstarted = 0             # prompts submitted that have not produced a token yet
         self.dead: BaseException | None = None
@@ -338,6 +339,7 @@ class AsyncEngine:
         try:
             out = self.engine.resume_request(request_id, first_token, logprobs, num_cached_tokens)
         except Exception as e:  # unknown, expired or a token that cannot continue it
+            self.engine.abort_request(request_id)  # a reservation it left behind goes back to the pool
             self._post([(stream, Update(0, [], finished=True, error=e))], time.monotonic())
             return
         live = _Live(stream, 0, params)
@@ -354,7 +356,10 @@ class AsyncEngine:
                        time.monotonic())
             return
         try:
-            self.engine.add_request(engine_id, ids, params, kv_sink=kv_sink)
+            if kv_sink is None:
+                self.engine.add_request(engine_id, ids, params)
+            else:
+                self.engine.add_request(engine_id, ids, params, kv_sink=kv_sink)
         except Exception as e:  # ValueError: the input; anything else: ours. Either way this request alone.
             self._post([(stream, Update(prompt, [], finished=True, error=e))], time.monotonic())
             return
@@ -391,13 +396,18 @@ class AsyncEngine:
     def _measure(self, seconds: float) -> None:
         """Prefill speed (prompt tokens per ms of steps that had any) and decode step time
         (decode-only steps), as moving averages: what the master divides queues by."""
-        plan = self.engine.scheduler.plan
+        scheduler = getattr(self.engine, "scheduler", None)
+        if scheduler is None:  # an engine without rtp's runtime (a test's stub) reports no speeds
+            return
+        plan = scheduler.plan
         prefill = plan.num_tokens - plan.num_decode_rows
         ms = max(seconds * 1000.0, 1e-3)
         if prefill > 0:
-            rate = prefill / ms
-            self.prefill_tokens_per_ms = rate if not self.prefill_tokens_per_ms else \
-                0.8 * self.prefill_tokens_per_ms + 0.2 * rate
+            # a ratio of moving sums, not a moving average of per-step rates: a step of 5 prompt
+            # tokens says little about speed (its fixed cost dominates), one of 500 says a lot
+            self._prefill_tokens = 0.8 * self._prefill_tokens + prefill
+            self._prefill_ms = 0.8 * self._prefill_ms + ms
+            self.prefill_tokens_per_ms = self._prefill_tokens / self._prefill_ms
         elif plan.num_rows:
             self.decode_step_ms = ms if not self.decode_step_ms else 0.8 * self.decode_step_ms + 0.2 * ms
 
