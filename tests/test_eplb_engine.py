@@ -190,10 +190,11 @@ def test_metrics_show_ratio_replicas_and_moves(mixtral):
     s = llm.engine.stats()["eplb"]
     assert s["rebalances"] >= 2 and s["move_seconds"] > 0
     assert f'rtp:eplb_rank_load_ratio{{layer="1",model_name="m"}} {s["rank_load_ratio"][1]}' in text
+    assert f'rtp:eplb_planned_rank_load_ratio{{layer="0",model_name="m"}} {s["planned_rank_load_ratio"][0]}' in text
     assert 'rtp:eplb_replicas{layer="0",model_name="m"} 4.0' in text
     assert f'rtp:eplb_rebalances_total{{model_name="m"}} {float(s["rebalances"])}' in text
     assert "rtp:eplb_move_seconds_total" in text and "rtp:eplb_rank_load_ratio_max" in text
-    assert 1.0 <= s["rank_load_ratio_max"] < float("inf")
+    assert s["rank_load_ratio_max"] >= max(s["planned_rank_load_ratio"]) >= 1.0
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
@@ -214,7 +215,7 @@ def test_two_ranks_rebalance_at_the_same_step(mixtral, tp, ep):
         # (8 experts + 2 spare) over 2 ranks
         assert b.num_ranks == 2 and b.layers[0].local_slots == (5 if ep == 2 else 10)
         got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-        assert b.rebalances >= 3 and (b.replicas() == 2).all()
+        assert b.rebalances >= 2 and (b.replicas() == 2).all()
     finally:
         llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in got] == [o.token_ids for o in want]

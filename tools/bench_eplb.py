@@ -26,6 +26,15 @@ dispatch deals them). The EPLB plan is then applied with FusedMoE.place (replica
 layers' spare slots) and the second window rerun: its logits must equal the identity
 placement's bit for bit (fp32).
 
+Then a serving run (--serve-prompts, 0 to skip): the same shape of model, built with
+transformers (DeepseekV3ForCausalLM, the same skewed correction bias) and saved as a
+checkpoint, served by rtp's engine (LLM, fp32) with --enable-eplb: a rebalance every
+--serve-interval steps from the last --serve-window steps' counters, moved between steps.
+It reports each rebalance (the current placement's max/min rank load on the window just
+served, which for every rebalance but the first is the placement the previous one made, and
+the new plan's on the same window), the time moving weights, and whether the greedy tokens
+equal a run with EPLB off.
+
 Output: a table, then as the LAST line one JSON object with the same figures.
 """
 
@@ -175,6 +184,57 @@ def real_run(args) -> dict:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
+def serve_run(args) -> dict:
+    """The serving run of the module docstring."""
+    import tempfile
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from rtp import LLM, SamplingParams
+
+    experts, vocab = 64, 512
+    config = transformers.DeepseekV3Config(
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=experts, num_experts_per_tok=6, n_group=8,
+        topk_group=4, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        max_position_embeddings=512, rms_norm_eps=1e-6)
+    torch.manual_seed(args.seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("e_score_correction_bias"):  # as in real_run: Zipf-like popularity per layer
+                param.copy_(-args.bias_skew * torch.log(torch.randperm(experts).float() + 1))
+            elif param.dim() > 1:
+                param.normal_(0, 0.05)
+    rng = np.random.default_rng(args.seed + 7)
+    prompts = [rng.integers(1, vocab, 64).tolist() for _ in range(args.serve_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=args.serve_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.save(f"{tmp}/tokenizer.json")
+        # a cache twice what the requests use: KV pressure (which drops the replicas) stays off
+        kw = {"model": tmp, "dtype": "float32", "compile": False, "max_model_len": 2 * (64 + args.serve_tokens),
+              "max_num_seqs": args.serve_prompts, "enable_prefix_caching": False}
+        off = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+        llm = LLM(**kw, enable_eplb=True, eplb_step_interval=args.serve_interval,
+                  eplb_window_size=args.serve_window, eplb_num_ranks=args.real_run_ranks or 8)
+        start = time.perf_counter()
+        on = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        seconds = time.perf_counter() - start
+    b = llm.engine.balancer
+    return {"ranks": b.num_ranks, "experts": experts, "moe_layers": len(b.layers), "replica_slots": b.spare,
+            "interval": args.serve_interval, "window": args.serve_window, "steps": b.steps,
+            "rebalances": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+                           for r in b.history],
+            "move_ms_total": round(b.move_seconds * 1e3, 1), "generate_s": round(seconds, 1),
+            "tokens_equal_eplb_off": on == off}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=58)
@@ -194,6 +254,11 @@ def main() -> int:
                    help="real run: prompts of 64 tokens per window, each decoding 4 more (default 16)")
     p.add_argument("--bias-skew", type=float, default=0.12,
                    help="real run: correction bias = -skew * log(popularity rank) (default 0.12)")
+    p.add_argument("--serve-prompts", type=int, default=32,
+                   help="serving run: prompts of 64 tokens served together with EPLB on (0: skip it; default 32)")
+    p.add_argument("--serve-tokens", type=int, default=64, help="serving run: tokens each decodes (default 64)")
+    p.add_argument("--serve-interval", type=int, default=16, help="serving run: steps between rebalances (default 16)")
+    p.add_argument("--serve-window", type=int, default=16, help="serving run: window in steps (default 16)")
     args = p.parse_args()
 
     rng = np.random.default_rng(args.seed)
@@ -250,8 +315,20 @@ def main() -> int:
             print(f"{name:10s} {r['max_min_mean']:13.3f} {r['max_min_worst']:14.3f} "
                   f"{r['replica_memory_share'] * 100:11.1f}%")
         print(f"EPLB placement applied (FusedMoE.place): logits {'unchanged' if real['eplb_output_unchanged'] else 'CHANGED'}")
+    serve = serve_run(args) if args.serve_prompts else None
+    if serve is not None:
+        print(f"\nserving run: rtp's engine with --enable-eplb, {serve['moe_layers']} MoE layers x "
+              f"{serve['experts']} experts over {serve['ranks']} logical ranks, {serve['replica_slots']} replica "
+              f"slots, a rebalance every {serve['interval']} steps from the last {serve['window']}")
+        print(f"{'step':>5s} {'layers moved':>13s} {'max/min mean: current':>22s} {'-> plan':>8s} "
+              f"{'worst: current':>15s} {'-> plan':>8s} {'move ms':>8s}")
+        for r in serve["rebalances"]:
+            print(f"{r['step']:5d} {r['layers_moved']:13d} {r['before_mean']:22.3f} {r['after_mean']:8.3f} "
+                  f"{r['before_max']:15.3f} {r['after_max']:8.3f} {r['ms']:8.1f}")
+        print(f"greedy tokens {'equal' if serve['tokens_equal_eplb_off'] else 'DIFFER FROM'} EPLB off; "
+              f"{serve['move_ms_total']:g} ms moving weights in {serve['generate_s']:g} s of generation")
     print(json.dumps({"config": vars(args), "grouped_gemm_gflops": round(gflops, 1), "results": results,
-                      "targets_met": met, "real_run": real}))
+                      "targets_met": met, "real_run": real, "serve_run": serve}))
     return 0
 
 

@@ -110,7 +110,10 @@ class ExpertBalancer:
         # what /metrics shows
         self.rebalances = 0
         self.move_seconds = 0.0
-        self.ratio = np.full(len(self.layers), np.nan)  # current placement on the last window's load
+        # per layer max/min rank load over the last window: of the placement that served it
+        # (what the ranks went through), and of the plan made from it (in-sample, so lower)
+        self.ratio = np.full(len(self.layers), np.nan)
+        self.planned_ratio = np.full(len(self.layers), np.nan)
         self.history: deque[dict] = deque(maxlen=64)  # rank 0's latest rebalances, as logged
         self._stats: dict | None = None
 
@@ -152,11 +155,19 @@ class ExpertBalancer:
             return None  # nothing routed in the window: nothing to balance by
         extra = 0 if pressured else self.spare
         placement = _padded(eplb_placement(load, self.num_ranks, extra), self.num_slots // self.num_ranks)
-        before = imbalance(self._as_placement(self.current).rank_loads(load))
-        after = imbalance(placement.rank_loads(load))
-        self.ratio = after
-        self._stats = None
+        current = self._as_placement(self.current).rank_loads(load)
+        planned = placement.rank_loads(load)
         slots = placement.slots.reshape(len(self.layers), self.num_slots)
+        # the packing is greedy, not optimal: a layer whose straggler the plan would not relieve
+        # keeps its placement (and its weights stay put), unless it holds replicas under pressure
+        keep = current.max(axis=1) <= planned.max(axis=1)
+        if pressured:
+            keep &= self.replicas() == 0
+        slots[keep] = self.current[keep]
+        planned[keep] = current[keep]
+        before, after = imbalance(current), imbalance(planned)
+        self.ratio, self.planned_ratio = before, after
+        self._stats = None
         if np.array_equal(slots, self.current):
             return None
         return Rebalance(slots, load, before, after, "kv pressure" if pressured else "interval")
@@ -205,8 +216,9 @@ class ExpertBalancer:
         return {
             "ranks": self.num_ranks,
             "rank_load_ratio": self.ratio.tolist(),
-            "rank_load_ratio_max": float(self.ratio.max()) if not np.isnan(self.ratio).all() else float("nan"),
+            "rank_load_ratio_max": float(self.ratio.max()),
             "rank_load_ratio_mean": float(finite.mean()) if finite.size else float("nan"),
+            "planned_rank_load_ratio": self.planned_ratio.tolist(),
             "replicas": self.replicas().tolist(),
             "spare_slots": self.spare,
             "rebalances": self.rebalances,

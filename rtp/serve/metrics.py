@@ -152,19 +152,25 @@ class _EngineCollector:
 
     def _eplb(self, eplb: dict, name: list[str], gauge, counter):
         ratio = GaugeMetricFamily("rtp:eplb_rank_load_ratio", "Most over least loaded rank's routed tokens, per "
-                                  "MoE layer, for the current placement on the last window's load (NaN before "
-                                  "the first plan, +Inf while a rank had no tokens).",
+                                  "MoE layer, over the window the last plan was made from, as the placement "
+                                  "then in use served it (NaN before the first plan, +Inf if a rank had none).",
                                   labels=["model_name", "layer"])
+        planned = GaugeMetricFamily("rtp:eplb_planned_rank_load_ratio", "The same for the plan made from that "
+                                    "window, on that window (the placement now in use).",
+                                    labels=["model_name", "layer"])
         replicas = GaugeMetricFamily("rtp:eplb_replicas", "Expert replicas (slots holding a second or later "
                                      "copy) per MoE layer.", labels=["model_name", "layer"])
-        for layer, (r, n) in enumerate(zip(eplb["rank_load_ratio"], eplb["replicas"])):
+        for layer, (r, p, n) in enumerate(zip(eplb["rank_load_ratio"], eplb["planned_rank_load_ratio"],
+                                               eplb["replicas"])):
             ratio.add_metric([*name, str(layer)], r)
+            planned.add_metric([*name, str(layer)], p)
             replicas.add_metric([*name, str(layer)], n)
         yield ratio
+        yield planned
         yield replicas
-        yield gauge("eplb_rank_load_ratio_max", "The worst MoE layer's max/min rank load.",
+        yield gauge("eplb_rank_load_ratio_max", "The worst MoE layer's max/min rank load (as served).",
                     eplb["rank_load_ratio_max"])
-        yield gauge("eplb_rank_load_ratio_mean", "Mean over MoE layers of max/min rank load (finite ones).",
+        yield gauge("eplb_rank_load_ratio_mean", "Mean over MoE layers of max/min rank load (as served, finite ones).",
                     eplb["rank_load_ratio_mean"])
         yield gauge("eplb_spare_slots", "Slots per MoE layer preallocated for replicas.", eplb["spare_slots"])
         yield counter("eplb_rebalances", "Expert placements applied.", eplb["rebalances"])
