@@ -62,6 +62,8 @@ def test_rebalancing_mid_generation_keeps_greedy_outputs(model, request, caplog)
         llm, on = run(mixtral, prompts, enable_eplb=True, eplb_step_interval=3, eplb_window_size=4)
     _, still = run(mixtral, prompts, enable_eplb=True, eplb_step_interval=10**6)
     b = llm.engine.balancer
+    # a tripwire: the day CPU graphs capture MoE decode steps, this test must run with them on
+    assert llm.engine.runner.graph_steps == 0
     assert b.num_ranks == 4 and b.spare == 4  # 5 % of 8 experts, rounded up to one slot per rank
     assert b.rebalances >= 3 and b.steps > 3 * b.interval  # moves happened while requests decoded
     assert (b.replicas() == 4).all()
@@ -220,3 +222,19 @@ def test_two_ranks_rebalance_at_the_same_step(mixtral, tp, ep):
         llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in got] == [o.token_ids for o in want]
     assert dist.world_size() == 1
+
+
+def test_cli_flags_reach_the_engine_config():
+    from rtp.cli import _eplb_config, build_parser
+    from rtp.config import EngineConfig
+
+    for command in (["serve"], ["generate", "--prompt", "x"]):
+        args = build_parser().parse_args([*command, "--enable-eplb", "--eplb-step-interval", "50",
+                                          "--eplb-window-size", "20", "--num-redundant-experts", "16",
+                                          "--eplb-kv-pressure", "0.9"])
+        config = EngineConfig(**_eplb_config(args))
+        config.validate()
+        assert (config.enable_eplb, config.eplb_step_interval, config.eplb_window_size) == (True, 50, 20)
+        assert (config.num_redundant_experts, config.eplb_kv_pressure, config.eplb_memory_cap) == (16, 0.9, 0.15)
+    with pytest.raises(ValueError, match="eplb_kv_pressure"):
+        EngineConfig(eplb_kv_pressure=1.5).validate()
