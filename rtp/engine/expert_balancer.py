@@ -10,6 +10,7 @@ This loop reads them only when it needs them:
 | every `interval` steps                | load = counters now - the window's snapshot (the one |
 |                                       | host read); eplb_placement over `ranks`; move weights |
 | KV use > `kv_pressure` with replicas  | the same at once, with no replicas                    |
+| a plan that would not relieve a layer | that layer keeps its placement (no move)              |
 
 Only rank 0 plans (it alone knows the KV use); it sends the slots to the other ranks
 (rtp/engine/tensor_parallel.py) and every rank then calls `apply` at the same point
