@@ -238,3 +238,24 @@ def test_cli_flags_reach_the_engine_config():
         assert (config.num_redundant_experts, config.eplb_kv_pressure, config.eplb_memory_cap) == (16, 0.9, 0.15)
     with pytest.raises(ValueError, match="eplb_kv_pressure"):
         EngineConfig(eplb_kv_pressure=1.5).validate()
+
+
+def test_a_plan_moves_as_few_weights_as_it_can():
+    """Plans are relabelled onto the placement in use (ranks and slots within a rank are
+    interchangeable): the same load planned again moves nothing, and a plan for a shuffled
+    placement keeps every rank's load."""
+    from rtp.engine.eplb import eplb_placement
+    from rtp.engine.expert_balancer import _closest
+
+    rng = np.random.default_rng(0)
+    load = rng.zipf(1.5, (1, 32)).astype(np.int64)
+    plan = eplb_placement(load, 4, 4).slots[0]
+    again = _closest(eplb_placement(load, 4, 4).slots[0], plan)
+    assert np.array_equal(again, plan)
+    shuffled = plan[rng.permutation(4)][:, rng.permutation(9)]
+    relabelled = _closest(plan, shuffled)
+    assert np.array_equal(relabelled, shuffled)  # nothing to move: the same sets, already in place
+    new = eplb_placement(load * rng.integers(1, 5, load.shape), 4, 4).slots[0]
+    moved = _closest(new, plan)
+    assert sorted(map(sorted, moved.tolist())) == sorted(map(sorted, new.tolist()))  # the same rank sets
+    assert (moved != plan).sum() < (new != plan).sum()  # fewer slots rewritten than the raw plan's

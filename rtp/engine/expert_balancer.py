@@ -156,6 +156,8 @@ class ExpertBalancer:
             return None  # nothing routed in the window: nothing to balance by
         extra = 0 if pressured else self.spare
         placement = _padded(eplb_placement(load, self.num_ranks, extra), self.num_slots // self.num_ranks)
+        placement = Placement(np.stack([_closest(new, old) for new, old in
+                                        zip(placement.slots, self._as_placement(self.current).slots)]))
         current = self._as_placement(self.current).rank_loads(load)
         planned = placement.rank_loads(load)
         slots = placement.slots.reshape(len(self.layers), self.num_slots)
@@ -225,6 +227,44 @@ class ExpertBalancer:
             "rebalances": self.rebalances,
             "move_seconds": self.move_seconds,
         }
+
+
+def _closest(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """The same per-rank sets of experts as `new` [ranks, per_rank], relabelled to move the fewest
+    weights from `old`: ranks are interchangeable (a new rank takes the old rank it shares most
+    experts with, greedily) and so are a rank's slots (an expert it already holds stays put)."""
+    ranks = len(new)
+    overlap = np.array([[len(_common(n, o)) for o in old] for n in new])
+    order = np.argsort(-overlap, axis=None, kind="stable")
+    to_old, taken = {}, set()
+    for flat in order:
+        n, o = divmod(int(flat), ranks)
+        if n not in to_old and o not in taken:
+            to_old[n] = o
+            taken.add(o)
+    out = np.full_like(old, -1)
+    for n, o in to_old.items():
+        pending = list(new[n][new[n] >= 0])
+        free = []
+        for k, expert in enumerate(old[o]):
+            if expert >= 0 and expert in pending:
+                out[o, k] = expert
+                pending.remove(expert)
+            else:
+                free.append(k)
+        for k, expert in zip(free, pending):
+            out[o, k] = expert
+    return out
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> list[int]:
+    rest = list(b[b >= 0])
+    out = []
+    for x in a[a >= 0]:
+        if x in rest:
+            rest.remove(x)
+            out.append(int(x))
+    return out
 
 
 def _padded(placement: Placement, per_rank: int) -> Placement:

@@ -217,10 +217,19 @@ class FusedMoE(nn.Module):
         if count.max() > self.logical_to_physical.shape[1]:
             raise ValueError(f"at most {self.logical_to_physical.shape[1]} copies of an expert fit")
         # where each new slot's weights are now (an empty slot keeps slot 0's, never read)
-        source = self.logical_to_physical[target.clamp_min(0), 0].cpu()
+        table_now = self.logical_to_physical.cpu()
+        source = table_now[target.clamp_min(0), 0]
         if self.local_slots == self.num_slots:  # one rank holds every slot
-            for param in (self.w13, self.w2):
-                param.data.copy_(param.data.index_select(0, source.to(param.device)))
+            # only slots that change expert are written (an emptied slot keeps its stale weights,
+            # never read): rows gathered before any is overwritten, so sources may be moving too
+            held = torch.full((self.num_slots,), -1, dtype=torch.int64)
+            for expert, copies in enumerate(self.replica_count.cpu().tolist()):
+                held[table_now[expert, :copies]] = expert
+            moving = ((target >= 0) & (target != held)).nonzero().flatten()
+            if len(moving):
+                for param in (self.w13, self.w2):
+                    rows = param.data.index_select(0, source[moving].to(param.device))
+                    param.data.index_copy_(0, moving.to(param.device), rows)
         else:
             self._move_across_ranks(source, target >= 0)
         # built on the host, copied once: per-element writes into a device tensor would each launch
