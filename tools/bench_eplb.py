@@ -320,11 +320,11 @@ def main() -> int:
         print(f"\nserving run: rtp's engine with --enable-eplb, {serve['moe_layers']} MoE layers x "
               f"{serve['experts']} experts over {serve['ranks']} logical ranks, {serve['replica_slots']} replica "
               f"slots, a rebalance every {serve['interval']} steps from the last {serve['window']}")
-        print(f"{'step':>5s} {'layers moved':>13s} {'max/min mean: current':>22s} {'-> plan':>8s} "
-              f"{'worst: current':>15s} {'-> plan':>8s} {'move ms':>8s}")
+        print(f"{'step':>5s} {'layers moved':>13s} {'slots rewritten':>16s} {'max/min mean: current':>22s} "
+              f"{'-> plan':>8s} {'worst: current':>15s} {'-> plan':>8s} {'move ms':>8s}")
         for r in serve["rebalances"]:
-            print(f"{r['step']:5d} {r['layers_moved']:13d} {r['before_mean']:22.3f} {r['after_mean']:8.3f} "
-                  f"{r['before_max']:15.3f} {r['after_max']:8.3f} {r['ms']:8.1f}")
+            print(f"{r['step']:5d} {r['layers_moved']:13d} {r['slots_rewritten']:16d} {r['before_mean']:22.3f} "
+                  f"{r['after_mean']:8.3f} {r['before_max']:15.3f} {r['after_max']:8.3f} {r['ms']:8.1f}")
         print(f"greedy tokens {'equal' if serve['tokens_equal_eplb_off'] else 'DIFFER FROM'} EPLB off; "
               f"{serve['move_ms_total']:g} ms moving weights in {serve['generate_s']:g} s of generation")
     print(json.dumps({"config": vars(args), "grouped_gemm_gflops": round(gflops, 1), "results": results,

@@ -185,6 +185,8 @@ class ExpertBalancer:
         """Move every layer whose slots changed (between steps; every rank, the same slots)."""
         start = time.perf_counter()
         moved = [i for i in range(len(self.layers)) if not np.array_equal(slots[i], self.current[i])]
+        # slots whose weights are rewritten (place() leaves the others, and emptied ones, alone)
+        rewritten = int(((slots != self.current) & (slots >= 0)).sum())
         for i in moved:
             self.layers[i].place(slots[i].tolist())
             self.current[i] = slots[i]
@@ -197,13 +199,14 @@ class ExpertBalancer:
         self._stats = None
         if decision is not None:
             self.history.append({"step": self.steps, "reason": decision.reason, "layers_moved": len(moved),
+                                 "slots_rewritten": rewritten,
                                  "before_max": float(decision.before.max()), "after_max": float(decision.after.max()),
                                  "before_mean": float(decision.before.mean()),
                                  "after_mean": float(decision.after.mean()),
                                  "replicas": int(self.replicas().max()), "ms": seconds * 1e3})
-            log.info("EPLB rebalance %d at step %d (%s): %d/%d layers moved, max/min rank load "
-                     "%s -> %s (worst layer), %s -> %s (mean), replicas %d per layer, %.1f ms",
-                     self.rebalances, self.steps, decision.reason, len(moved), len(self.layers),
+            log.info("EPLB rebalance %d at step %d (%s): %d/%d layers moved (%d slots rewritten), max/min "
+                     "rank load %s -> %s (worst layer), %s -> %s (mean), replicas %d per layer, %.1f ms",
+                     self.rebalances, self.steps, decision.reason, len(moved), len(self.layers), rewritten,
                      _ratio(decision.before.max()), _ratio(decision.after.max()),
                      _ratio(decision.before.mean()), _ratio(decision.after.mean()),
                      int(self.replicas().max()), seconds * 1e3)
