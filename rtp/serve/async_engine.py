@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from rtp.engine.engine import LLMEngine, RequestOutput
 from rtp.sampling_params import SamplingParams
 
+_MIN_PREFILL_MEASURED = 128  # prompt tokens a step needs to count toward the prefill speed
 log = logging.getLogger("rtp.serve")
 
 
@@ -394,21 +395,22 @@ class AsyncEngine:
             self._post(batch, started)
 
     def _measure(self, seconds: float) -> None:
-        """Prefill speed (prompt tokens per ms of steps that had any) and decode step time
-        (decode-only steps), as moving averages: what the master divides queues by."""
+        """Prefill speed (prompt tokens per ms over recent steps with at least 128 of them) and
+        decode step time (decode-only steps), as moving averages: what the master divides
+        queues by."""
         scheduler = getattr(self.engine, "scheduler", None)
         if scheduler is None:  # an engine without rtp's runtime (a test's stub) reports no speeds
             return
         plan = scheduler.plan
         prefill = plan.num_tokens - plan.num_decode_rows
         ms = max(seconds * 1000.0, 1e-3)
-        if prefill > 0:
-            # a ratio of moving sums, not a moving average of per-step rates: a step of 5 prompt
-            # tokens says little about speed (its fixed cost dominates), one of 500 says a lot
+        if prefill >= _MIN_PREFILL_MEASURED:
+            # a ratio of moving sums, not a moving average of per-step rates, and only steps with
+            # enough prompt tokens: a step of 5 says little about speed (its fixed cost dominates)
             self._prefill_tokens = 0.8 * self._prefill_tokens + prefill
             self._prefill_ms = 0.8 * self._prefill_ms + ms
             self.prefill_tokens_per_ms = self._prefill_tokens / self._prefill_ms
-        elif plan.num_rows:
+        elif prefill == 0 and plan.num_rows:
             self.decode_step_ms = ms if not self.decode_step_ms else 0.8 * self.decode_step_ms + 0.2 * ms
 
     def _die(self, error: BaseException) -> None:

@@ -80,7 +80,15 @@ class Pool:
         return len(self.views) - 1
 
     def queue_ms(self) -> np.ndarray:
-        return np.maximum(self.inflight_queue, self.reported_queue) / np.maximum(self.mu, 1e-6)
+        return np.maximum(self.inflight_queue, self.reported_queue) / self.speed()
+
+    def speed(self) -> np.ndarray:
+        """Prefill tokens per ms; a worker that has not measured itself yet counts as the
+        mean of those that have (as fast as its peers, until it says otherwise)."""
+        known = self.mu > 0
+        if known.all():
+            return self.mu
+        return np.where(known, self.mu, self.mu[known].mean() if known.any() else 1.0)
 
     def usable(self, exclude=()) -> np.ndarray:
         ok = self.healthy.copy()
@@ -119,7 +127,7 @@ class WorkerView:
     healthy = _PoolField()
 
     def __init__(self, name: str, role: str, *, total_blocks: int, block_size: int,
-                 prefill_tokens_per_ms: float = 1.0):
+                 prefill_tokens_per_ms: float = 0.0):
         if role not in ("prefill", "decode", "collocated"):
             raise ValueError(f"role must be prefill, decode or collocated, got {role!r}")
         self.name = name
@@ -146,7 +154,7 @@ class WorkerView:
 
     @property
     def queue_ms(self) -> float:
-        return self.queued_tokens / max(self.mu, 1e-6)
+        return float(self.pool.queue_ms()[self.index])
 
     def match(self, tokens) -> int:
         """Tokens of `tokens` this worker is believed to have cached."""
@@ -315,7 +323,7 @@ class Router:
         # the queue term's unit: R's own uncached prefill time, or the mean queue time once
         # queues are longer than that (then it is relative load, and a full prefix hit
         # outweighs a queue up to beta / (1 - beta) times the mean before balance wins)
-        own_ms = n / max(float(pool.mu[ok].mean()), 1e-6)
+        own_ms = n / max(float(pool.speed()[ok].mean()), 1e-6)
         penalty = queue / max(own_ms, mean_queue)
         if self.auto is not None:
             best_hit = max((views[i].match(tokens) for i in holders), default=0)

@@ -1,0 +1,230 @@
+"""`rtp route`, the FlexLB master, end to end: real `rtp serve` workers and masters on loopback.
+
+Two prefill nodes, one decode node and a collocated reference start together (loading
+overlaps) and are shared by the module; all run float32, as tests/test_pd.py's do, so
+greedy tokens do not depend on batching. Two masters route over the same workers, one
+at the default beta and one at beta = 0. The last test kills a prefill node.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from test_serve import MODEL, ROOT, Server, _free_port
+
+TOKEN = "flexlb-test-secret"
+COMMON = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "96MiB", "--max-num-seqs", "16")
+
+
+class Master:
+    def __init__(self, *args: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="rtp-route-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "rtp", "route", "--port", str(self.port),
+                                      "--rpc-token", TOKEN, "--poll-interval", "0.2", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def wait_ready(self, timeout: float = 120.0) -> Master:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"rtp route exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        pytest.fail(f"rtp route did not become ready in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def metric(url: str, name: str) -> dict[str, float]:
+    """Samples of one metric: {labels text: value}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {m.group(1) or "": float(m.group(2))
+            for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.MULTILINE)}
+
+
+def prefix_hits(server) -> float:
+    return sum(metric(server.url, "rtp:prefix_cache_hits_total").values())
+
+
+def routed(master: Master) -> dict[str, float]:
+    """Requests each prefill worker got from this master: {url: count}."""
+    out = {}
+    for labels, v in metric(master.url, "rtp:route_requests_total").items():
+        if 'role="prefill"' in labels:
+            out[re.search(r'worker="([^"]+)"', labels).group(1)] = v
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    decode = Server("--role", "decode", "--rpc-token", TOKEN, *COMMON)
+    nodes = {
+        "decode": decode,
+        "p0": Server("--role", "prefill", "--rpc-token", TOKEN, *COMMON),
+        "p1": Server("--role", "prefill", "--rpc-token", TOKEN, *COMMON),
+        "collocated": Server(*COMMON),
+    }
+    masters = []
+    try:
+        for node in nodes.values():
+            node.wait_ready()
+        workers = ("--prefill", nodes["p0"].url, nodes["p1"].url, "--decode", decode.url)
+        masters = [Master(*workers), Master(*workers, "--beta", "0")]
+        for m in masters:
+            m.wait_ready()
+        yield {**nodes, "master": masters[0], "master_beta0": masters[1]}
+    finally:
+        for m in masters:
+            m.stop()
+        for node in nodes.values():
+            node.stop()
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,",
+           "List three primary colors:", "Water boils at", "The quick brown fox", "In 1969, humans",
+           "A haiku about autumn:"]
+
+
+def test_beta_0_spreads_requests_by_queue(cluster):
+    """First in the module: no worker has measured its prefill speed yet, so the master takes
+    them as equal and the split follows queued tokens alone (with measured speeds it follows
+    queue time, which on this shared machine can differ between the two nodes several-fold)."""
+    master = cluster["master_beta0"]
+    client = master.client()
+    before = routed(master)
+    shared = "Summarise the following in a word. " * 20
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda k: client.completions.create(
+            model=MODEL, prompt=f"{shared} Item {k}.", max_tokens=24, temperature=0), range(8)))
+    counts = [n - before.get(url, 0) for url, n in routed(master).items()]
+    assert sum(counts) == 8 and min(counts) >= 2  # the shared prefix did not pull them together
+
+
+def test_routed_pd_output_equals_collocated(cluster):
+    routed_client = cluster["master"].client()
+    reference = openai.OpenAI(base_url=cluster["collocated"].url + "/v1", api_key="unused", max_retries=0)
+
+    def complete(client, p, stream):
+        if stream:
+            return "".join(c.choices[0].text for c in client.completions.create(
+                model=MODEL, prompt=p, max_tokens=20, temperature=0, stream=True))
+        return client.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0).choices[0].text
+
+    def chat(client, p):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                           max_tokens=20, temperature=0)
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda a: complete(routed_client, *a), [(p, s) for p in PROMPTS for s in (False, True)]))
+        got_chat = list(pool.map(lambda p: chat(routed_client, p), PROMPTS))
+    want = [complete(reference, p, False) for p in PROMPTS]
+    assert got == [w for w in want for _ in (0, 1)]
+    assert got_chat == [chat(reference, p) for p in PROMPTS]
+    assert all(routed(cluster["master"]).values())  # both prefill nodes served some
+
+
+def test_shared_prefix_requests_land_on_the_worker_holding_it(cluster):
+    master = cluster["master"]
+    client = master.client()
+    system = ("You are the reference desk of a maritime museum. Answer in one sentence, cite the gallery "
+              "number, and never speculate about ships not in the collection. ") * 4
+    before_hits = {k: prefix_hits(cluster[k]) for k in ("p0", "p1")}
+    before_routes = routed(master)
+    for q in ("When was the lighthouse lens made?", "Who built the steam tug?", "Where is the whaling exhibit?",
+              "How old is the figurehead?"):
+        client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": q}])
+    hits = {k: prefix_hits(cluster[k]) - before_hits[k] for k in ("p0", "p1")}
+    routes = {url: n - before_routes.get(url, 0) for url, n in routed(master).items()}
+    holder = max(hits, key=hits.get)
+    assert hits[holder] >= 3 * 100          # three follow-ups each reused the long system prompt
+    assert hits[min(hits, key=hits.get)] == 0
+    assert routes.get(cluster[holder].url) == 4  # every request went to the one that holds it
+
+
+def test_the_master_rejects_bad_bodies_and_reports_metrics(cluster):
+    url = cluster["master"].url
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json=[1, 2])
+    assert r.status_code == 400
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": -3})
+    assert r.status_code == 400  # the worker's own validation, relayed
+    assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == MODEL
+    healthy = metric(url, "rtp:route_worker_healthy")
+    assert len(healthy) == 3 and all(v == 1.0 for v in healthy.values())
+    assert 0 < metric(url, "rtp:route_prefix_hit_ratio")[""] <= 1
+
+
+def test_killing_a_prefill_worker(cluster):
+    """Streams it was relaying fail with an error; requests that had not started are retried
+    elsewhere; the master keeps serving."""
+    master = cluster["master_beta0"]  # spreads by queue, so both prefill nodes hold streams
+    client = master.client()
+    before = routed(master)
+    started, results = [], []
+
+    def stream(k):
+        try:
+            text = ""
+            for i, chunk in enumerate(client.completions.create(
+                    model=MODEL, prompt=f"Count slowly from {k}:", max_tokens=200, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True})):
+                if i == 0:
+                    started.append(k)
+                text += chunk.choices[0].text
+            results.append(("ok", k))
+        except openai.APIError as e:
+            results.append(("error", str(e)))
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, k) for k in range(6)]
+        deadline = time.monotonic() + 60
+        while len(started) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts = {url: n - before.get(url, 0) for url, n in routed(master).items()}
+        victim = max(("p0", "p1"), key=lambda k: counts.get(cluster[k].url, 0))
+        cluster[victim].proc.kill()
+        for f in futures:
+            f.result(timeout=300)
+    errors = [r for r in results if r[0] == "error"]
+    # every stream the victim relayed had started: each fails, with an error; the others finish
+    assert len(started) == 6 and len(results) == 6
+    assert len(errors) == counts[cluster[victim].url] >= 1
+    # new requests all succeed on the survivor (retried if the master still thought the victim alive)
+    for k in range(4):
+        out = client.completions.create(model=MODEL, prompt=f"After the failure {k}:", max_tokens=4, temperature=0)
+        assert out.choices[0].finish_reason == "length"
+    assert httpx.get(master.url + "/health").status_code == 200
+    healthy = metric(master.url, "rtp:route_worker_healthy")
+    assert healthy[f'role="prefill",worker="{cluster[victim].url}"'] == 0.0
