@@ -9,59 +9,24 @@ at the default beta and one at beta = 0. The last test kills a prefill node.
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from test_serve import MODEL, ROOT, Server, _free_port
+from test_serve import MODEL, Server
 
 TOKEN = "flexlb-test-secret"
 COMMON = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "96MiB", "--max-num-seqs", "16")
 
 
-class Master:
-    def __init__(self, *args: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="rtp-route-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "rtp", "route", "--port", str(self.port),
-                                      "--rpc-token", TOKEN, "--poll-interval", "0.2", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+def start_master(*args: str) -> Server:
+    return Server("--rpc-token", TOKEN, "--poll-interval", "0.2", *args, command=("route",))
 
-    def wait_ready(self, timeout: float = 120.0) -> Master:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"rtp route exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"rtp route did not become ready in {timeout} s:\n{self.output()}")
 
-    def output(self) -> str:
-        return Path(self.log.name).read_text()
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def client_of(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 def metric(url: str, name: str) -> dict[str, float]:
@@ -75,7 +40,7 @@ def prefix_hits(server) -> float:
     return sum(metric(server.url, "rtp:prefix_cache_hits_total").values())
 
 
-def routed(master: Master) -> dict[str, float]:
+def routed(master: Server) -> dict[str, float]:
     """Requests each prefill worker got from this master: {url: count}."""
     out = {}
     for labels, v in metric(master.url, "rtp:route_requests_total").items():
@@ -98,7 +63,7 @@ def cluster():
         for node in nodes.values():
             node.wait_ready()
         workers = ("--prefill", nodes["p0"].url, nodes["p1"].url, "--decode", decode.url)
-        masters = [Master(*workers), Master(*workers, "--beta", "0")]
+        masters = [start_master(*workers), start_master(*workers, "--beta", "0")]
         for m in masters:
             m.wait_ready()
         yield {**nodes, "master": masters[0], "master_beta0": masters[1]}
@@ -119,7 +84,7 @@ def test_beta_0_spreads_requests_by_queue(cluster):
     them as equal and the split follows queued tokens alone (with measured speeds it follows
     queue time, which on this shared machine can differ between the two nodes several-fold)."""
     master = cluster["master_beta0"]
-    client = master.client()
+    client = client_of(master)
     before = routed(master)
     shared = "Summarise the following in a word. " * 20
     with ThreadPoolExecutor(8) as pool:
@@ -130,7 +95,7 @@ def test_beta_0_spreads_requests_by_queue(cluster):
 
 
 def test_routed_pd_output_equals_collocated(cluster):
-    routed_client = cluster["master"].client()
+    routed_client = client_of(cluster["master"])
     reference = openai.OpenAI(base_url=cluster["collocated"].url + "/v1", api_key="unused", max_retries=0)
 
     def complete(client, p, stream):
@@ -155,7 +120,7 @@ def test_routed_pd_output_equals_collocated(cluster):
 
 def test_shared_prefix_requests_land_on_the_worker_holding_it(cluster):
     master = cluster["master"]
-    client = master.client()
+    client = client_of(master)
     system = ("You are the reference desk of a maritime museum. Answer in one sentence, cite the gallery "
               "number, and never speculate about ships not in the collection. ") * 4
     before_hits = {k: prefix_hits(cluster[k]) for k in ("p0", "p1")}
@@ -190,7 +155,7 @@ def test_killing_a_prefill_worker(cluster):
     """Streams it was relaying fail with an error; requests that had not started are retried
     elsewhere; the master keeps serving."""
     master = cluster["master_beta0"]  # spreads by queue, so both prefill nodes hold streams
-    client = master.client()
+    client = client_of(master)
     before = routed(master)
     started, results = [], []
 

@@ -66,26 +66,29 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, launcher: list[str] | None = None):
+    """`rtp serve` (or another subcommand that serves HTTP, such as `rtp route`) on a free port."""
+
+    def __init__(self, *args: str, launcher: list[str] | None = None, command: tuple[str, ...] = ("serve",)):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="rtp-serve-", suffix=".log", delete=False)
-        command = (launcher or [sys.executable, "-m", "rtp"]) + [
-            "serve", "--port", str(self.port), "--no-compile", *args]
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.name = f"rtp {command[0]}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"rtp-{command[0]}-", suffix=".log", delete=False)
+        eager = ("--no-compile",) if command[0] == "serve" else ()
+        argv = (launcher or [sys.executable, "-m", "rtp"]) + [*command, "--port", str(self.port), *eager, *args]
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def wait_ready(self, timeout: float = 180.0) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                pytest.fail(f"rtp serve exited with {self.proc.returncode}:\n{self.output()}")
+                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        pytest.fail(f"rtp serve did not become ready in {timeout} s:\n{self.output()}")
+        pytest.fail(f"{self.name} did not become ready in {timeout} s:\n{self.output()}")
 
     def output(self) -> str:
         return Path(self.log.name).read_text()

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from rtp.sampling_params import SamplingParams
@@ -48,6 +48,7 @@ from rtp.serve.protocol import (
     encoder,
 )
 from rtp.serve.render import ChatRender, CompletionRender
+from rtp.serve.streams import EventStream
 
 log = logging.getLogger("rtp.serve")
 
@@ -88,25 +89,6 @@ def _param_of(message: str) -> str | None:
     """SamplingParams and the engine name the field first ("top_p must be ...")."""
     word = message.split(" ", 1)[0]
     return word if word in _SAMPLING_FIELDS else None
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that runs `on_close` however it ends: done, client gone, or cancelled.
-
-    Starlette cancels the body iterator when the client disconnects; the iterator
-    may not even have started, so its own `finally` is not enough to abort.
-    """
-
-    def __init__(self, content, on_close):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 async def _until_disconnected(request: Request, work) -> None:

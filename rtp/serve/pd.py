@@ -35,13 +35,14 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from rtp.engine.kv_transfer import KVLayout, raw_view
 from rtp.sampling_params import SamplingParams
 from rtp.serve import rpc
 from rtp.serve.async_engine import AsyncEngine, ChoiceDelta, EngineDead, Stream, Update
+from rtp.serve.streams import ClosingStream
 
 log = logging.getLogger("rtp.serve.pd")
 
@@ -230,7 +231,7 @@ class PDNode:
             self._decoding.pop(body.request_id, None)
             stream.close()  # aborts it if it still runs: the prefill node (or its client) left
 
-        return _FrameStream(self._deltas(stream), on_close=closed)
+        return ClosingStream(self._deltas(stream), closed, rpc.CONTENT_TYPE)
 
     async def _deltas(self, stream: Stream):
         async for updates in stream:
@@ -742,20 +743,6 @@ class Relay(Stream):
         super().close()
         if self.task is not None and not self.task.done():
             self.task.cancel()
-
-
-class _FrameStream(StreamingResponse):
-    """A streamed msgpack response that runs on_close however it ends (as openai_api.EventStream)."""
-
-    def __init__(self, content, on_close):
-        super().__init__(content, media_type=rpc.CONTENT_TYPE)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 def _reply(message) -> Response:
