@@ -10,7 +10,6 @@ splits).
 
 from __future__ import annotations
 
-import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -195,7 +194,3 @@ def setup_dict(s: Setup) -> dict:
     d["device"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(s.device).items()}
     d["rate"] = round(s.rate, 3)
     return d
-
-
-def improvement(new: float, old: float) -> float:
-    return (old - new) / old if old and not math.isnan(old) else math.nan
