@@ -636,17 +636,45 @@ class Relay(Stream):
             raise PeerError(f"the decode node {self.peer} broke off the stream: {type(e).__name__}: {e}") from None
         raise PeerError(f"the decode node {self.peer} ended the stream before the request finished")
 
+    async def _kv_frames(self, sink: _Sink, sent: dict, key: str = ""):
+        """The KV stream's frames, as (bytes, end of a frame group): a heartbeat first (carrying the
+        KV port's key) and again whenever no layer comes for a third of the lease, so the decode
+        node's lease runs on heartbeats while the prompt waits for its turn and prefills here;
+        then each layer's header and raw bytes as the engine hands the layer over. Counts the
+        bytes and the first layer's time into `sent`."""
+
+        def heartbeat(key: str = "") -> bytes:
+            return rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id,
+                                         layer=rpc.HEARTBEAT, num_tokens=0, nbytes=0, key=key))
+
+        yield heartbeat(key), True
+        while True:
+            try:
+                item = await asyncio.wait_for(sink.queue.get(), self.lease_seconds / 3)
+            except asyncio.TimeoutError:
+                yield heartbeat(), True
+                continue
+            if item is None:
+                return
+            layer, kv = item
+            sent["started"] = sent["started"] or time.monotonic()
+            payload = raw_view(kv).reshape(-1).view(np.uint8)
+            yield rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id, layer=layer,
+                                        num_tokens=kv.shape[1], nbytes=payload.nbytes)), False
+            yield payload.data, True
+            sent["bytes"] += payload.nbytes
+
+    def _sent(self, sink: _Sink, sent: dict) -> int:
+        now = time.monotonic()
+        self.node.metrics.on_kv_sent(sent["bytes"], now - (sent["started"] or now), now - (sink.sampled_at or now))
+        return sent["bytes"]
+
     async def _push_tcp(self, sink: _Sink) -> int:
-        """Stream the KV layers to the decode node's KV port as the engine hands them over (heartbeats
-        while none comes); returns the bytes sent once the decode node acknowledged them all."""
+        """Stream the KV layers to the decode node's KV port as the engine hands them over; returns
+        the bytes sent once the decode node acknowledged them all."""
         host = urlsplit(self.peer).hostname or "127.0.0.1"
         port, key = self.reservation.kv_port, self.reservation.kv_key
-        sent, started = 0, None
-
-        def control(layer: int, first: bool = False) -> bytes:
-            return rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id, layer=layer,
-                                         num_tokens=0, nbytes=0, key=key if first else ""))
-
+        sent = {"bytes": 0, "started": None}
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10.0)
         except (OSError, asyncio.TimeoutError) as e:
@@ -654,25 +682,12 @@ class Relay(Stream):
         writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         writer.transport.set_write_buffer_limits(high=8 << 20)  # a layer in flight without waiting
         try:
-            writer.write(control(rpc.HEARTBEAT, first=True))
-            while True:
-                try:
-                    item = await asyncio.wait_for(sink.queue.get(), self.lease_seconds / 3)
-                except asyncio.TimeoutError:
-                    writer.write(control(rpc.HEARTBEAT))
-                    await writer.drain()
-                    continue
-                if item is None:
-                    break
-                layer, kv = item
-                started = started or time.monotonic()
-                payload = raw_view(kv).reshape(-1).view(np.uint8)
-                writer.write(rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id,
-                                                   layer=layer, num_tokens=kv.shape[1], nbytes=payload.nbytes)))
-                writer.write(payload.data)
-                await writer.drain()  # back-pressure: one layer in flight in the socket buffers at most
-                sent += payload.nbytes
-            writer.write(control(rpc.END))
+            async for chunk, group_end in self._kv_frames(sink, sent, key):
+                writer.write(chunk)
+                if group_end:
+                    await writer.drain()  # back-pressure: one layer in flight in the socket buffers at most
+            writer.write(rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id,
+                                               layer=rpc.END, num_tokens=0, nbytes=0)))
             (n,) = rpc.LENGTH.unpack(await asyncio.wait_for(reader.readexactly(4), 60.0))
             data = await asyncio.wait_for(reader.readexactly(n), 60.0)
         except (OSError, EOFError, asyncio.TimeoutError) as e:
@@ -687,43 +702,17 @@ class Relay(Stream):
             except rpc.BadRequest as e:
                 message = f"an unreadable reply: {e}"
             raise PeerError(f"the decode node {self.peer} rejected the KV: {message}") from None
-        now = time.monotonic()
-        self.node.metrics.on_kv_sent(sent, now - (started or now), now - (sink.sampled_at or now))
-        return sent
+        return self._sent(sink, sent)
 
     async def _push(self, sink: _Sink) -> int:
-        """Stream the KV layers to the decode node as the engine hands them over; returns the bytes sent."""
-        node = self.node
-        sent = 0
-        started = None
-
-        async def frames():
-            # opened at once, so the decode node's lease runs on heartbeats while the prompt waits
-            # for its turn and prefills here, then on the layers; a dead link ends it either way
-            nonlocal sent, started
-            heartbeat = rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id,
-                                              layer=rpc.HEARTBEAT, num_tokens=0, nbytes=0))
-            yield heartbeat
-            while True:
-                try:
-                    item = await asyncio.wait_for(sink.queue.get(), self.lease_seconds / 3)
-                except asyncio.TimeoutError:
-                    yield heartbeat
-                    continue
-                if item is None:
-                    break
-                layer, kv = item
-                started = started or time.monotonic()
-                payload = raw_view(kv).reshape(-1).view(np.uint8)
-                yield rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id, layer=layer,
-                                            num_tokens=kv.shape[1], nbytes=payload.nbytes))
-                yield payload.data
-                sent += payload.nbytes
-
+        """Stream the KV layers to the decode node over HTTP push_kv as the engine hands them over;
+        returns the bytes sent."""
+        sent = {"bytes": 0, "started": None}
+        frames = (chunk async for chunk, _ in self._kv_frames(sink, sent))
         timeout = httpx.Timeout(30.0, read=60.0)
         try:
-            response = await node._client().post(self.peer + "/rpc/push_kv", content=frames(), timeout=timeout,
-                                                  headers={"content-type": rpc.CONTENT_TYPE})
+            response = await self.node._client().post(self.peer + "/rpc/push_kv", content=frames, timeout=timeout,
+                                                       headers={"content-type": rpc.CONTENT_TYPE})
         except httpx.HTTPError as e:
             raise PeerError(f"the KV transfer to {self.peer} failed: {type(e).__name__}: {e}") from None
         if response.status_code != 200:
@@ -732,9 +721,7 @@ class Relay(Stream):
             except rpc.BadRequest:
                 message = response.text[:200]
             raise PeerError(f"the decode node {self.peer} rejected the KV ({response.status_code}): {message}")
-        now = time.monotonic()
-        node.metrics.on_kv_sent(sent, now - (started or now), now - (sink.sampled_at or now))
-        return sent
+        return self._sent(sink, sent)
 
     def close(self) -> None:
         """The client left (or the request ended): abort wherever the request is now."""
