@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_models import NEW_TOKENS, hf_reference, run_rtp, write_word_tokenizer
+from test_models import (
+    NEW_TOKENS,
+    hf_reference,
+    prompts_of,
+    random_hf_model,
+    run_rtp,
+    write_word_tokenizer,
+)
 
 from rtp._runtime import BlockAllocator, RadixCache, Scheduler
 from rtp.engine.kv_cache import bytes_per_block
@@ -44,23 +51,14 @@ CONFIGS = {
 
 
 def make_checkpoint(kind: str, path):
-    torch.manual_seed(0)
     config = transformers.DeepseekV3Config(**{**SMALL, **CONFIGS[kind]})
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():  # larger weights than the default init, so logits and routing differ visibly
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
+    model = random_hf_model(config)
+    with torch.no_grad():
         for layer in model.model.layers[config.first_k_dense_replace:]:
             # a correction bias big enough to change which experts (and groups) win
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
     model.save_pretrained(path)
     return path, model
-
-
-def prompts_of(lengths, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 160, n).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

@@ -15,8 +15,8 @@ import logging
 import numpy as np
 import pytest
 import torch
-from test_models import write_word_tokenizer
-from test_moe import SMALL, make_checkpoint, prompts_of, routed
+from test_models import prompts_of, write_word_tokenizer
+from test_moe import SMALL, make_checkpoint, routed
 
 from rtp.engine.expert_balancer import ExpertBalancer, redundant_slots
 from rtp.models.moe import FusedMoE

@@ -9,14 +9,12 @@ single-process layer's, and a whole model's logits the single-process model's.
 
 from __future__ import annotations
 
-import traceback
-
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_models import NEW_TOKENS, hf_reference, write_word_tokenizer
-from test_moe import SMALL, make_checkpoint, prompts_of, random_experts, routed
+from test_models import NEW_TOKENS, hf_reference, prompts_of, write_word_tokenizer
+from test_moe import SMALL, make_checkpoint, random_experts, routed
+from test_parallel import run_ranks
 
 import rtp.distributed as dist
 from rtp._runtime import BlockAllocator, Scheduler
@@ -25,33 +23,6 @@ from rtp.engine.loader import load_model
 from rtp.engine.runner import ModelRunner
 from rtp.models.expert_parallel import AllToAllExchange
 from rtp.models.moe import FusedMoE
-
-
-def _rank(rank: int, init: str, fn, args, results) -> None:
-    torch.set_num_threads(1)  # two ranks on two cores
-    try:
-        results.put((rank, fn(rank, init, *args), None))
-    except Exception:  # noqa: BLE001 - any failure goes back to the test, with its traceback
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        dist.destroy_parallel()
-
-
-def run_ranks(fn, *args, tmp_path, size=2) -> list:
-    """fn(rank, init, *args) in `size` spawned processes; their results in rank order."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=_rank, args=(r, init, fn, args, results)) for r in range(size)]
-    for p in procs:
-        p.start()
-    out = sorted(results.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    errors = [err for *_, err in out if err]
-    assert not errors, errors[0]
-    return [value for _, value, _ in out]
-
 
 # -- one layer ---------------------------------------------------------------------------
 

@@ -37,15 +37,26 @@ CONFIGS = {
 NEW_TOKENS = 16
 
 
-def make_checkpoint(kind: str, tmp_path) -> tuple[str, torch.nn.Module]:
-    cfg_cls, extra = CONFIGS[kind]
+def random_hf_model(config) -> torch.nn.Module:
+    """transformers' fp32 model for config, seeded, its matrices drawn wider than the default
+    init so that logits (and a MoE's routing) differ visibly between implementations."""
     torch.manual_seed(0)
-    config = cfg_cls(**{**SMALL, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():  # larger weights than the default init, so logits differ visibly
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+    return model
+
+
+def prompts_of(lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 160, n).tolist() for n in lengths]
+
+
+def make_checkpoint(kind: str, tmp_path) -> tuple[str, torch.nn.Module]:
+    cfg_cls, extra = CONFIGS[kind]
+    model = random_hf_model(cfg_cls(**{**SMALL, **extra}))
     model.save_pretrained(tmp_path)
     return tmp_path, model
 

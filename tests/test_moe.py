@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 import transformers
-from test_models import hf_reference, run_rtp, write_word_tokenizer
+from test_models import (
+    hf_reference,
+    prompts_of,
+    random_hf_model,
+    run_rtp,
+    write_word_tokenizer,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rtp.engine.checkpoint import CheckpointError
@@ -46,20 +51,9 @@ CONFIGS = {
 
 def make_checkpoint(kind: str, path):
     cfg_cls, extra = CONFIGS[kind]
-    torch.manual_seed(0)
-    config = cfg_cls(**{**SMALL, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():  # larger weights than the default init, so logits and routing differ visibly
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
+    model = random_hf_model(cfg_cls(**{**SMALL, **extra}))
     model.save_pretrained(path)
     return path, model
-
-
-def prompts_of(lengths, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 160, n).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

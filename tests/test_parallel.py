@@ -29,34 +29,43 @@ import rtp.distributed as dist
 from rtp.engine.loader import LoadOptions, load_model
 
 
-def _rank(rank: int, size: int, init: str, path, prompts, refs, results) -> None:
+def _run_rank(rank: int, init: str, fn, args, results) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
     try:
-        dist.init_tensor_parallel(size, rank, backend="gloo", init_method=init, timeout_s=60)
-        worst, _ = run_rtp(path, prompts, refs)
-        model, _ = load_model(path, torch.float32, torch.device("cpu"))
-        shard = (model.model.embed_tokens.weight.shape[0], model.model.layers[0].self_attn.num_heads)
-        results.put((rank, worst, shard, None))
-    except Exception:
-        results.put((rank, None, None, traceback.format_exc()))
+        results.put((rank, fn(rank, init, *args), None))
+    except Exception:  # noqa: BLE001 - any failure goes back to the test, with its traceback
+        results.put((rank, None, traceback.format_exc()))
     finally:
-        dist.destroy_tensor_parallel()
+        dist.destroy_parallel()
 
 
-def run_tensor_parallel(path, prompts, refs, tmp_path, size=2) -> list[float]:
+def run_ranks(fn, *args, tmp_path, size=2) -> list:
+    """fn(rank, init, *args) in `size` spawned processes; their results in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=_rank, args=(r, size, init, path, prompts, refs, results)) for r in range(size)]
+    procs = [ctx.Process(target=_run_rank, args=(r, init, fn, args, results)) for r in range(size)]
     for p in procs:
         p.start()
-    out = [results.get(timeout=300) for _ in procs]
+    out = sorted(results.get(timeout=300) for _ in procs)
     for p in procs:
         p.join(timeout=60)
     errors = [err for *_, err in out if err]
     assert not errors, errors[0]
-    assert all(shard == (160 // size, 4 // size) for _, _, shard, _ in out)  # vocabulary and heads split
-    return [worst for _, worst, _, _ in sorted(out)]
+    return [value for _, value, _ in out]
+
+
+def _tp_rank(rank: int, init: str, size: int, path, prompts, refs):
+    dist.init_tensor_parallel(size, rank, backend="gloo", init_method=init, timeout_s=60)
+    worst, _ = run_rtp(path, prompts, refs)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    return worst, (model.model.embed_tokens.weight.shape[0], model.model.layers[0].self_attn.num_heads)
+
+
+def run_tensor_parallel(path, prompts, refs, tmp_path, size=2) -> list[float]:
+    out = run_ranks(_tp_rank, size, path, prompts, refs, tmp_path=tmp_path, size=size)
+    assert all(shard == (160 // size, 4 // size) for _, shard in out)  # vocabulary and heads split
+    return [worst for worst, _ in out]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2-bias", "qwen3-qknorm"])
@@ -194,26 +203,20 @@ def _zero_tensor_data(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _load_rank(rank: int, size: int, init: str, paths, results) -> None:
-    torch.set_num_threads(1)
-    try:
-        full = load_model(paths[0], torch.float32, torch.device("cpu"))[0].state_dict()  # one rank: the whole model
-        dist.init_tensor_parallel(size, rank, backend="gloo", init_method=init, timeout_s=60)
-        # rank 1's copy of the checkpoint has all-zero data: only rank 0's reads may reach the weights
-        shared = load_model(paths[rank], torch.float32, torch.device("cpu"))[0].state_dict()
-        own = load_model(paths[0], torch.float32, torch.device("cpu"), LoadOptions(broadcast=False))[0].state_dict()
-        same = sorted(shared) == sorted(own) and all(torch.equal(shared[n], own[n]) for n in own)
-        vocab = full["model.embed_tokens.weight"].shape[0] // size
-        o_in = full["model.layers.0.self_attn.o_proj.weight"].shape[1] // size
-        shards = (torch.equal(shared["model.embed_tokens.weight"], full["model.embed_tokens.weight"][rank * vocab:][:vocab])
-                  and torch.equal(shared["model.layers.0.self_attn.o_proj.weight"],
-                                  full["model.layers.0.self_attn.o_proj.weight"][:, rank * o_in:][:, :o_in])
-                  and torch.equal(shared["model.norm.weight"], full["model.norm.weight"]))
-        results.put((rank, (same, shards), None))
-    except Exception:  # noqa: BLE001 - any failure goes back to the test, with its traceback
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        dist.destroy_tensor_parallel()
+def _load_rank(rank: int, init: str, size: int, paths):
+    full = load_model(paths[0], torch.float32, torch.device("cpu"))[0].state_dict()  # one rank: the whole model
+    dist.init_tensor_parallel(size, rank, backend="gloo", init_method=init, timeout_s=60)
+    # rank 1's copy of the checkpoint has all-zero data: only rank 0's reads may reach the weights
+    shared = load_model(paths[rank], torch.float32, torch.device("cpu"))[0].state_dict()
+    own = load_model(paths[0], torch.float32, torch.device("cpu"), LoadOptions(broadcast=False))[0].state_dict()
+    same = sorted(shared) == sorted(own) and all(torch.equal(shared[n], own[n]) for n in own)
+    vocab = full["model.embed_tokens.weight"].shape[0] // size
+    o_in = full["model.layers.0.self_attn.o_proj.weight"].shape[1] // size
+    shards = (torch.equal(shared["model.embed_tokens.weight"], full["model.embed_tokens.weight"][rank * vocab:][:vocab])
+              and torch.equal(shared["model.layers.0.self_attn.o_proj.weight"],
+                              full["model.layers.0.self_attn.o_proj.weight"][:, rank * o_in:][:, :o_in])
+              and torch.equal(shared["model.norm.weight"], full["model.norm.weight"]))
+    return same, shards
 
 
 def test_tp2_loading_reads_once_and_broadcasts_each_rank_its_shard(tmp_path):
@@ -226,15 +229,4 @@ def test_tp2_loading_reads_once_and_broadcasts_each_rank_its_shard(tmp_path):
     zeroed = tmp_path / "zeroed"
     shutil.copytree(path, zeroed)
     _zero_tensor_data(zeroed / "model.safetensors")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=_load_rank, args=(r, 2, init, [path, zeroed], results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = sorted(results.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    errors = [err for *_, err in out if err]
-    assert not errors, errors[0]
-    assert [value for _, value, _ in out] == [(True, True), (True, True)]
+    assert run_ranks(_load_rank, 2, [path, zeroed], tmp_path=tmp_path) == [(True, True), (True, True)]
