@@ -36,11 +36,12 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtp.serve import rpc
 from rtp.serve.routing import Router, WorkerReport, WorkerView
+from rtp.serve.streams import ClosingStream
 
 log = logging.getLogger("rtp.route")
 
@@ -87,15 +88,14 @@ class _Worker:
         # the cache's real size arrives with the first stats reply; until then the worker is out
         self.view = router.add_worker(WorkerView(self.url, role, total_blocks=1, block_size=16))
         router.set_healthy(self.url, False)
-        self.model: str | None = None
-        self.last_error: str | None = "not polled yet"
         self.poll_pending = False
 
 
 class _Failed(Exception):
-    """A worker failed the request before a byte reached the client: it may be retried."""
+    """A worker failed the request before a byte reached the client: it may be retried.
+    status and body are the worker's answer; None when no answer came (it is unreachable)."""
 
-    def __init__(self, worker: _Worker, why: str, status: int = 502, body: bytes | None = None):
+    def __init__(self, worker: _Worker, why: str, status: int | None = None, body: bytes | None = None):
         super().__init__(why)
         self.worker, self.why, self.status, self.body = worker, why, status, body
 
@@ -161,7 +161,6 @@ class Master:
         if s.role != w.role:
             self._mark_down(w, f"it serves as {s.role!r}, the master has it as {w.role!r}")
             return
-        w.model = s.model
         w.view.apply_report(WorkerReport(
             total_blocks=s.total_blocks, free_blocks=s.free_blocks, block_size=s.block_size,
             queued_prompt_tokens=s.queued_prompt_tokens, running=s.num_running, waiting=s.num_waiting,
@@ -169,13 +168,11 @@ class Master:
         if not w.view.healthy:
             log.info("worker %s (%s) is up: %d KV blocks of %d tokens", w.url, w.role, s.total_blocks, s.block_size)
             self.router.set_healthy(w.url, True)
-        w.last_error = None
 
     def _mark_down(self, w: _Worker, why: str) -> None:
         if w.view.healthy:
             log.warning("worker %s (%s) is out of the pool: %s", w.url, w.role, why)
             self.router.set_healthy(w.url, False)
-        w.last_error = why
 
     def _poll_soon(self, w: _Worker) -> None:
         """Refresh w's view right after a request it served ends (at most one poll pending)."""
@@ -259,14 +256,14 @@ class Master:
                 return await self._forward(request, path, body, picked, tokens, max_tokens, stream)
             except _Failed as f:
                 tried.append(f.worker.url)
-                if f.status == 599:  # not reachable: out of the pool until a poll answers
+                if f.status is None:  # not reachable: out of the pool until a poll answers
                     self._mark_down(f.worker, f.why)
                 if attempt < self.options.retries:
                     self.m_retries.inc()
                     log.warning("retrying a request on another worker: %s failed it (%s)", f.worker.url, f.why)
                     continue
                 self.m_failures.labels("worker_failed").inc()
-                if f.body is not None and f.status < 599:
+                if f.body is not None:  # the worker's own refusal, relayed
                     return Response(f.body, status_code=f.status, media_type="application/json")
                 return _error(502, f"worker {f.worker.url} failed the request: {f.why}")
         raise AssertionError("unreachable")
@@ -337,7 +334,7 @@ class Master:
                 self._client.build_request("POST", first.url + path, content=body, headers=headers), stream=True)
         except httpx.HTTPError as e:
             finished()
-            raise _Failed(first, f"{type(e).__name__}: {e}", status=599) from None
+            raise _Failed(first, f"{type(e).__name__}: {e}") from None
         if upstream.status_code in _RETRYABLE_STATUS:
             content = await upstream.aread()
             await upstream.aclose()
@@ -350,7 +347,7 @@ class Master:
                 content = await upstream.aread()
             except httpx.HTTPError as e:
                 finished()
-                raise _Failed(first, f"the answer broke off: {e!r}", status=599) from None
+                raise _Failed(first, f"the answer broke off: {e!r}") from None
             finally:
                 await upstream.aclose()
             if upstream.status_code == 200:
@@ -366,7 +363,7 @@ class Master:
         except (httpx.HTTPError, StopAsyncIteration) as e:
             await upstream.aclose()
             finished()
-            raise _Failed(first, f"the stream ended before its first byte: {e!r}", status=599) from None
+            raise _Failed(first, f"the stream ended before its first byte: {e!r}") from None
         prefilled()
         self.m_ttft.observe(time.perf_counter() - started)
 
@@ -387,7 +384,12 @@ class Master:
                 await upstream.aclose()  # a client that left aborts the request on the worker
                 finished()
 
-        return StreamingResponse(relay(), status_code=200, media_type=media)
+        def closed() -> None:  # also when the client left before the relay ever ran
+            finished()
+            if not upstream.is_closed:
+                asyncio.get_running_loop().create_task(upstream.aclose())
+
+        return ClosingStream(relay(), closed, media)
 
     # -- metrics -------------------------------------------------------------------------------------
 

@@ -135,7 +135,6 @@ class WorkerView:
         self.block_size = block_size
         self.total_blocks = total_blocks
         self.tree = RadixCache(BlockAllocator(max(total_blocks, 2), block_size))
-        self.routed = 0                  # requests routed here (prefill or decode side)
         self.pool = Pool(role)           # replaced when a Router adopts the view
         self.index = self.pool.add(self)
         self.healthy = True
@@ -182,7 +181,6 @@ class RouterStats:
     requests: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0                  # prefix tokens the chosen prefill worker was believed to hold
-    retries: int = 0
     beta_trace: list = field(default_factory=list)
 
     @property
@@ -325,8 +323,15 @@ class Router:
         # outweighs a queue up to beta / (1 - beta) times the mean before balance wins)
         own_ms = n / max(float(pool.speed()[ok].mean()), 1e-6)
         penalty = queue / max(own_ms, mean_queue)
+        hits: dict[int, int] = {}  # each holder matched at most once
+
+        def hit(i: int) -> int:
+            if i not in hits:
+                hits[i] = views[i].match(tokens)
+            return hits[i]
+
         if self.auto is not None:
-            best_hit = max((views[i].match(tokens) for i in holders), default=0)
+            best_hit = max((hit(i) for i in holders), default=0)
             cv = float(queue[ok].std() / mean_queue) if mean_queue > 0 else 0.0
             self.beta = self.auto.observe(best_hit / n, cv)
         beta = self.beta
@@ -334,12 +339,12 @@ class Router:
         # workers holding nothing of R score -penalty: the best of them is the least loaded.
         # Holders are tried from the least loaded up, until even a full hit could not win.
         best = int(np.argmin(penalty))
-        best_hit = views[best].match(tokens) if best in holders else 0
+        best_hit = hit(best) if best in holders else 0
         best_score = beta * best_hit / n - penalty[best]
         for i in sorted(holders, key=penalty.__getitem__):
             if beta - penalty[i] <= best_score:
                 break
-            h = views[i].match(tokens)
+            h = hit(i)
             score = beta * h / n - penalty[i]
             if score > best_score:
                 best, best_hit, best_score = i, h, score
@@ -373,7 +378,6 @@ class Router:
         if key is not None:
             w.pool.first_block.setdefault(key, set()).add(w.index)
         w.inflight_queue += len(tokens) - hit
-        w.routed += 1
         s = self.stats
         s.requests += 1
         s.prompt_tokens += len(tokens)
@@ -381,11 +385,10 @@ class Router:
         if self.auto is not None and s.requests % 64 == 0:
             s.beta_trace.append(self.beta)
 
-    def prefill_finished(self, w: WorkerView, computed_tokens: int, elapsed_ms: float | None = None) -> None:
-        """R's prefill on w is over; computed_tokens were queued for it."""
+    def prefill_finished(self, w: WorkerView, computed_tokens: int) -> None:
+        """R's prefill on w is over; computed_tokens were queued for it. (w's speed comes from
+        its own reports: a time the master measures would include the queue.)"""
         w.inflight_queue = max(0, w.inflight_queue - computed_tokens)
-        if elapsed_ms and elapsed_ms > 0 and computed_tokens > 0:
-            w.mu += 0.1 * (computed_tokens / elapsed_ms - w.mu)
 
     # -- decode side -----------------------------------------------------------------------------
 
@@ -413,7 +416,6 @@ class Router:
         w.reserved_tokens += prompt_len
         w.expected_remaining += expected
         w.running += 1
-        w.routed += 1
         return expected
 
     def decode_finished(self, w: WorkerView, prompt_len: int, expected: float, generated: int) -> None:

@@ -50,10 +50,10 @@ class WorkerConfig:
 
 
 class SimWorker:
-    """One worker: the runtime's scheduler and caches, its steps costed by the model."""
+    """One worker: the runtime's scheduler and caches (the cluster costs its steps)."""
 
-    def __init__(self, name: str, role: str, cfg: WorkerConfig, cost: StepCost):
-        self.name, self.role, self.cost = name, role, cost
+    def __init__(self, name: str, role: str, cfg: WorkerConfig):
+        self.name, self.role = name, role
         blocks = cfg.kv_tokens // cfg.block_size + 1
         self.alloc = BlockAllocator(blocks, cfg.block_size)
         self.cache = RadixCache(self.alloc) if role != "decode" else None
@@ -67,7 +67,6 @@ class SimWorker:
         self.prefill_tokens = 0     # computed in prefill rows since the last poll
         self.prefill_time = 0.0
         self.mu = 0.0               # measured prefill tokens per ms, moving average
-        self.busy_time = 0.0
 
     def report(self) -> WorkerReport:
         if self.prefill_time > 0:
@@ -125,12 +124,12 @@ class Cluster:
         self.cfg = cfg = config or WorkerConfig()
         self.pd = not collocated
         self.workers: dict[str, SimWorker] = {}
+        # until a worker has measured itself, the master assumes a mid-size prompt's rate
+        mu0 = 2048 / (cost.prefill_time(2048) * 1e3)
         for role, n in (("collocated", collocated), ("prefill", prefill), ("decode", decode)):
             for k in range(n):
-                w = SimWorker(f"{role[0]}{k}", role, cfg, cost)
+                w = SimWorker(f"{role[0]}{k}", role, cfg)
                 self.workers[w.name] = w
-                # until a worker has measured itself, the master assumes a mid-size prompt's rate
-                mu0 = 2048 / (cost.prefill_time(2048) * 1e3)
                 router.add_worker(WorkerView(w.name, role, total_blocks=w.alloc.num_blocks - 1,
                                              block_size=cfg.block_size, prefill_tokens_per_ms=mu0))
 
@@ -147,7 +146,6 @@ class Cluster:
         last = np.full(n, np.nan)              # time of each request's latest token
         booked = np.zeros(n, np.int64)         # prompt tokens booked on its prefill worker's queue
         expected = np.zeros(n)                 # output tokens booked on its decode worker
-        prefill_of: list[str | None] = [None] * n
         decode_of: list[str | None] = [None] * n
         pending_tokens: dict[int, np.ndarray] = {}
         waiting_decode: deque[int] = deque()   # prefilled, no decode worker had room yet
@@ -174,7 +172,6 @@ class Cluster:
                 w.prefill_tokens += prefill
                 w.prefill_time += dt
             w.busy = True
-            w.busy_time += dt
             push(now + dt, _STEP, w)
 
         def kick(w: SimWorker, now: float) -> None:
@@ -274,7 +271,6 @@ class Cluster:
                     continue
                 router.prefill_started(v, tokens, hit)
                 booked[i] = len(tokens) - hit
-                prefill_of[i] = v.name
                 if self.pd:
                     pending_tokens[i] = tokens
                 kick(w, now)

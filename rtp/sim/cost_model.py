@@ -20,7 +20,7 @@ figures for H100/H200-class GPUs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -138,6 +138,3 @@ class StepCost:
         the layers stream while later ones compute, so only one layer's share is left."""
         nbytes = self.model.kv_bytes_per_token * tokens
         return self.device.link_latency_s + nbytes / self.model.layers / self.device.link_bw
-
-    def with_device(self, **changes) -> StepCost:
-        return StepCost(replace(self.device, **changes), self.model)

@@ -37,24 +37,11 @@ class Trace:
     def __len__(self) -> int:
         return len(self.arrival)
 
-    def prompt_len(self, i: int) -> int:
-        p = self.prefix_id[i]
-        return (len(self.prefixes[p]) if p >= 0 else 0) + int(self.stream_len[i])
-
     def tokens(self, i: int) -> np.ndarray:
         p = int(self.prefix_id[i])
         body = np.random.default_rng(int(self.stream_id[i])).integers(
             0, self.vocab, size=int(self.stream_len[i]), dtype=np.int32)
         return np.concatenate([self.prefixes[p], body]) if p >= 0 else body
-
-    def mean_prompt_len(self) -> float:
-        sizes = np.array([len(p) for p in self.prefixes] + [0])
-        return float(np.mean(sizes[self.prefix_id] + self.stream_len))
-
-    def scaled(self, rate_factor: float) -> Trace:
-        """The same requests arriving rate_factor times faster."""
-        return Trace(self.name, self.arrival / rate_factor, self.prefix_id, self.stream_id, self.stream_len,
-                     self.output_len, self.prefixes, self.vocab)
 
 
 def _zipf(rng, n_items: int, size: int, s: float = 1.1) -> np.ndarray:
