@@ -218,6 +218,17 @@ def _bench(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _add_parallel_arguments(p: argparse.ArgumentParser, tp_note: str) -> None:
+    """--tp, --ep and EPLB's flags, the same for generate and serve."""
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="shard the model over this many processes on this host (default 1; heads and "
+                        "vocabulary must split evenly)" + tp_note)
+    p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1,
+                   help="split each MoE layer's experts over this many processes (default 1): 1 or "
+                        "the --tp size, or with --tp 1 attention runs replicated on every rank")
+    _add_eplb_arguments(p)
+
+
 def _add_eplb_arguments(p: argparse.ArgumentParser) -> None:
     """EPLB's flags, named as vLLM names them (README, "EPLB")."""
     p.add_argument("--enable-eplb", action="store_true",
@@ -279,13 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode graphs (default: on CUDA only; --no-compile runs eagerly)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="shard the model over this many processes on this host (default 1; heads and "
-                        "vocabulary must split evenly). Under torchrun the group is torchrun's")
-    p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1,
-                   help="split each MoE layer's experts over this many processes (default 1): 1 or "
-                        "the --tp size, or with --tp 1 attention runs replicated on every rank")
-    _add_eplb_arguments(p)
+    _add_parallel_arguments(p, tp_note=". Under torchrun the group is torchrun's")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     p.set_defaults(func=_generate)
 
@@ -313,13 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="shard the model over this many processes on this host (default 1; heads and "
-                        "vocabulary must split evenly); a rank that dies stops the server with exit status 1")
-    p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1,
-                   help="split each MoE layer's experts over this many processes (default 1): 1 or "
-                        "the --tp size, or with --tp 1 attention runs replicated on every rank")
-    _add_eplb_arguments(p)
+    _add_parallel_arguments(p, tp_note="; a rank that dies stops the server with exit status 1")
     p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=512,
                    help="prompt tokens a step may take while other requests decode; smaller keeps "
                         "inter-token latency low, larger prefills faster (default 512, 0: up to "
