@@ -20,10 +20,12 @@ POLICY_LPM: int
 
 class BlockAllocator:
     """Paged KV blocks with refcounts; block 0 is the reserved null block."""
-    num_blocks: int
+    num_blocks: int     # the limit: ids below it make up the pool now
+    capacity: int       # what grow() may raise the limit to
+    base: int           # the limit as built
     block_size: int
     num_evictions: int
-    def __init__(self, num_blocks: int, block_size: int) -> None: ...
+    def __init__(self, num_blocks: int, block_size: int, capacity: int = 0) -> None: ...
     @property
     def num_free(self) -> int: ...          # truly free + evictable
     @property
@@ -44,6 +46,9 @@ class BlockAllocator:
     def free(self, blocks: Tokens) -> None: ...      # -1 ref each, last block first
     def ref_count(self, block: int) -> int: ...
     def evict(self, n: int) -> int: ...
+    def grow(self, new_limit: int) -> None: ...
+    def can_shrink(self, new_limit: int) -> bool: ...
+    def shrink(self, new_limit: int) -> bool: ...   # False (nothing changed) if a block >= new_limit is in use
     def check_integrity(self) -> None: ...
 
 class RadixCache:

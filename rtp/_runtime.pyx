@@ -23,6 +23,19 @@ block that something in the tree still hangs from. Truly free (uncached) blocks
 join at the head and are used before any cached block is evicted.
 
     free list:  sentinel -> [truly free ...] -> [cached, least recently used first ...] -> sentinel
+
+The pool can be resized while serving (EPLB gives the memory of dropped expert
+replicas to the KV cache, rtp/engine/expert_balancer.py): the allocator keeps its
+arrays for `capacity` blocks but hands out only ids below `num_blocks`, the limit.
+
+    ids:  0 | 1 .. base-1        | base .. num_blocks-1 | num_blocks .. capacity-1
+          null  the pool as built   lent by grow()         withheld: never listed, never used
+
+grow() lists withheld blocks; shrink() withholds the top ones again, only when none is
+in use (cached-but-unused ones are evicted first, with everything hanging from them).
+Lent blocks that come free join the truly free segment at its far end, behind the
+pool's own blocks, so while the pool is not full they drain out of use and a later
+shrink() finds them free.
 """
 
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -142,9 +155,14 @@ cdef class BlockAllocator:
     used (refcount > 0), truly free, or evictable (refcount 0 but its tokens still
     cached in the RadixCache). Free and evictable blocks share one doubly linked
     list kept in C arrays (see the module docstring for its order).
+
+    num_blocks is the limit, what every count and usage figure is relative to;
+    `capacity` (default num_blocks) is what grow() may raise it to.
     """
 
-    cdef readonly int num_blocks
+    cdef readonly int num_blocks  # the limit: ids [0, num_blocks) make up the pool now
+    cdef readonly int capacity    # the arrays' size: grow() goes up to it
+    cdef readonly int base        # the limit as built: ids at or above it are lent by grow()
     cdef readonly int block_size
     cdef int32_t* ref
     cdef int32_t* prev
@@ -152,7 +170,7 @@ cdef class BlockAllocator:
     cdef uint8_t* in_list
     cdef uint8_t* cached          # the block's tokens live in the attached RadixCache
     cdef int32_t* scratch         # per-block counts for validating a Python call, kept zero
-    cdef int32_t sentinel         # index num_blocks: head is next[sentinel], tail prev[sentinel]
+    cdef int32_t sentinel         # index capacity: head is next[sentinel], tail prev[sentinel]
     cdef int32_t first_cached     # first cached block in the list, or sentinel
     cdef int n_list               # blocks in the list (free + evictable)
     cdef int n_cached_in_list     # evictable blocks
@@ -161,22 +179,28 @@ cdef class BlockAllocator:
     cdef readonly int64_t num_evictions
     cdef RadixCache cache
 
-    def __cinit__(self, int num_blocks, int block_size):
+    def __cinit__(self, int num_blocks, int block_size, int capacity=0):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if capacity == 0:
+            capacity = num_blocks
+        if capacity < num_blocks:
+            raise ValueError(f"capacity {capacity} is below num_blocks {num_blocks}")
         self.num_blocks = num_blocks
+        self.capacity = capacity
+        self.base = num_blocks
         self.block_size = block_size
-        self.ref = <int32_t*>_zeroed(<size_t>(num_blocks) * sizeof(int32_t))
-        self.prev = <int32_t*>_zeroed((num_blocks + 1) * sizeof(int32_t))
-        self.next = <int32_t*>_zeroed((num_blocks + 1) * sizeof(int32_t))
-        self.in_list = <uint8_t*>_zeroed(<size_t>(num_blocks) * sizeof(uint8_t))
-        self.cached = <uint8_t*>_zeroed(<size_t>(num_blocks) * sizeof(uint8_t))
-        self.scratch = <int32_t*>_zeroed(<size_t>(num_blocks) * sizeof(int32_t))
+        self.ref = <int32_t*>_zeroed(<size_t>(capacity) * sizeof(int32_t))
+        self.prev = <int32_t*>_zeroed((<size_t>capacity + 1) * sizeof(int32_t))
+        self.next = <int32_t*>_zeroed((<size_t>capacity + 1) * sizeof(int32_t))
+        self.in_list = <uint8_t*>_zeroed(<size_t>(capacity) * sizeof(uint8_t))
+        self.cached = <uint8_t*>_zeroed(<size_t>(capacity) * sizeof(uint8_t))
+        self.scratch = <int32_t*>_zeroed(<size_t>(capacity) * sizeof(int32_t))
         if not (self.ref and self.prev and self.next and self.in_list and self.cached and self.scratch):
             raise MemoryError()
-        self.sentinel = num_blocks
+        self.sentinel = capacity
         self.prev[self.sentinel] = self.sentinel
         self.next[self.sentinel] = self.sentinel
         self.first_cached = self.sentinel
@@ -202,6 +226,14 @@ cdef class BlockAllocator:
 
     cdef inline void _push_head(self, int32_t b) noexcept nogil:
         self._link_after(self.sentinel, b)
+
+    cdef inline void _push_free(self, int32_t b) noexcept nogil:
+        """A block that just became truly free: the pool's own at the head (used next), a
+        lent one at the end of the truly free segment (used last, see the module docstring)."""
+        if b < self.base:
+            self._link_after(self.sentinel, b)
+        else:
+            self._link_after(self.prev[self.first_cached], b)
 
     cdef inline void _push_tail(self, int32_t b) noexcept nogil:
         self._link_after(self.prev[self.sentinel], b)
@@ -251,7 +283,7 @@ cdef class BlockAllocator:
                 self.n_cached_used -= 1
                 self._push_tail(b)
             else:
-                self._push_head(b)
+                self._push_free(b)
 
     cdef void _release_path(self, const int32_t* blocks, int n) noexcept nogil:
         """Drop one ref on each of a holder's blocks, tail first (see module docstring)."""
@@ -345,9 +377,49 @@ cdef class BlockAllocator:
             self._unlink(b)
             self.cache._evict_block(b)
             self.num_evictions += 1
-            self._push_head(b)
+            self._push_free(b)
             done += 1
         return done
+
+    def grow(self, int new_limit):
+        """Raise the limit to new_limit (at most capacity): the withheld blocks below it
+        become free. Lent blocks are listed lowest first, behind every free block of the
+        pool as built."""
+        if not self.num_blocks <= new_limit <= self.capacity:
+            raise ValueError(f"grow to {new_limit}: the limit is {self.num_blocks}, the capacity {self.capacity}")
+        cdef int32_t b
+        for b in range(new_limit - 1, self.num_blocks - 1, -1):
+            if b < self.base:  # back below the limit as built (after a deeper shrink): the head
+                self._link_after(self.sentinel, b)
+        for b in range(max(self.num_blocks, self.base), new_limit):
+            self._link_after(self.prev[self.first_cached], b)
+        self.num_blocks = new_limit
+
+    def can_shrink(self, int new_limit):
+        """Whether shrink(new_limit) would succeed now: no block at or above it is in use."""
+        if not 2 <= new_limit <= self.num_blocks:
+            raise ValueError(f"shrink to {new_limit}: the limit is {self.num_blocks} (at least 2 stay)")
+        cdef int32_t b
+        for b in range(new_limit, self.num_blocks):
+            if self.ref[b] > 0:
+                return False
+        return True
+
+    def shrink(self, int new_limit):
+        """Lower the limit to new_limit, withholding the blocks at or above it; only when none
+        of them is in use, else nothing changes and this returns False. Cached ones (unused)
+        are evicted first, together with every cached block whose root path runs through them
+        (nothing can use those either: a holder holds its whole path)."""
+        if not self.can_shrink(new_limit):
+            return False
+        cdef int32_t b
+        if self.cache is not None and self.n_cached:
+            if self.cache._evict_through(new_limit) < 0:
+                return False
+        for b in range(new_limit, self.num_blocks):
+            self._unlink(b)
+        self.num_blocks = new_limit
+        return True
 
     def _checked(self, blocks, bint allow_free):
         """Validate block ids from Python before anything changes."""
@@ -408,6 +480,10 @@ cdef class BlockAllocator:
         assert cached_seen == self.n_cached_in_list, "evictable counter drifted"
         assert seen_first_cached == self.first_cached, "first_cached pointer drifted"
         assert self.ref[0] == 1 and not self.in_list[0] and not self.cached[0], "null block touched"
+        assert 2 <= self.num_blocks <= self.capacity, "limit outside [2, capacity]"
+        for b in range(self.num_blocks, self.capacity):
+            assert self.ref[b] == 0 and not self.in_list[b] and not self.cached[b], \
+                f"withheld block {b} (limit {self.num_blocks}) is in use, listed or cached"
         for b in range(1, self.num_blocks):
             assert self.ref[b] >= 0, f"negative refcount on block {b}"
             assert (self.ref[b] == 0) == bool(self.in_list[b]), f"block {b}: refcount vs list"
@@ -453,8 +529,8 @@ cdef class RadixCache:
 
     cdef readonly BlockAllocator allocator
     cdef readonly int block_size
-    cdef int capacity                # node slots: one per usable block, plus the root
-    cdef int32_t* block_tokens       # [num_blocks * block_size] tokens of each cached block
+    cdef int capacity                # node slots: one per block the allocator may ever list, plus the root
+    cdef int32_t* block_tokens       # [capacity * block_size] tokens of each cached block
     cdef int32_t* block_node         # node owning the block, -1 when uncached
     cdef int32_t* block_next         # chain of blocks inside a node
     cdef int32_t* block_prev
@@ -481,7 +557,7 @@ cdef class RadixCache:
             raise ValueError("this allocator already backs a RadixCache")
         if allocator.n_list != allocator.num_blocks - 1:
             raise ValueError("attach the RadixCache before allocating any block")
-        cdef int nb = allocator.num_blocks, bs = allocator.block_size, i
+        cdef int nb = allocator.capacity, bs = allocator.block_size, i
         self.allocator = allocator
         self.block_size = bs
         self.capacity = nb
@@ -773,6 +849,58 @@ cdef class RadixCache:
         self.allocator.n_cached -= 1
         return 0
 
+    cdef inline int32_t _parent_block(self, int32_t b) noexcept nogil:
+        """The block before cached block b on its root path, -1 for a block hanging from the root."""
+        cdef int32_t node
+        if self.block_prev[b] >= 0:
+            return self.block_prev[b]
+        node = self.block_node[b]
+        return self.n_last[self.n_parent[node]] if self.n_parent[node] != 0 else -1
+
+    cdef int _evict_through(self, int limit) except -2:
+        """For BlockAllocator.shrink: evict every cached block whose root path holds a block
+        id >= limit. Returns how many, or -1 (nothing changed) if one of them is in use.
+
+        The allocator's scratch marks each block once (1: its path crosses the limit, 2: it
+        does not), so resolving all of them walks each path once. Then the evictable list is
+        walked in order: it holds every marked block (unused, so is all that hangs from it)
+        and puts a block before its ancestors, so each marked block is a leaf's last block
+        by the time it is reached."""
+        cdef BlockAllocator alloc = self.allocator
+        cdef int32_t* mark = alloc.scratch
+        cdef int32_t* path = self.path_scratch
+        cdef int32_t b, x, nx, state
+        cdef int n, i, done = 0, busy = 0
+        for b in range(1, alloc.num_blocks):
+            if not alloc.cached[b] or mark[b]:
+                continue
+            n = 0
+            x = b
+            while x >= 0 and mark[x] == 0 and x < limit:
+                path[n] = x
+                n += 1
+                x = self._parent_block(x)
+            state = 1 if x >= limit or (x >= 0 and mark[x] == 1) else 2
+            for i in range(n):
+                mark[path[i]] = state
+            if x >= limit:
+                mark[x] = 1
+        for b in range(1, alloc.num_blocks):
+            busy += mark[b] == 1 and alloc.ref[b] > 0
+        if busy == 0:
+            b = alloc.first_cached
+            while b != alloc.sentinel:
+                nx = alloc.next[b]
+                if mark[b] == 1:
+                    alloc._unlink(b)
+                    self._evict_block(b)
+                    alloc.num_evictions += 1
+                    alloc._push_free(b)
+                    done += 1
+                b = nx
+        memset(mark, 0, alloc.capacity * sizeof(int32_t))
+        return -1 if busy else done
+
     cdef inline int _match_cap(self, int ntoks, bint leave_last) noexcept nogil:
         if leave_last:
             return (ntoks - 1) // self.block_size if ntoks > 0 else 0
@@ -894,7 +1022,7 @@ cdef class RadixCache:
     def check_integrity(self):
         """Assert the tree's invariants and its agreement with the allocator; O(blocks)."""
         cdef BlockAllocator alloc = self.allocator
-        cdef int nb = alloc.num_blocks, bs = self.block_size
+        cdef int nb = alloc.capacity, bs = self.block_size
         cdef int node, b, count, parent, total_blocks = 0, nodes = 1, p, listed, last
         alloc.check_integrity()
         children = [0] * nb

@@ -41,7 +41,7 @@ class ToyRunner:
     def __init__(self, sched: Scheduler, vocab: int):
         self.sched = sched
         self.vocab = vocab
-        nslots = sched.allocator.num_blocks * sched.block_size
+        nslots = sched.allocator.capacity * sched.block_size  # like the real KV cache: room for every grow()
         self.kv_token = np.full(nslots, -1, dtype=np.int64)
         self.kv_pos = np.full(nslots, -1, dtype=np.int64)
 
@@ -85,8 +85,8 @@ class ToyRunner:
 
 
 def make_scheduler(num_blocks=64, block_size=4, *, cache=True, max_num_seqs=8,
-                   max_num_batched_tokens=32, max_model_len=64, **kwargs) -> Scheduler:
-    alloc = BlockAllocator(num_blocks, block_size)
+                   max_num_batched_tokens=32, max_model_len=64, capacity=0, **kwargs) -> Scheduler:
+    alloc = BlockAllocator(num_blocks, block_size, capacity)
     radix = RadixCache(alloc) if cache else None
     width = -(-max_model_len // block_size)
     plan = StepPlan(max_num_batched_tokens, max_num_seqs, width)

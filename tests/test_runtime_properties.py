@@ -26,15 +26,16 @@ class RuntimeMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]),
         budget=st.sampled_from([4, 16, 64]),
         chunked=st.booleans(),
+        lent=st.integers(0, 24),
     )
-    def setup(self, cache, policy, num_blocks, block_size, budget, chunked):
+    def setup(self, cache, policy, num_blocks, block_size, budget, chunked, lent):
         if not cache:
             policy = "fcfs"
         if not chunked:
             budget = 64  # every prompt must fit one step's budget
         self.max_model_len = 48
         self.sched = make_scheduler(num_blocks=num_blocks * (4 // block_size), block_size=block_size,
-                                    cache=cache, max_num_seqs=4, max_num_batched_tokens=budget,
+                                    capacity=num_blocks * (4 // block_size) + lent, cache=cache, max_num_seqs=4, max_num_batched_tokens=budget,
                                     max_model_len=self.max_model_len, eos_token_ids=[EOS],
                                     policy=policy, chunked_prefill=chunked, vocab_size=VOCAB)
         self.runner = ToyRunner(self.sched, VOCAB)
@@ -90,6 +91,21 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 8))
     def evict(self, n):
         self.sched.cache.evict(n)
+
+    @rule(data=st.data())
+    def resize(self, data):
+        """grow() or shrink() the pool between steps, never below the limit as built (what
+        max_model_len was checked against); a refused shrink changes nothing."""
+        alloc = self.sched.allocator
+        target = data.draw(st.integers(alloc.base, alloc.capacity))
+        if target >= alloc.num_blocks:
+            alloc.grow(target)
+            return
+        busy = any(alloc.ref_count(b) for b in range(target, alloc.num_blocks))
+        before = self.sched.stats()
+        assert alloc.shrink(target) == (not busy)
+        if busy:
+            assert self.sched.stats() == before
 
     @invariant()
     def integrity(self):
