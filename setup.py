@@ -1,6 +1,6 @@
 """Builds the compiled parts: the runtime (rtp/_runtime.pyx) and the CPU decode
-kernels (rtp/_cpu_kernels.pyx over rtp/csrc/: cpu_kernels.c, amx_linear.c and
-kernel_calls.c).
+kernels (rtp/_cpu_kernels.pyx over rtp/csrc/: cpu_kernels.c, amx_linear.c,
+prefill_attention.c and kernel_calls.c).
 
 Everything else about the package lives in pyproject.toml. Set RTP_ANNOTATE=1 to
 write Cython's annotated HTML (rtp/_runtime.html) and check that the hot paths
@@ -27,7 +27,7 @@ runtime = Extension(
 cpu_kernels = Extension(
     "rtp._cpu_kernels",
     sources=["rtp/_cpu_kernels.pyx", "rtp/csrc/cpu_kernels.c", "rtp/csrc/amx_linear.c",
-             "rtp/csrc/kernel_calls.c"],
+             "rtp/csrc/prefill_attention.c", "rtp/csrc/kernel_calls.c"],
     include_dirs=["rtp/csrc"],
     extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
     extra_link_args=["-fopenmp"],

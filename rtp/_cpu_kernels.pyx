@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""Python entry points of rtp/csrc/cpu_kernels.c and amx_linear.c (AVX-512 BF16 and AMX kernels).
+"""Python entry points of rtp/csrc/cpu_kernels.c, amx_linear.c and prefill_attention.c (AVX-512 BF16
+and AMX kernels).
 
 Arguments are raw addresses and sizes, so this module needs neither torch nor
 numpy; rtp.models.cpu_kernels checks dtypes, shapes and strides and passes
@@ -26,6 +27,7 @@ cdef extern from "cpu_kernels.h":
         RTP_OP_DECODE_ATTENTION
         RTP_OP_EMBED_ROWS
         RTP_OP_SILU_MUL
+        RTP_OP_PREFILL_ATTENTION
     int rtp_run_call(const int64_t *call) nogil
     int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows) nogil
     int rtp_call_rows_word(int64_t op) nogil
@@ -172,3 +174,13 @@ def silu_mul(intptr_t x, int64_t ldx, intptr_t out, int64_t ldo, int64_t t, int6
     cdef int64_t c[RTP_CALL_WORDS]
     c[:7] = [RTP_OP_SILU_MUL, x, ldx, out, ldo, t, i]
     _run(c, 7)
+
+
+def prefill_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride, intptr_t seqs,
+                           intptr_t tables, intptr_t out, int64_t nseq, int64_t h, int64_t hkv, int64_t d,
+                           int64_t block_size, float scale, int64_t window, bint amx) -> None:
+    """Causal varlen attention of packed query chunks over paged bf16 K/V; see prefill_attention.c."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:16] = [RTP_OP_PREFILL_ATTENTION, q, k_cache, v_cache, tok_stride, seqs, tables, out, nseq, h, hkv, d,
+              block_size, _float_word(scale), window, amx]
+    _run(c, 16)

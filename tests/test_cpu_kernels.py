@@ -241,3 +241,80 @@ def test_silu_mul_matches_fp32_torch(tokens):
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, 64)
     assert torch.all(torch.isfinite(out.float()))
     assert torch.all((out.float() - want).abs() <= want.abs() * 2**-8 + 1e-30)
+
+
+def _prefill_batch(heads, kv_heads, dim, rows, block_size, seed=0):
+    """Random bf16 q and a paged cache holding each row's whole context (its chunk's K/V included,
+    as after rope_and_store); rows: (query tokens, context length). Returns q, kv, seqs, tables."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = sum(-(-ctx // block_size) for _, ctx in rows) + 3
+    kv = (torch.randn(2, blocks, block_size, kv_heads, dim, generator=g) * 2).bfloat16()
+    order = (torch.randperm(blocks - 1, generator=g) + 1).to(torch.int32)  # scattered, never block 0
+    q = (torch.randn(sum(n for n, _ in rows), heads, dim, generator=g) * 2).bfloat16()
+    seqs, tables, start, used = [], [], 0, 0
+    for n, ctx in rows:
+        width = -(-ctx // block_size)
+        seqs.append([start, n, ctx, used])
+        tables.append(order[used:used + width])
+        start, used = start + n, used + width
+    return q, kv, torch.tensor(seqs, dtype=torch.int32), torch.cat(tables)
+
+
+def _causal_reference(q, kv, seqs, tables, block_size, scale, window, dtype):
+    from rtp.models.attention import causal_attention
+
+    outs = []
+    for start, n, ctx, off in seqs.tolist():
+        ids = tables[off:off + -(-ctx // block_size)].long()
+        k, v = (kv[i][ids].flatten(0, 1)[:ctx].to(dtype) for i in (0, 1))
+        outs.append(causal_attention(q[start:start + n].to(dtype), k, v, scale, window or None).float())
+    return torch.cat(outs)
+
+
+# GQA ratios 3, 1, 4 and 4 at head_dim 128; one-token chunks, chunks after a cached prefix, lengths
+# off the 16-token tiles and the 128-key softmax steps; a block size that is not a tile's multiple
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (12, 3, 128)])
+@pytest.mark.parametrize("window", [0, 50])
+@pytest.mark.parametrize("block_size", [16, 7])
+@pytest.mark.parametrize("amx", [True, False])
+def test_prefill_attention_matches_fp32_reference(heads, kv_heads, dim, window, block_size, amx):
+    if amx and not cpu_kernels.amx_available():
+        pytest.skip("no AMX here")
+    rows = [(37, 37), (1, 50), (100, 300), (16, 16), (65, 129), (1, 1), (150, 400)]
+    q, kv, seqs, tables = _prefill_batch(heads, kv_heads, dim, rows, block_size)
+    scale = dim**-0.5
+    out = cpu_kernels.prefill_attention(q, kv[0], kv[1], seqs, tables, scale, window, amx=amx)
+    ref = _causal_reference(q, kv, seqs, tables, block_size, scale, window, torch.float32)
+    sdpa = _causal_reference(q, kv, seqs, tables, block_size, scale, window, torch.bfloat16)
+    err, sdpa_err = (out.float() - ref).abs(), (sdpa - ref).abs()
+    # bf16 inputs, P rounded to bf16 and a bf16 output, as torch's SDPA on the same inputs: as
+    # close to fp32 as it is (the largest errors are the output's rounding of values near 4, the
+    # same in both; a running max left stale by a few units doubled the mean error)
+    assert err.max().item() <= 1.5 * sdpa_err.max().item()
+    assert err.mean().item() < 1.1 * sdpa_err.mean().item()
+
+
+def test_prefill_attention_in_the_layer_matches_sdpa(monkeypatch):
+    """PagedAttention over a step of two decode rows and two prefill chunks (one after a cached
+    prefix): the kernel path gives what the SDPA path gives, within bf16 rounding."""
+    from rtp.models.attention import AttentionMetadata, PagedAttention, PrefillRow, forward_context
+
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(6)
+    attn = PagedAttention(heads, kv_heads, dim, dim**-0.5)
+    attn.kv_cache = torch.randn(2, 40, block_size, kv_heads, dim, generator=g).bfloat16()
+    tables = torch.arange(1, 37, dtype=torch.int32).view(4, 9)
+    lens = [70, 33, 40, 130]  # decode rows: one token each; prefill: 40 fresh, 60 after 70 cached
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_size=block_size, num_decode=2,
+                             decode_block_tables=tables[:2], decode_seq_lens=torch.tensor(lens[:2], dtype=torch.int32),
+                             prefill=[PrefillRow(2, 42, 40, tables[2, :3]), PrefillRow(42, 102, 130, tables[3])])
+    q = torch.randn(102, heads, dim, generator=g).bfloat16()
+    with forward_context(meta):
+        assert cpu_kernels.prefill_attention_supported(q, attn.kv_cache[0])
+        fused = attn(q, None, None)
+        monkeypatch.setattr(cpu_kernels, "_PREFILL", False)
+        meta._prefill_args = None
+        sdpa = attn(q, None, None)
+    assert fused.shape == sdpa.shape == (102, heads * dim)
+    assert torch.equal(fused[:2], sdpa[:2])  # the decode rows: the same kernel
+    assert (fused.float() - sdpa.float()).abs().max().item() < 2e-2  # a bf16 ulp of values below 4

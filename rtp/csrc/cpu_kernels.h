@@ -26,6 +26,10 @@ int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8
 void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const int32_t *ids, float *out,
                     int64_t ldo, int64_t T, int64_t H);
 void rtp_silu_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t T, int64_t I);
+int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                               int64_t tok_stride, const int32_t *seqs, const int32_t *tables, uint16_t *out,
+                               int64_t nseq, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                               int64_t window, int amx);
 
 /* kernel_calls.c: a kernel call as RTP_CALL_WORDS int64 words, word 0 one of these */
 #define RTP_CALL_WORDS 16
@@ -38,6 +42,7 @@ enum {
     RTP_OP_DECODE_ATTENTION,
     RTP_OP_EMBED_ROWS,
     RTP_OP_SILU_MUL,
+    RTP_OP_PREFILL_ATTENTION,
 };
 int rtp_run_call(const int64_t *call);
 int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows);

@@ -47,6 +47,9 @@ int rtp_run_call(const int64_t *c) {
     case RTP_OP_SILU_MUL:
         rtp_silu_mul(P(1), c[2], P(3), c[4], c[5], c[6]);
         return 1;
+    case RTP_OP_PREFILL_ATTENTION:
+        return rtp_prefill_attention_bf16(P(1), P(2), P(3), c[4], P(5), P(6), P(7), c[8], c[9], c[10], c[11], c[12],
+                                          arg_float(c[13]), c[14], (int)c[15]);
     }
     return 0;
 }
@@ -94,6 +97,7 @@ uint32_t rtp_call_address_words(int64_t op) {
     case RTP_OP_DECODE_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 7 | 1u << 8;
     case RTP_OP_EMBED_ROWS: return 1u << 1 | 1u << 4 | 1u << 5;
     case RTP_OP_SILU_MUL: return 1u << 1 | 1u << 3;
+    case RTP_OP_PREFILL_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 6 | 1u << 7;
     }
     return 0;
 }

@@ -13,9 +13,12 @@ offset) and then attends:
 |                          |                       | else gather each row's blocks, grouped matmul  |
 |                          |                       | + fp32 softmax (on CPU 5-12x faster than bf16  |
 |                          |                       | SDPA, see PERF_NOTES.md), masked by seq_lens   |
-| prefill chunks           | a range each          | gather the row's blocks (cached prefix + the   |
-|                          |                       | chunk), scaled_dot_product_attention, causal   |
-|                          |                       | from the chunk's offset                        |
+| prefill chunks           | a range each          | bf16 on a CPU with AVX-512 BF16: rtp's kernel  |
+|                          |                       | (all chunks in one call, blocks read in place, |
+|                          |                       | AMX tiles, online fp32 softmax); else gather   |
+|                          |                       | the row's blocks (cached prefix + the chunk),  |
+|                          |                       | scaled_dot_product_attention, causal from the  |
+|                          |                       | chunk's offset                                 |
 
 The metadata reaches every layer through `forward_context(meta)`, a scoped
 context the runner sets around the model call, not through each signature.
@@ -69,6 +72,25 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None   # [Bd, W] int32, zero past each row's blocks
     decode_seq_lens: torch.Tensor | None = None       # [Bd] int32
     prefill: list[PrefillRow] = field(default_factory=list)
+    _prefill_args: tuple | None = field(default=None, repr=False)
+
+    def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The prefill rows as rtp's prefill kernel takes them (built once a step, every layer
+        reuses them): int32 [rows, 4] of (first token, tokens, context length, offset of the
+        row's block ids) and the block ids back to back. None when the rows do not follow the
+        decode rows token after token (the kernel writes its rows in place)."""
+        if self._prefill_args is None:
+            seqs, offset, next_token = [], 0, self.num_decode
+            for row in self.prefill:
+                if row.query_start != next_token:
+                    self._prefill_args = ()
+                    return None
+                seqs.append((row.query_start, row.query_end - row.query_start, row.context_len, offset))
+                offset += row.block_ids.shape[0]
+                next_token = row.query_end
+            tables = torch.cat([row.block_ids for row in self.prefill]).to(torch.int32)
+            self._prefill_args = (torch.tensor(seqs, dtype=torch.int32), tables)
+        return self._prefill_args or None
 
 
 _CONTEXT: AttentionMetadata | None = None
@@ -184,16 +206,25 @@ class PagedAttention(nn.Module):
             flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
         q = q.to(k_cache.dtype)
         nd = meta.num_decode
-        parts = []
-        if nd and cpu_kernels.attention_supported(q, k_cache):
-            parts.append(cpu_kernels.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                self.sliding_window or 0))
-        elif nd:
-            parts.append(decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                          meta.decode_seq_lens, self.scale, self.sliding_window))
+        args = (meta.prefill_kernel_args() if meta.prefill and cpu_kernels.prefill_attention_supported(q, k_cache)
+                else None)
+        if args is not None:  # every prefill row in one call, written in place after the decode rows
+            out = cpu_kernels.prefill_attention(q, k_cache, v_cache, args[0], args[1], self.scale,
+                                                self.sliding_window or 0)
+            if nd:
+                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+            return out[: meta.prefill[-1].query_end].reshape(-1, self.num_heads * self.head_dim)
+        parts = [self._decode(q[:nd], k_cache, v_cache, meta)] if nd else []
         for row in meta.prefill:
             parts.append(prefill_attention(q[row.query_start:row.query_end], k_cache, v_cache, row,
                                            self.scale, self.sliding_window))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if cpu_kernels.attention_supported(q, k_cache):
+            return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                      meta.decode_seq_lens, self.scale, self.sliding_window or 0)
+        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                self.scale, self.sliding_window)

@@ -256,3 +256,40 @@ def rows_word(op: int) -> int:
 def run_calls(calls, rows: int) -> None:
     """Run recorded calls (numpy int64 [n, CALL_WORDS], C-contiguous) over `rows` rows."""
     _k.run_calls(calls.ctypes.data, calls.shape[0], rows)
+
+
+# -- prefill attention over the paged cache (rtp/csrc/prefill_attention.c) -------------------------
+
+# RTP_PREFILL_ATTENTION=0 keeps prefill on torch's SDPA (to compare the two); decided at import.
+_PREFILL = _AVAILABLE and os.environ.get("RTP_PREFILL_ATTENTION", "1") != "0"
+
+
+def prefill_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether prefill_attention takes these operands: bf16 q [T, H, D] and cache, D a multiple
+    of 32 up to 256, at most 16 query heads per kv head."""
+    d = q.shape[-1]
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    return (_PREFILL and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.dim() == 3
+            and k_cache.dtype == torch.bfloat16 and d % 32 == 0 and d <= 256 and heads % kv_heads == 0
+            and heads // kv_heads <= 16 and k_cache.stride(-1) == 1 and k_cache.stride(-2) == d)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: torch.Tensor,
+                      tables: torch.Tensor, scale: float, window: int, out: torch.Tensor | None = None,
+                      amx: bool | None = None) -> torch.Tensor:
+    """Causal attention of packed query chunks over the paged cache. q [T, H, D] bf16; seqs int32
+    [n, 4] per chunk: its first token in q, its token count, its context length (keys, the chunk's
+    own included, already in the cache) and the offset of its block ids in tables (int32, flat).
+    Writes the chunks' rows of out ([T, H, D] bf16, allocated when None) and returns it.
+    window 0: no sliding window. amx None: the tiles where this CPU has them."""
+    q = q.contiguous()
+    t, h, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    if out is None:
+        out = torch.empty_like(q)
+    seqs = seqs.contiguous()
+    tables = tables.contiguous()
+    _k.prefill_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1),
+                              seqs.data_ptr(), tables.data_ptr(), out.data_ptr(), seqs.shape[0], h, hkv, d,
+                              block_size, scale, window, _AMX if amx is None else amx and _AMX)
+    return out

@@ -1,0 +1,535 @@
+/* Prefill attention over the paged KV cache: causal, grouped-query, varlen, flash-attention style.
+ *
+ * A prefill step packs several sequences' chunks into one batch of query tokens; each chunk
+ * attends to its sequence's cached prefix and to itself, causally. torch's CPU flash attention
+ * ran these at about 140 GFLOP/s here (a third of a 2048-token step); the AMX unit multiplies
+ * bf16 tiles at several TFLOP/s, so the scores and the weighted values go to the tiles and
+ * the fp32 online softmax between them, on AVX-512, is what sets the pace.
+ *
+ * Two phases inside one parallel region:
+ *   pack     each (sequence, kv head)'s keys and values, read from their blocks once, into the
+ *            layouts the tile products want (below), zero past the context: O(L D) work that
+ *            every query block of the sequence then reuses from L2, and the reason any
+ *            block size works;
+ *   attend   one task per (sequence, kv head, block of QB query tokens), its G = H / Hkv query
+ *            heads together (G tiles of 16 rows), so each packed key and value tile is loaded
+ *            once for all of them. Per step of KB keys: S = Q K^T (tiles) -> row max, p =
+ *            exp(scale (s - m)), running sum and rescale of O (fp32, AVX-512) -> P rounded to
+ *            bf16 -> O += P V (tiles). Tasks run longest first (dynamic schedule): a causal
+ *            task's cost grows with its position.
+ *
+ * Layouts (uint32 = a pair of bf16):
+ *   K^T   per key tile j (16 keys) and dimension step s (32 dims): 16 x 16 uint32, row r, column n
+ *         = K[16 j + n][32 s + 2r, +1]: the AMX "B" operand of Q K^T (pairs along the reduced dim).
+ *   V     per key step t (32 keys) and dimension tile c (16 dims): 16 x 16 uint32, row r, column d
+ *         = (V[32 t + 2r][16 c + d], V[32 t + 2r + 1][16 c + d]): the "B" operand of P V.
+ * Q is copied per task into [G][16][D] bf16 (zero rows past the chunk): the "A" operand as is.
+ *
+ * Numerics as torch's flash attention on bf16 inputs: products exact, sums in fp32, scale
+ * applied to the fp32 scores, softmax in fp32, probabilities rounded to bf16 for P V, output
+ * divided by the fp32 sum and rounded to bf16 once. Without AMX (amx = 0) the same loops run
+ * the products with AVX-512 BF16 dot instructions over the same packed layouts.
+ */
+#include "cpu_kernels.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define AVX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+#define QB 16 /* query tokens per task: one tile of rows per query head */
+#define KB 128 /* keys per online-softmax step */
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* Every tile 16 rows of 64 bytes: tiles 0-3 accumulators, 4-5 A operands, 6-7 B operands. */
+AMX_TARGET static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 2^t for the softmax's arguments (already in base 2, at most 0): relative error under
+ * 5e-5, far below the bf16 rounding (2e-3) the probabilities get next; the sum's error, the
+ * same fraction, is below the output's bf16 rounding too. Far below -126 the scale step
+ * flushes to 0. */
+AVX_TARGET static inline __m512 exp2_ps(__m512 t) {
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(9.6181291e-3f); /* (ln 2)^k / k!, k = 4 .. 0 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* seqs: int32 [nseq][4] = query start (token index into q / out), query count, context length
+ * (keys, this chunk included), offset of the sequence's block ids in `tables`. */
+typedef struct {
+    int64_t q_start, n, ctx, table_off;
+    int64_t pack_off; /* elements of the K (and V) pack before this sequence's */
+    int64_t padded;   /* context rounded up to KB */
+} seq_info;
+
+/* ---- pack ------------------------------------------------------------------------------------ */
+
+/* Keys and values [32 t, 32 t + 32) of one kv head into their packed tiles. */
+AVX_TARGET static void pack_step(const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
+                                 const int32_t *table, int64_t block_size, int64_t ctx, int64_t head,
+                                 int64_t D, int64_t t, uint32_t *kp, uint32_t *vp) {
+    uint16_t rows[32 * 256] __attribute__((aligned(64))); /* the 32 keys' K rows, zero past ctx */
+    const uint16_t *vrow[32];
+    for (int64_t i = 0; i < 32; i++) {
+        int64_t pos = 32 * t + i;
+        if (pos < ctx) {
+            int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
+            memcpy(rows + i * D, k_cache + slot * tok_stride + head * D, (size_t)D * 2);
+            vrow[i] = v_cache + slot * tok_stride + head * D;
+        } else {
+            memset(rows + i * D, 0, (size_t)D * 2);
+            vrow[i] = NULL;
+        }
+    }
+    int64_t ns = D / 32, half = D / 2;
+    __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32((int)half));
+    for (int64_t j = 0; j < 2; j++) { /* K^T: a 16 x 16 transpose of uint32 per dimension step */
+        const uint32_t *base = (const uint32_t *)(rows + 16 * j * D);
+        for (int64_t s = 0; s < ns; s++) {
+            uint32_t *tile = kp + ((2 * t + j) * ns + s) * 256;
+            for (int64_t r = 0; r < 16; r++)
+                _mm512_store_si512((void *)(tile + r * 16), _mm512_i32gather_epi32(index, base + 16 * s + r, 4));
+        }
+    }
+    int64_t nc = D / 16;
+    for (int64_t r = 0; r < 16; r++) { /* V: keys 2r and 2r + 1 interleaved */
+        const uint16_t *a = vrow[2 * r], *b = vrow[2 * r + 1];
+        for (int64_t c = 0; c < nc; c++) {
+            __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + 16 * c)))
+                           : _mm512_setzero_si512();
+            __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 16 * c)))
+                           : _mm512_setzero_si512();
+            _mm512_store_si512((void *)(vp + ((t * nc + c) * 16 + r) * 16), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+/* ---- the two products, on tiles -------------------------------------------------------------- */
+
+/* Tile registers are not renamed: a load into a tile waits until every product reading it is
+ * done. So both products work in 2 x 2 blocks, two A and two B tiles feeding four accumulators,
+ * and each tile is reloaded only after the other products of its step have been queued. */
+
+/* S[g rows][16 j + n] = Q_g K^T for key tiles [j0, j0 + nt) of the step (nt <= 4). */
+AMX_TARGET static void scores_amx(const uint16_t *qbuf, int64_t G, int64_t D, const uint32_t *kp, int64_t j0,
+                                  int64_t nt, float *sbuf) {
+    int64_t ns = D / 32;
+    for (int64_t g = 0; g < G; g += 2) {
+        int rows2 = g + 1 < G;
+        const uint16_t *a = qbuf + g * 16 * D;
+        float *s = sbuf + g * 16 * KB;
+        for (int64_t j = 0; j < nt; j += 2) {
+            int cols2 = j + 1 < nt;
+            const uint32_t *b = kp + (j0 + j) * ns * 256;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t st = 0; st < ns; st++) {
+                _tile_loadd(4, a + 32 * st, D * 2);
+                _tile_loadd(6, b + st * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (cols2) {
+                    _tile_loadd(7, b + (ns + st) * 256, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (rows2) {
+                    _tile_loadd(5, a + 16 * D + 32 * st, D * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (cols2) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, s + 16 * j, KB * 4);
+            if (cols2) _tile_stored(1, s + 16 * j + 16, KB * 4);
+            if (rows2) {
+                _tile_stored(2, s + 16 * KB + 16 * j, KB * 4);
+                if (cols2) _tile_stored(3, s + 16 * KB + 16 * j + 16, KB * 4);
+            }
+        }
+    }
+}
+
+/* O[g rows] += P_g V over value steps [t0, t0 + nsteps) (nsteps <= KB / 32). */
+AMX_TARGET static void values_amx(const uint16_t *pbuf, int64_t G, int64_t D, const uint32_t *vp, int64_t t0,
+                                  int64_t nsteps, float *obuf) {
+    int64_t nc = D / 16; /* even: D is a multiple of 32 */
+    for (int64_t g = 0; g < G; g += 2) {
+        int rows2 = g + 1 < G;
+        const uint16_t *a = pbuf + g * 16 * KB;
+        for (int64_t c = 0; c < nc; c += 2) {
+            float *o = obuf + g * 16 * D + 16 * c;
+            _tile_loadd(0, o, D * 4);
+            _tile_loadd(1, o + 16, D * 4);
+            if (rows2) {
+                _tile_loadd(2, o + 16 * D, D * 4);
+                _tile_loadd(3, o + 16 * D + 16, D * 4);
+            }
+            for (int64_t t = 0; t < nsteps; t++) {
+                const uint32_t *b = vp + ((t0 + t) * nc + c) * 256;
+                _tile_loadd(4, a + 32 * t, KB * 2);
+                _tile_loadd(6, b, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, b + 256, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                if (rows2) {
+                    _tile_loadd(5, a + 16 * KB + 32 * t, KB * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, o, D * 4);
+            _tile_stored(1, o + 16, D * 4);
+            if (rows2) {
+                _tile_stored(2, o + 16 * D, D * 4);
+                _tile_stored(3, o + 16 * D + 16, D * 4);
+            }
+        }
+    }
+}
+
+/* ---- the same products with AVX-512 BF16 dot instructions (no AMX) ---------------------------- */
+
+AVX_TARGET static void scores_avx(const uint16_t *qbuf, int64_t G, int64_t D, const uint32_t *kp, int64_t j0,
+                                  int64_t nt, float *sbuf, int64_t rows) {
+    int64_t ns = D / 32;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < rows; i++) {
+            const uint32_t *qr = (const uint32_t *)(qbuf + (g * 16 + i) * D);
+            for (int64_t j = 0; j < nt; j++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t s = 0; s < ns; s++) {
+                    const uint32_t *tile = kp + ((j0 + j) * ns + s) * 256;
+                    for (int64_t r = 0; r < 16; r++)
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512((const void *)(tile + 16 * r)),
+                                               (__m512bh)_mm512_set1_epi32((int)qr[16 * s + r]));
+                }
+                _mm512_storeu_ps(sbuf + (g * 16 + i) * KB + 16 * j, acc);
+            }
+        }
+}
+
+AVX_TARGET static void values_avx(const uint16_t *pbuf, int64_t G, int64_t D, const uint32_t *vp, int64_t t0,
+                                  int64_t nsteps, float *obuf, int64_t rows) {
+    int64_t nc = D / 16;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < rows; i++) {
+            const uint32_t *pr = (const uint32_t *)(pbuf + (g * 16 + i) * KB);
+            float *o = obuf + (g * 16 + i) * D;
+            for (int64_t c = 0; c < nc; c++) {
+                __m512 acc = _mm512_loadu_ps(o + 16 * c);
+                for (int64_t t = 0; t < nsteps; t++) {
+                    const uint32_t *tile = vp + ((t0 + t) * nc + c) * 256;
+                    for (int64_t r = 0; r < 16; r++)
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512((const void *)(tile + 16 * r)),
+                                               (__m512bh)_mm512_set1_epi32((int)pr[16 * t + r]));
+                }
+                _mm512_storeu_ps(o + 16 * c, acc);
+            }
+        }
+}
+
+/* ---- softmax ----------------------------------------------------------------------------------- */
+
+/* Sixteen vectors in, one out: lane i = the max (or sum) of v[i]'s lanes, by a transposing tree
+ * (30 shuffles for all sixteen, against eight dependent steps each for lone reductions). */
+AVX_TARGET static inline __m512 reduce16(const __m512 *v, int is_max) {
+#define OP(a, b) (is_max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b))
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit quarter: partial results of v[2i] and v[2i + 1] */
+        w[i] = OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        x[i] = OP(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    __m512 y0 = OP(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    __m512 y1 = OP(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    __m512d a = _mm512_castps_pd(y0), b = _mm512_castps_pd(y1);
+    __m512 z = OP(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+#undef OP
+    /* lane 4j + e holds row 4e + j */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+/* Which of keys [k, k + 16) a row sees, when it sees keys [lo, hi]. */
+AVX_TARGET static inline __mmask16 visible(int64_t k, int64_t lo, int64_t hi) {
+    if (k >= lo && k + 15 <= hi) return 0xffff;
+    if (k > hi || k + 15 < lo) return 0;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 key = _mm512_add_ps(iota, _mm512_set1_ps((float)k));
+    return _mm512_cmp_ps_mask(key, _mm512_set1_ps((float)hi), _CMP_LE_OQ)
+         & _mm512_cmp_ps_mask(key, _mm512_set1_ps((float)lo), _CMP_GE_OQ);
+}
+
+/* The 16 rows of one query head's tile for keys [k0, k0 + KB) (the first nt key tiles
+ * computed): row i (position pos0 + i, rows < `rows`) sees keys [pos - window + 1, pos]
+ * (from 0 without a window). Updates the rows' running max m and sum l (16 each), rescales
+ * their O rows when the max moved, and writes P (bf16, 0 where hidden; whole value steps of
+ * 32 keys, since P V reads them whole). Rows that see every computed key, nearly all of them,
+ * take a loop with no masks: this loop, not the tile products, sets the kernel's pace. */
+AVX_TARGET static void softmax_tile(const float *s, int64_t nt, int64_t k0, int64_t pos0, int64_t rows,
+                                    int64_t window, float scale2, float *m, float *l, float *o, int64_t D,
+                                    uint16_t *p) {
+    __m512 acc[16];
+    uint32_t full = 0;
+    for (int64_t i = 0; i < 16; i++) {
+        int64_t pos = pos0 + i, lo = window > 0 ? pos - window + 1 : 0;
+        const float *si = s + i * KB;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        if (i < rows && k0 >= lo && k0 + 16 * nt - 1 <= pos) {
+            full |= 1u << i;
+            for (int64_t j = 0; j < nt; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(si + 16 * j));
+        } else if (i < rows) {
+            for (int64_t j = 0; j < nt; j++)
+                mx = _mm512_mask_max_ps(mx, visible(k0 + 16 * j, lo, pos), mx, _mm512_loadu_ps(si + 16 * j));
+        }
+        acc[i] = mx;
+    }
+    __m512 sc = _mm512_set1_ps(scale2), one = _mm512_set1_ps(1.0f);
+    __m512 mold = _mm512_loadu_ps(m), mstep = reduce16(acc, 1);
+    /* The exact running max, never a stale one: the row's largest probability is then exactly
+     * 1 in bf16, and in a peaked row that one term is most of the output (a max kept within 8
+     * units of the true one, to rescale O less often, doubled the error against fp32). */
+    __mmask16 grow = _mm512_cmp_ps_mask(mstep, mold, _CMP_GT_OQ);
+    __m512 mnew = _mm512_mask_mov_ps(mold, grow, mstep);
+    /* rows that had seen keys and whose max moved: their sum and O shrink by corr */
+    __mmask16 moved = grow & _mm512_cmp_ps_mask(mold, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    __m512 corr = _mm512_mask_mov_ps(one, moved, exp2_ps(_mm512_mul_ps(_mm512_sub_ps(mold, mnew), sc)));
+    float bias[16] __attribute__((aligned(64)));
+    _mm512_store_ps(bias, _mm512_mul_ps(mnew, sc));
+    _mm512_storeu_ps(m, mnew);
+    int64_t cols = (nt + 1) / 2 * 2; /* P columns written, in vectors: whole value steps */
+    for (int64_t i = 0; i < 16; i++) {
+        const float *si = s + i * KB;
+        uint16_t *pi = p + i * KB;
+        __m512 b = _mm512_set1_ps(bias[i]), sum = _mm512_setzero_ps();
+        if (full >> i & 1) {
+            for (int64_t j = 0; j + 1 < nt; j += 2) {
+                __m512 e0 = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(si + 16 * j), sc, b));
+                __m512 e1 = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(si + 16 * j + 16), sc, b));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+                _mm512_storeu_si512((void *)(pi + 16 * j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
+            if (nt & 1) {
+                __m512 e0 = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(si + 16 * (nt - 1)), sc, b));
+                sum = _mm512_add_ps(sum, e0);
+                _mm512_storeu_si512((void *)(pi + 16 * (nt - 1)),
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), e0));
+            }
+        } else if (i < rows) {
+            int64_t pos = pos0 + i, lo = window > 0 ? pos - window + 1 : 0;
+            for (int64_t j = 0; j < cols; j += 2) {
+                __mmask16 v0 = j < nt ? visible(k0 + 16 * j, lo, pos) : 0;
+                __mmask16 v1 = j + 1 < nt ? visible(k0 + 16 * j + 16, lo, pos) : 0;
+                __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+                if (v0) e0 = _mm512_maskz_mov_ps(v0, exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(si + 16 * j), sc, b)));
+                if (v1) e1 = _mm512_maskz_mov_ps(v1, exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(si + 16 * j + 16), sc, b)));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+                _mm512_storeu_si512((void *)(pi + 16 * j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
+        }
+        acc[i] = sum;
+    }
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), corr, reduce16(acc, 0)));
+    if (moved) {
+        float cf[16] __attribute__((aligned(64)));
+        _mm512_store_ps(cf, corr);
+        for (int64_t i = 0; i < 16; i++) {
+            if (!(moved >> i & 1)) continue;
+            __m512 cv = _mm512_set1_ps(cf[i]);
+            for (int64_t c = 0; c < D; c += 16)
+                _mm512_storeu_ps(o + i * D + c, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c), cv));
+        }
+    }
+}
+
+/* ---- one task ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    uint16_t *q;   /* [G][16][D] bf16 */
+    float *s;      /* two buffers of [G][16][KB] fp32: a step's scores while the next one's are made */
+    uint16_t *p;   /* [G][16][KB] bf16 */
+    float *o;      /* [G][16][D] fp32 */
+    float *m, *l;  /* [G][16] */
+} scratch;
+
+AMX_TARGET static inline void scores(const scratch *w, int64_t G, int64_t D, const uint32_t *kp, int64_t k0,
+                                     int64_t last_pos, int64_t rows, int amx, float *s) {
+    int64_t keys = last_pos + 1 - k0 < KB ? last_pos + 1 - k0 : KB, nt = (keys + 15) / 16;
+    if (amx) scores_amx(w->q, G, D, kp, k0 / 16, nt, s);
+    else scores_avx(w->q, G, D, kp, k0 / 16, nt, s, rows);
+}
+
+AMX_TARGET static void attend(const uint16_t *q, uint16_t *out, const seq_info *sq, int64_t kvh, int64_t qb,
+                              const uint32_t *kp, const uint32_t *vp, int64_t H, int64_t G, int64_t D,
+                              float scale, int64_t window, int amx, scratch *w) {
+    int64_t i0 = qb * QB, rows = sq->n - i0 < QB ? sq->n - i0 : QB;
+    int64_t first_pos = sq->ctx - sq->n + i0, last_pos = first_pos + rows - 1;
+    for (int64_t g = 0; g < G; g++) {
+        int64_t head = kvh * G + g;
+        for (int64_t i = 0; i < 16; i++) {
+            uint16_t *dst = w->q + (g * 16 + i) * D;
+            if (i < rows) memcpy(dst, q + ((sq->q_start + i0 + i) * H + head) * D, (size_t)D * 2);
+            else memset(dst, 0, (size_t)D * 2);
+        }
+    }
+    memset(w->o, 0, (size_t)(G * 16 * D) * sizeof(float));
+    memset(w->p, 0, (size_t)(G * 16 * KB) * sizeof(uint16_t)); /* rows past the chunk stay 0 */
+    for (int64_t r = 0; r < G * 16; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    float scale2 = scale * 1.44269504088896341f; /* exponents in base 2 */
+    int64_t start = window > 0 && first_pos - window + 1 > 0 ? (first_pos - window + 1) / KB * KB : 0;
+    float *sb[2] = {w->s, w->s + G * 16 * KB};
+    scores(w, G, D, kp, start, last_pos, rows, amx, sb[0]);
+    for (int64_t k0 = start, b = 0; k0 <= last_pos; k0 += KB, b++) {
+        int64_t keys = last_pos + 1 - k0 < KB ? last_pos + 1 - k0 : KB;
+        int64_t nt = (keys + 15) / 16, nsteps = (keys + 31) / 32;
+        float *s = sb[b & 1];
+        for (int64_t g = 0; g < G; g++)
+            softmax_tile(s + g * 16 * KB, nt, k0, first_pos, rows, window, scale2, w->m + g * 16, w->l + g * 16,
+                         w->o + g * 16 * D, D, w->p + g * 16 * KB);
+        /* the next step's scores go to the tiles between the writes of P and O and the tile loads
+         * that read them: a tile load right behind vector stores to its lines waits for them */
+        if (k0 + KB <= last_pos) scores(w, G, D, kp, k0 + KB, last_pos, rows, amx, sb[(b + 1) & 1]);
+        if (amx) values_amx(w->p, G, D, vp, k0 / 32, nsteps, w->o);
+        else values_avx(w->p, G, D, vp, k0 / 32, nsteps, w->o, rows);
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < rows; i++) {
+            int64_t r = g * 16 + i;
+            __m512 inv = _mm512_set1_ps(1.0f / w->l[r]);
+            uint16_t *dst = out + ((sq->q_start + i0 + i) * H + kvh * G + g) * D;
+            for (int64_t c = 0; c < D; c += 16)
+                _mm256_storeu_si256((__m256i *)(dst + c),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w->o + r * D + c), inv)));
+        }
+}
+
+/* ---- entry ------------------------------------------------------------------------------------- */
+
+typedef struct {
+    int32_t seq, qb;
+    int64_t cost;
+} task;
+
+static int longest_first(const void *a, const void *b) {
+    int64_t x = ((const task *)a)->cost, y = ((const task *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+/* q bf16 [T, H, D] contiguous; k_cache / v_cache bf16, slot s of kv head h at s * tok_stride + h * D;
+ * seqs int32 [nseq][4] (above); tables int32 (each sequence's block ids from its offset); out bf16
+ * [T, H, D]: rows of tokens outside every sequence are left alone. D a multiple of 32, at most 256;
+ * H / Hkv at most 16. window > 0: each token sees its last `window` positions. amx: use the tiles
+ * (the caller checked rtp_amx_supported()). Returns 0 when scratch memory could not be had. */
+AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                          int64_t tok_stride, const int32_t *seqs, const int32_t *tables,
+                                          uint16_t *out, int64_t nseq, int64_t H, int64_t Hkv, int64_t D,
+                                          int64_t block_size, float scale, int64_t window, int amx) {
+    int64_t G = H / Hkv;
+    seq_info *info = malloc(sizeof(seq_info) * (size_t)(nseq > 0 ? nseq : 1));
+    if (!info) return 0;
+    int64_t pack = 0, ntasks = 0, nsteps = 0;
+    for (int64_t i = 0; i < nseq; i++) {
+        seq_info *sq = &info[i];
+        sq->q_start = seqs[4 * i];
+        sq->n = seqs[4 * i + 1];
+        sq->ctx = seqs[4 * i + 2];
+        sq->table_off = seqs[4 * i + 3];
+        if (sq->n <= 0 || sq->ctx <= 0) sq->n = sq->ctx = 0;
+        sq->padded = round_up(sq->ctx, KB);
+        sq->pack_off = pack;
+        pack += sq->padded * D * Hkv;
+        ntasks += (sq->n + QB - 1) / QB;
+        nsteps += sq->padded / 32 * Hkv;
+    }
+    uint16_t *kpack = aligned_alloc(64, (size_t)(pack > 0 ? pack * 4 : 64)); /* K then V; a multiple of 64 */
+    task *tasks = malloc(sizeof(task) * (size_t)(ntasks > 0 ? ntasks : 1));
+    if (!kpack || !tasks) {
+        free(info);
+        free(kpack);
+        free(tasks);
+        return 0;
+    }
+    uint16_t *vpack = kpack + pack;
+    int64_t nt = 0;
+    for (int64_t i = 0; i < nseq; i++)
+        for (int64_t qb = 0; qb * QB < info[i].n; qb++) {
+            int64_t last = info[i].ctx - info[i].n + (qb + 1) * QB;
+            int64_t first = window > 0 && last - QB - window > 0 ? last - QB - window : 0;
+            tasks[nt++] = (task){(int32_t)i, (int32_t)qb, last - first};
+        }
+    qsort(tasks, (size_t)ntasks, sizeof(task), longest_first);
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* pack: tasks (sequence, kv head, step of 32 keys), flattened */
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < nsteps; u++) {
+            int64_t i = 0, rest = u;
+            while (rest >= info[i].padded / 32 * Hkv) rest -= info[i++].padded / 32 * Hkv;
+            const seq_info *sq = &info[i];
+            int64_t h = rest / (sq->padded / 32), t = rest % (sq->padded / 32);
+            int64_t off = sq->pack_off + h * sq->padded * D;
+            pack_step(k_cache, v_cache, tok_stride, tables + sq->table_off, block_size, sq->ctx, h, D, t,
+                      (uint32_t *)(kpack + off), (uint32_t *)(vpack + off));
+        }
+        scratch w = {0};
+        size_t rowsz = (size_t)(G * 16);
+        char *mem = aligned_alloc(64, (size_t)round_up((int64_t)(rowsz * ((size_t)D * 6 + KB * 10 + 8)), 64));
+        if (!mem) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            w.q = (uint16_t *)mem;
+            w.s = (float *)(mem + rowsz * D * 2);
+            w.p = (uint16_t *)((char *)w.s + rowsz * KB * 8);
+            w.o = (float *)((char *)w.p + rowsz * KB * 2);
+            w.m = w.o + rowsz * D;
+            w.l = w.m + rowsz;
+        }
+        if (amx && mem) configure_tiles();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < ntasks * Hkv; u++) {
+            if (!mem) continue;
+            const task *tk = &tasks[u / Hkv];
+            const seq_info *sq = &info[tk->seq];
+            int64_t h = u % Hkv, off = sq->pack_off + h * sq->padded * D;
+            attend(q, out, sq, h, tk->qb, (const uint32_t *)(kpack + off), (const uint32_t *)(vpack + off), H, G, D,
+                   scale, window, amx, &w);
+        }
+        if (amx && mem) _tile_release();
+        free(mem);
+    }
+    free(info);
+    free(kpack);
+    free(tasks);
+    return !failed;
+}
