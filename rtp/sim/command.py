@@ -27,8 +27,13 @@ TRACES = ("conversational", "code", "bursty")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traces", nargs="+", choices=TRACES, default=list(TRACES), help="workloads (default: all)")
-    p.add_argument("--workers", type=int, default=16, help="workers per cluster, collocated or P+D (default 16)")
-    p.add_argument("--requests", type=int, default=20000, help="requests per trace (default 20000)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="workers per cluster, collocated or P+D (default 16; 1000 with --scale)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per trace and seed (default 12000; 100000 with --scale)")
+    p.add_argument("--seeds", type=int, default=6,
+                   help="traces per run, seeds --seed, --seed+1, ...; percentiles pool them all (default 6: "
+                        "one bursty trace's P99 is decided by its few worst bursts and moves by 2x between seeds)")
     p.add_argument("--load", type=float, default=1.0,
                    help="arrival rate as a share of the estimated cluster capacity (default 1.0)")
     p.add_argument("--device", default="h200", help="h200, h100 or this-cpu (measured here) (default h200)")
@@ -60,6 +65,8 @@ def main(args: argparse.Namespace) -> int:
     say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     if args.scale:
         return _scale(args, ex, device, model, kv, say)
+    args.workers = args.workers or 16
+    args.requests = args.requests or 12000
 
     report = {"device": device.name, "model": model, "workers": args.workers, "requests": args.requests,
               "load": args.load, "kv_tokens_per_worker": kv, "traces": {}}
@@ -69,13 +76,13 @@ def main(args: argparse.Namespace) -> int:
         say(f"[{kind}] sizing: rate for load {args.load} and the P/D split ...")
         setup = ex.plan_setup(kind, requests=args.requests, workers=args.workers, load=args.load,
                               device=device, model=model, kv_tokens=kv, seed=args.seed)
-        setup, splits = ex.best_split(setup, args.jobs, _progress(say))
+        setup, splits = ex.best_split(setup, args.jobs, _progress(say), args.seeds)
         out = {"setup": ex.setup_dict(setup), "splits": splits}
         print(f"\n## {kind}: {args.workers} workers ({setup.prefill} prefill + "
-              f"{args.workers - setup.prefill} decode for P/D), {args.requests} requests at "
+              f"{args.workers - setup.prefill} decode for P/D), {args.seeds} x {args.requests} requests at "
               f"{setup.rate:.1f}/s, {device.name}, {model}\n")
         if "table" not in args.skip:
-            rows = ex.run_all(ex.table_runs(setup), args.jobs, _progress(say))
+            rows = ex.run_all(ex.table_runs(setup), args.jobs, _progress(say), args.seeds)
             out["table"] = rows
             print(ex.fmt_table(rows, ("label", "throughput_tok_s", "p50_ttft_ms", "p99_ttft_ms", "p99_tbt_ms",
                                       "prefix_hit", "finished")))
@@ -84,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
             targets[f"{kind}: P99 TTFT of P/D FlexLB against collocated least-loaded"] = \
                 fl["p99_ttft_ms"] / ll["p99_ttft_ms"] - 1
         if "beta" not in args.skip:
-            rows = ex.run_all(ex.beta_runs(setup), args.jobs, _progress(say))
+            rows = ex.run_all(ex.beta_runs(setup), args.jobs, _progress(say), args.seeds)
             out["beta"] = rows
             print()
             print(ex.fmt_table(rows, ("label", "mean_beta", "throughput_tok_s", "p99_ttft_ms", "p99_tbt_ms",
@@ -97,10 +104,15 @@ def main(args: argparse.Namespace) -> int:
                                    "auto_p99_ttft_ms": auto["p99_ttft_ms"], "gap": round(gap, 4)}
             targets[f"{kind}: P99 TTFT of auto-beta against the best fixed beta ({best['beta']})"] = gap
         if "load" not in args.skip:
-            rows = ex.run_all(ex.load_runs(setup), args.jobs, _progress(say))
+            rows = ex.run_all(ex.load_runs(setup), args.jobs, _progress(say), args.seeds)
             out["load"] = rows
             print()
             print(ex.fmt_table(rows, ("label", "rate", "throughput_tok_s", "p99_ttft_ms", "p99_tbt_ms")))
+            # P/D FlexLB auto against collocated least-loaded at each load (rows come in pairs)
+            out["load_ttft_change"] = {f"x{f}": round(pd["p99_ttft_ms"] / ll["p99_ttft_ms"] - 1, 4)
+                                       for f, ll, pd in zip(ex.LOADS, rows[0::2], rows[1::2])}
+            print("P99 TTFT change, P/D FlexLB auto against collocated least-loaded: " +
+                  ", ".join(f"{k} {v:+.0%}" for k, v in out["load_ttft_change"].items()))
         report["traces"][kind] = out
         if args.plot:
             _plot(args.plot, kind, out, say)
@@ -121,14 +133,14 @@ def _progress(say):
 
 
 def _scale(args, ex, device, model, kv, say) -> int:
-    workers = args.workers if args.workers != 16 else 1000
-    requests = args.requests if args.requests != 20000 else 100_000
+    workers = args.workers or 1000
+    requests = args.requests or 100_000
     setup = ex.plan_setup("conversational", requests=requests, workers=workers, load=args.load,
                           device=device, model=model, kv_tokens=kv, seed=args.seed)
     say(f"simulating {workers} workers ({setup.prefill} prefill + {workers - setup.prefill} decode), "
         f"{requests} requests at {setup.rate:.0f}/s ...")
     t0 = time.perf_counter()
-    row = ex.simulate(ex.Run(setup, "pd", "flexlb", 0.65))
+    row = ex.simulate(ex.Run(setup, "pd", "flexlb", 0.65))[0]
     wall = time.perf_counter() - t0
     print(ex.fmt_table([row], ("label", "throughput_tok_s", "p99_ttft_ms", "p99_tbt_ms", "prefix_hit",
                                "finished", "wall_s")))

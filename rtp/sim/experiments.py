@@ -10,6 +10,7 @@ splits).
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -23,7 +24,7 @@ from rtp.sim.cluster import Cluster, WorkerConfig
 from rtp.sim.cost_model import DEVICES, MODELS, DeviceProfile, StepCost
 
 BETAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8, 0.9, 1.0)
-LOADS = (0.5, 0.7, 0.85, 1.0, 1.15)
+LOADS = (0.5, 0.7, 0.85, 1.0, 1.05, 1.1, 1.15)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ def plan_setup(kind: str, *, requests: int, workers: int, load: float, device: D
     return Setup(kind, requests, rate, workers, prefill, device, model, kv_tokens, seed)
 
 
-def simulate(run: Run) -> dict:
+def simulate(run: Run) -> tuple[dict, np.ndarray, np.ndarray]:
+    """One run: its row of figures, and the TTFT and TBT samples (seconds, float32) behind them."""
     s = run.setup
     cost = StepCost(s.device, MODELS[s.model])
     trace = traces.make(s.kind, s.requests, s.rate, s.seed)
@@ -100,34 +102,59 @@ def simulate(run: Run) -> dict:
         cluster = Cluster(cost, collocated=s.workers, router=router, config=cfg)
     else:
         cluster = Cluster(cost, prefill=s.prefill, decode=s.workers - s.prefill, router=router, config=cfg)
-    label = run.label or f"{run.mode} {run.policy}" + (f" beta={run.beta}" if run.policy == "flexlb" else "")
-    row = cluster.run(trace, label).row()
+    result = cluster.run(trace, label_of(run))
+    row = result.row()
     row.update(trace=s.kind, mode=run.mode, policy=run.policy, beta=run.beta, workers=s.workers,
                prefill_workers=s.prefill if run.mode == "pd" else 0, rate=round(s.rate, 2),
                mean_beta=round(float(np.mean(router.stats.beta_trace)), 3) if router.stats.beta_trace else None)
+    return row, result.ttft.astype(np.float32), result.tbt.astype(np.float32)
+
+
+def label_of(run: Run) -> str:
+    return run.label or f"{run.mode} {run.policy}" + (f" beta={run.beta}" if run.policy == "flexlb" else "")
+
+
+def pooled(parts: list[tuple[dict, np.ndarray, np.ndarray]]) -> dict:
+    """One row for a run simulated with several seeds: percentiles over every seed's samples
+    together (a P99 of bursty traffic from one trace is decided by its few worst bursts,
+    so one seed's figure moves by 2x), throughput and hit ratio averaged."""
+    rows = [p[0] for p in parts]
+    ttft = np.concatenate([p[1] for p in parts])
+    tbt = np.concatenate([p[2] for p in parts])
+    row = dict(rows[0])
+    pct = lambda a, q: round(float(np.percentile(a, q)) * 1e3, 2) if len(a) else math.nan  # noqa: E731
+    row.update(p50_ttft_ms=pct(ttft, 50), p99_ttft_ms=pct(ttft, 99), p99_tbt_ms=pct(tbt, 99),
+               seeds=len(rows),
+               **{k: round(float(np.mean([r[k] for r in rows])), 3) for k in ("throughput_tok_s", "prefix_hit")},
+               **{k: sum(r[k] for r in rows) for k in ("finished", "requests", "rejected", "wall_s")})
+    if rows[0]["mean_beta"] is not None:
+        row["mean_beta"] = round(float(np.mean([r["mean_beta"] for r in rows])), 3)
     return row
 
 
-def run_all(runs: list[Run], jobs: int | None = None, progress=None) -> list[dict]:
-    jobs = jobs or min(len(runs), os.cpu_count() or 1)
+def run_all(runs: list[Run], jobs: int | None = None, progress=None, seeds: int = 1) -> list[dict]:
+    """Simulate every run with `seeds` traces each (seeds setup.seed, setup.seed + 1, ...),
+    over a process pool; one pooled row per run, in order."""
+    tasks = [replace(r, setup=replace(r.setup, seed=r.setup.seed + k)) for r in runs for k in range(seeds)]
+    jobs = jobs or min(len(tasks), os.cpu_count() or 1)
+    out = []
+
+    def collect(results):
+        for i in range(len(runs)):
+            parts = [next(results) for _ in range(seeds)]
+            out.append(pooled(parts))
+            if progress:
+                progress(out[-1])
+
     if jobs <= 1:
-        out = []
-        for r in runs:
-            out.append(simulate(r))
-            if progress:
-                progress(out[-1])
-        return out
-    with ProcessPoolExecutor(jobs) as pool:
-        futures = [pool.submit(simulate, r) for r in runs]
-        out = []
-        for f in futures:
-            out.append(f.result())
-            if progress:
-                progress(out[-1])
-        return out
+        collect(simulate(t) for t in tasks)
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            collect(f.result() for f in [pool.submit(simulate, t) for t in tasks])
+    return out
 
 
-def best_split(setup: Setup, jobs: int | None = None, progress=None) -> tuple[Setup, list[dict]]:
+def best_split(setup: Setup, jobs: int | None = None, progress=None, seeds: int = 1) -> tuple[Setup, list[dict]]:
     """Try the estimated P/D split and its neighbours with FlexLB and keep the one closest to
     the best of them on both P99 TTFT and P99 TBT (the smallest worst ratio): an operator
     sizes the pools to meet both latency goals, not one at the other's expense."""
@@ -135,7 +162,7 @@ def best_split(setup: Setup, jobs: int | None = None, progress=None) -> tuple[Se
     step = max(1, setup.workers // 16)
     splits = sorted({min(setup.workers - 1, max(1, p + d * step)) for d in (-2, -1, 0, 1, 2)})
     rows = run_all([Run(replace(setup, prefill=q), "pd", "flexlb", 0.65, f"pd split {q}:{setup.workers - q}")
-                    for q in splits], jobs, progress)
+                    for q in splits], jobs, progress, seeds)
     done = [r for r in rows if r["finished"] == r["requests"]] or rows
     ttft = min(r["p99_ttft_ms"] for r in done)
     tbt = min(r["p99_tbt_ms"] for r in done)
