@@ -69,6 +69,18 @@ def world_size() -> int:
     return _WORLD_SIZE
 
 
+def local_rank() -> int:
+    """This rank's index among the ranks on its host, which picks its GPU: torchrun's
+    LOCAL_RANK (across nodes, RANK keeps counting but each host starts again at 0), else
+    the world rank (rtp's own launcher starts every rank on one host)."""
+    return int(os.environ.get("LOCAL_RANK", _WORLD_RANK))
+
+
+def local_world_size() -> int:
+    """The ranks sharing this host (its cores and GPUs): torchrun's LOCAL_WORLD_SIZE, else all."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", _WORLD_SIZE))
+
+
 def check_sizes(tp: int, ep: int) -> int:
     """The world size of tp x ep (max of the two); raises unless each is 1 or that size."""
     world = max(tp, ep)
@@ -94,6 +106,8 @@ def init_parallel(tp: int = 1, ep: int = 1, rank: int | None = None, *, backend:
 
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":  # one GPU per rank of this host, before NCCL binds one
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group(backend, init_method=init_method or "env://", world_size=size, rank=rank,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     if dist.get_world_size() != size:

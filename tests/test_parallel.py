@@ -230,3 +230,40 @@ def test_tp2_loading_reads_once_and_broadcasts_each_rank_its_shard(tmp_path):
     shutil.copytree(path, zeroed)
     _zero_tensor_data(zeroed / "model.safetensors")
     assert run_ranks(_load_rank, 2, [path, zeroed], tmp_path=tmp_path) == [(True, True), (True, True)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["torchrun-1-node", "torchrun-2-nodes"])
+def test_torchrun_tp2_generates_what_one_process_does(nodes, tmp_path):
+    """`torchrun ... -m rtp generate --tp 2`: on one node (2 ranks), and on two "nodes" of one
+    rank each that meet at a rendezvous address the way hosts do (both on loopback here:
+    RANK counts across nodes, LOCAL_RANK starts at 0 on each). Rank 0 prints the text,
+    which equals a single process's; the follower prints nothing and exits 0."""
+    import subprocess
+    import sys
+
+    path, _ = make_checkpoint("llama", tmp_path / "ckpt")
+    write_word_tokenizer(path, SMALL["vocab_size"])
+    args = ["-m", "rtp", "generate", "--model", str(path), "--prompt", "w3 w17 w5 w99 w42", "--max-tokens", "12",
+            "--ignore-eos", "--dtype", "float32", "--no-compile", "--max-model-len", "128"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert single.returncode == 0, single.stderr
+    port = _free_port()
+    per_node = 2 // nodes
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
+              "--master-addr=127.0.0.1", f"--master-port={port}"]
+    procs = [subprocess.Popen([*launch, f"--node-rank={n}", *args, "--tp", "2"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for n in range(nodes)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    text = "".join(out for out, _ in outs)
+    assert text.strip() and text == single.stdout
