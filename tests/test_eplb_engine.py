@@ -11,6 +11,7 @@ which is what keeps captured graphs valid where they exist (test_moves_keep_addr
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -131,6 +132,108 @@ def test_replicas_are_dropped_under_kv_pressure_and_return(mixtral, caplog):
     assert got == want
 
 
+def test_dropped_replicas_lend_their_memory_to_the_kv_cache(mixtral, caplog):
+    """Replicas dropped under pressure give their slots' pages back and the pool grows by the
+    blocks those bytes pay for; when pressure eases, the replicas wait while a lent block still
+    holds KV, and come back once the pool could shrink. Tokens equal EPLB off throughout.
+
+    The arithmetic: a Mixtral slot is w13 [2 x 112, 64] + w2 [64, 112] fp32 = 86016 bytes,
+    21 whole pages (the stacks are page-aligned); 4 spare slots in each of 2 MoE layers give
+    8 x 86016 bytes, at 8192 bytes a block (16 tokens x 2 layers x K, V x 2 heads x 16 x fp32)
+    84 blocks."""
+    from rtp import LLM, SamplingParams
+
+    block = 16 * 2 * 2 * 2 * 16 * 4
+    slot = (2 * 112 * 64 + 64 * 112) * 4
+    assert slot % 4096 == 0 and 8 * slot // block == 84
+    kv = {"kv_cache_memory": 12 * block, "block_size": 16}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batches = [prompts_of((6, 7), seed=s) for s in (5, 7, 8, 9)]
+    ref = LLM(model=mixtral, **KW, **kv)
+    want = [[o.outputs[0].token_ids for o in ref.generate(p, params, use_tqdm=False)] for p in batches]
+    llm = LLM(model=mixtral, **KW, **kv, enable_eplb=True, eplb_step_interval=4, eplb_window_size=4)
+    engine, b, a = llm.engine, llm.engine.balancer, llm.engine.allocator
+    assert (a.num_blocks, a.capacity) == (12, 96) and engine.runner.kv_caches[0].shape[1] == 96
+
+    def generate(prompts):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    got = [generate(batches[0])]
+    assert (b.replicas() == 4).all() and a.num_blocks == 12
+    held = a.allocate(10)  # 10 of 11 blocks held: pressure at the next step
+    with caplog.at_level(logging.INFO, logger="rtp.eplb"):
+        got.append(generate(batches[1]))
+    assert (b.replicas() == 0).all() and b.released.sum() == 8
+    assert a.num_blocks == 96 and b.stats()["kv_blocks_lent"] == b.kv_blocks_gained == 84
+    assert any("(kv pressure)" in r.getMessage() and "KV blocks +84 (84 lent)" in r.getMessage()
+               for r in caplog.records)
+    for m, slots in zip(b.layers, b.current):  # the emptied slots' pages were given back: zeros
+        for k in np.nonzero(slots < 0)[0]:
+            assert not m.w13[k].any() and not m.w2[k].any()
+    # pressure gone, but a lent block still holds KV: the interval's plan waits
+    lent = a.allocate(3)  # the last own block, then two lent ones
+    assert lent.max() >= 12
+    a.free(held)
+    got.append(generate(batches[2]))
+    assert b.kv_waits >= 1 and (b.replicas() == 0).all() and a.num_blocks == 96
+    assert b.planned_ratio.tolist() == b.ratio.tolist()  # nothing was applied
+    a.free(lent)
+    with caplog.at_level(logging.INFO, logger="rtp.eplb"):
+        got.append(generate(batches[3]))
+    assert (b.replicas() == 4).all() and not b.released.any()
+    assert a.num_blocks == 12 and b.kv_blocks_returned == 84 and b.stats()["kv_blocks_lent"] == 0
+    # handed back in one plan, or layer by layer where a plan keeps a layer's placement
+    deltas = [int(m[1]) for r in caplog.records if (m := re.search(r"KV blocks ([-+]\d+)", r.getMessage()))]
+    assert sum(d for d in deltas if d < 0) == -84
+    assert got == want
+    engine.scheduler.check_integrity()
+
+
+def test_no_whole_page_in_a_slot_lends_nothing(caplog):
+    """Slots smaller than a page give nothing back: the pool keeps its size, and the log says why."""
+    layers = [FusedMoE(8, 16, 8, num_slots=12) for _ in range(2)]  # 1.5 KiB a slot
+    assert all(m.releasable(k) == 0 for m in layers for k in range(12))
+    b = ExpertBalancer(layers, num_ranks=4, window=4, interval=6, kv_pressure=0.85, kv_block_bytes=1024,
+                       kv_base=10, kv_capacity=10)
+    slots = b.current.copy()
+    slots[:, 8:] = [1, 3, 5, 7]
+    b.apply(slots, kv_limit=b.kv_limit_after(slots))
+    dropped = slots.copy()
+    dropped[:, 8:] = -1
+    with caplog.at_level(logging.INFO, logger="rtp.eplb"):
+        b.apply(dropped, kv_limit=b.kv_limit_after(dropped))
+    assert b.released.sum() == 8 and b.kv_limit_after(b.current) == 10 and b.kv_blocks_gained == 0
+    assert any("memory stays allocated (no whole page in a slot)" in r.getMessage() for r in caplog.records)
+
+
+def test_the_kv_limit_follows_the_released_slots():
+    """kv_limit_after: the limit as built plus what the slots released after a placement pay for
+    (emptied now, or released before and still empty; the spare slots as loaded do not count)."""
+    torch.manual_seed(0)
+    layers = [FusedMoE(8, 64, 32, num_slots=12) for _ in range(2)]  # 24 KiB a slot, 6 pages
+    per_slot = layers[0].releasable(0)
+    assert per_slot == (2 * 32 * 64 + 64 * 32) * 4 == 6 * 4096
+    b = ExpertBalancer(layers, num_ranks=4, window=4, interval=6, kv_pressure=0.85, kv_block_bytes=8192,
+                       kv_base=10, kv_capacity=10 + 8 * per_slot // 8192)
+    assert b.kv_limit_after(b.current) == 10  # as loaded: nothing released
+    full = b.current.copy()
+    full[:, 8:] = [1, 3, 5, 7]
+    b.apply(full, kv_limit=b.kv_limit_after(full))
+    assert b.kv_limit == 10
+    dropped = full.copy()
+    dropped[:, 8:] = -1
+    assert b.kv_limit_after(dropped) == 10 + 8 * per_slot // 8192 == 34
+    one_layer = full.copy()
+    one_layer[0, 8:] = -1
+    assert b.kv_limit_after(one_layer) == 10 + 4 * per_slot // 8192
+    b.apply(dropped, kv_limit=34)
+    again = dropped.copy()  # a later plan that keeps them empty keeps them released
+    assert b.kv_limit_after(again) == 34
+    partly = dropped.copy()
+    partly[:, 8:10] = [2, 4]  # two replicas back per layer: half the memory returns
+    assert b.kv_limit_after(partly) == 10 + 4 * per_slot // 8192
+
+
 def test_planner_never_exceeds_its_memory_cap():
     rng = np.random.default_rng(0)
     for _ in range(500):
@@ -196,6 +299,10 @@ def test_metrics_show_ratio_replicas_and_moves(mixtral):
     assert 'rtp:eplb_replicas{layer="0",model_name="m"} 4.0' in text
     assert f'rtp:eplb_rebalances_total{{model_name="m"}} {float(s["rebalances"])}' in text
     assert "rtp:eplb_move_seconds_total" in text and "rtp:eplb_rank_load_ratio_max" in text
+    assert 'rtp:eplb_kv_blocks_lent{model_name="m"} 0.0' in text  # no pressure: nothing lent
+    for name in ("gained", "returned"):
+        assert f'rtp:eplb_kv_blocks_{name}_total{{model_name="m"}} 0.0' in text
+    assert 'rtp:eplb_kv_waits_total{model_name="m"} 0.0' in text
     assert s["rank_load_ratio_max"] >= max(s["planned_rank_load_ratio"]) >= 1.0
 
 

@@ -37,3 +37,13 @@ def test_bench_eplb_small_trace_prints_a_json_last_line():
     real = result["real_run"]  # the small DeepSeek-V3 through the runtime, EPLB's placement applied
     assert real["eplb_output_unchanged"]
     assert real["results"]["eplb"]["max_min_mean"] < real["results"]["naive"]["max_min_mean"]
+
+
+def test_bench_eplb_kv_prints_what_dropped_replicas_lend():
+    """The test Mixtral's shape (tests/test_eplb_engine.py): 2 layers x 4 spare slots of 21 pages lend 84 blocks."""
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_eplb_kv.py"), "--layers", "2", "--experts", "8",
+                          "--spare", "4", "--hidden", "64", "--moe-inter", "112", "--kv-heads", "2", "--head-dim", "16",
+                          "--dtype", "fp32"], capture_output=True, text=True, check=True, timeout=120).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert figures["slot_bytes_released"] == figures["slot_bytes"] == 86016
+    assert figures["kv_blocks_lent"] == 84 and figures["layer_bytes_released"] == 4 * 86016

@@ -24,13 +24,14 @@ from rtp.distributed import (
     destroy_parallel,
     ep_size,
     init_parallel,
+    local_rank,
     tp_size,
     world_rank,
     world_size,
 )
 from rtp.engine.checkpoint import open_checkpoint
-from rtp.engine.expert_balancer import ExpertBalancer, spare_slots_for
-from rtp.engine.kv_cache import num_kv_blocks
+from rtp.engine.expert_balancer import ExpertBalancer, lendable_kv_blocks, spare_slots_for
+from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks, release_blocks
 from rtp.engine.kv_transfer import KVLayout, KVSink, LayerTaps, layout_of, scatter, token_slots
 from rtp.engine.loader import load_model
 from rtp.engine.runner import ModelRunner
@@ -147,6 +148,8 @@ class LLMEngine:
             init, self._followers = spawn_followers(config, ranks)
             torch.set_num_threads(threads_per_rank(ranks))
             init_parallel(tp, ep, 0, init_method=init)
+        if ranks > 1 and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", local_rank())  # each rank of a host its own GPU
         if (tp_size(), ep_size()) != (tp, ep):
             raise ValueError(f"tensor_parallel_size {tp} and expert_parallel_size {ep}, but the process group "
                              f"has tp {tp_size()} and ep {ep_size()}")
@@ -158,20 +161,25 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 8192),
                                  mc.max_position_embeddings)
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids))
-        num_blocks = num_kv_blocks([layer.kv_cache_spec for layer in self.model.attention_layers()],
-                                   block_size=config.block_size, dtype=self.dtype,
+        specs = [layer.kv_cache_spec for layer in self.model.attention_layers()]
+        num_blocks = num_kv_blocks(specs, block_size=config.block_size, dtype=self.dtype,
                                    max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                    budget_bytes=config.kv_cache_memory, device=self.device)
+        moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)] if eplb_ranks else []
+        block_bytes = bytes_per_block(specs, config.block_size, self.dtype)
+        # blocks the pool is lent while EPLB's replicas are dropped: the cache is allocated for
+        # them too, committed only as they are used (rtp/engine/kv_cache.py)
+        lendable = lendable_kv_blocks(moe_layers, block_bytes)
         if world_size() > 1:  # block ids are rank 0's: every rank needs as many blocks
-            blocks = torch.tensor([num_blocks])
+            blocks = torch.tensor([num_blocks, lendable])
             torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
-            num_blocks = int(blocks)
-        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
+            num_blocks, lendable = blocks.tolist()
+        self.runner = ModelRunner(self.model, num_blocks=num_blocks + lendable, block_size=config.block_size,
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, kv_dtype=self.dtype, device=self.device,
-                                  compile=self.compile)
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+                                  compile=self.compile, committed_blocks=num_blocks)
+        self.allocator = BlockAllocator(num_blocks, config.block_size, num_blocks + lendable)
         self.cache = RadixCache(self.allocator) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(self.allocator, self.runner.plan, cache=self.cache,
                                    max_num_seqs=config.max_num_seqs,
@@ -185,17 +193,19 @@ class LLMEngine:
         self.warmup_seconds = self.runner.warmup(progress=sys.stderr.isatty())
         self.balancer: ExpertBalancer | None = None
         if eplb_ranks:  # after warm-up: its dummy steps are no traffic
-            self.balancer = ExpertBalancer([m for m in self.model.modules() if isinstance(m, FusedMoE)],
-                                           num_ranks=eplb_ranks, window=config.eplb_window_size,
-                                           interval=config.eplb_step_interval, kv_pressure=config.eplb_kv_pressure)
+            self.balancer = ExpertBalancer(moe_layers, num_ranks=eplb_ranks, window=config.eplb_window_size,
+                                           interval=config.eplb_step_interval, kv_pressure=config.eplb_kv_pressure,
+                                           kv_block_bytes=block_bytes, kv_base=num_blocks,
+                                           kv_capacity=num_blocks + lendable)
         self._seqs: dict[int, _Sequence] = {}
         self._requests: dict[str, list[int]] = {}  # request id -> runtime ids of its choices
         self._next_rid = itertools.count()
         self._reserved: dict[str, int] = {}  # request id -> runtime id, KV on its way from a prefill node
         self._taps: LayerTaps | None = None  # installed by the first prefill-only request
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens%s, max_model_len %d",
                  mc.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks - 1,
-                 config.block_size, self.max_model_len)
+                 config.block_size, f" (+{lendable} lent while EPLB's replicas are dropped)" if lendable else "",
+                 self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -337,14 +347,39 @@ class LLMEngine:
         return ranks, spare
 
     def _rebalance_experts(self) -> None:
-        """Between steps: a due EPLB plan, made here and applied on every rank before the next step."""
+        """Between steps: a due EPLB plan, made here and applied on every rank before the next step.
+
+        The KV pool is resized around the move: lent blocks go back (shrink) before replicas
+        take their memory again, and are lent (grow) only after the replicas have left it. A plan
+        whose shrink is refused (lent blocks still hold KV) is not applied. Pressure is judged
+        against the pool as built, the one the replicas leave: a pool grown into their memory
+        would otherwise look relieved and call them back at once."""
         a = self.allocator
-        decision = self.balancer.after_step(a.num_used / max(1, a.num_blocks - 1))
+        decision = self.balancer.after_step(a.num_used / max(1, a.base - 1))
         if decision is None:
             return
+        old, limit = a.num_blocks, self.balancer.kv_limit_after(decision.slots)
+        if limit < old and not a.shrink(limit):
+            self.balancer.wait_for_kv(decision, old - limit)
+            return
         if self._channel is not None:
-            self._channel.send_rebalance(decision.slots)
-        self.balancer.apply(decision.slots, decision)
+            self._channel.send_rebalance(decision.slots, limit)
+        self._move_experts(decision.slots, old, limit, decision)
+
+    def _follow_rebalance(self, slots: np.ndarray, limit: int) -> None:
+        """A follower: rank 0's rebalance, with the KV limit rank 0 moves to (this rank's
+        allocator holds no blocks, so it mirrors the limit without refusal)."""
+        old = self.allocator.num_blocks
+        if limit < old:
+            self.allocator.shrink(limit)
+        self._move_experts(slots, old, limit)
+
+    def _move_experts(self, slots: np.ndarray, old: int, limit: int, decision=None) -> None:
+        if limit < old:  # blocks handed back: their KV pages go before the replicas' come
+            release_blocks(self.runner.kv_caches, limit, old)
+        self.balancer.apply(slots, decision, kv_limit=limit)
+        if limit > old:
+            self.allocator.grow(limit)
 
     # -- prefill/decode disaggregation ------------------------------------------------------------
 
@@ -436,7 +471,7 @@ class LLMEngine:
         if self._channel is None or world_rank() == 0:
             raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
         try:
-            on_rebalance = self.balancer.apply if self.balancer is not None else None
+            on_rebalance = self._follow_rebalance if self.balancer is not None else None
             while self._channel.receive(on_rebalance):
                 self.runner.forward()
         finally:

@@ -18,14 +18,32 @@ between two steps, so the weight moves' all-to-alls (expert parallelism) pair up
 The counters count every token on every rank, so rank 0's are the global load.
 
 Memory. Replica slots are preallocated in each layer's stacked weights at load
-(`num_redundant_experts` of them, capped so that they take at most `memory_cap` of
-the memory free beside the weights), and the KV cache is preallocated too. So
-"dropping replicas to give memory back" means here: the planner stops using the
-spare slots (they become empty, the dispatch never reads them) and no new copies
-are made while the cache is under pressure; the bytes themselves stay allocated.
-What the KV cache gains is fixed at start-up: on CUDA its budget is a share of the
-memory free *after* the weights, spare slots included, so the replicas are paid out
-of it once. A cache that grows into released slots would need a resizable block pool.
+(`num_redundant_experts` of them, capped so that they take at most `memory_cap` of the
+memory free beside the weights). Dropping replicas under KV pressure gives that memory to
+the KV cache, on a CPU:
+
+| step (rank 0 decides, every rank does the same)           | where                      |
+|-----------------------------------------------------------|----------------------------|
+| the plan empties the spare slots (every expert keeps one) | plan(pressured=True)       |
+| apply: each emptied slot's whole pages go back to the OS  | FusedMoE.release (madvise) |
+| the pool is lent the blocks those bytes pay for           | BlockAllocator.grow        |
+| pressure gone, a plan with replicas: the lent blocks come | BlockAllocator.shrink      |
+| back first (refused while one holds KV: no replicas yet)  | ExpertBalancer.wait_for_kv |
+| their KV pages go back to the OS, then place() refills    | kv_cache.release_blocks    |
+
+The KV cache is allocated at start for the pool's capacity (the budget's blocks plus
+`lendable_kv_blocks`), in anonymous memory committed only as blocks are written, so the
+blocks it may be lent cost nothing until used; its tensors, like the weights, never move.
+Pressure is judged against the pool as built (the one the replicas leave), so a pool grown
+into their memory does not call them back at once. The stacks are page-aligned, so a slot
+whose bytes are a multiple of the page gives back all of them: for Qwen3-30B-A3B's shape
+in bf16, 8 spare slots of 9 MiB per layer release 72 MiB of resident memory in about 1 ms,
+and 48 layers lend the pool 2304 blocks of 16 tokens (`python tools/bench_eplb_kv.py`);
+the test Mixtral's 2 layers x 4 slots of 84 KiB lend 84 blocks. A slot smaller than a page
+lends nothing (logged once). On CUDA there is no madvise: dropped replicas' slots stay
+allocated (logged once) and the pool keeps its size, its budget having been taken from
+the memory free after the weights, spare slots included. With several ranks rank 0 lends
+its own pool what its own slots released; followers mirror its limit (tensor_parallel.py).
 
 Moving weights keeps every tensor's address (place() copies in place), so captured
 graphs (CUDA graphs, Inductor without freezing) stay valid across a rebalance.
@@ -75,6 +93,17 @@ def redundant_slots(num_experts: int, num_ranks: int, *, requested: int | None, 
     return min(wanted, capped)
 
 
+def lendable_kv_blocks(layers, block_bytes: int) -> int:
+    """KV blocks the pool may be lent when every replica is dropped: per MoE layer the bytes
+    its emptiest rank could give back (at most `spare` of its slots empty, every expert keeps
+    one), over what a block costs. Sizes the KV cache's capacity; 0 off the CPU."""
+    total = 0
+    for m in layers:
+        sizes = sorted((m.releasable(s) for s in range(m.local_slots)), reverse=True)
+        total += sum(sizes[: min(m.local_slots, m.num_slots - m.num_experts)])
+    return total // block_bytes if block_bytes else 0
+
+
 @dataclass
 class Rebalance:
     """Rank 0's decision: new slots [layers, num_slots] and what they were judged on."""
@@ -89,7 +118,8 @@ class Rebalance:
 class ExpertBalancer:
     """The EPLB loop over the MoE layers (FusedMoE) of one model; see the module docstring."""
 
-    def __init__(self, layers, *, num_ranks: int, window: int, interval: int, kv_pressure: float):
+    def __init__(self, layers, *, num_ranks: int, window: int, interval: int, kv_pressure: float,
+                 kv_block_bytes: int = 0, kv_base: int = 0, kv_capacity: int = 0):
         if not layers:
             raise ValueError("EPLB needs a model with MoE layers")
         self.layers = list(layers)
@@ -108,6 +138,21 @@ class ExpertBalancer:
         self.current[:, : self.num_experts] = np.arange(self.num_experts)
         self.steps = 0
         self._snapshots = {0: self._counters()}  # step -> counters then (warm-up's steps excluded)
+        # Memory given back. A slot is released when a placement empties it (replicas dropped)
+        # and stays released while it stays empty; the spare slots as loaded are empty but not
+        # released: they are what the replicas were budgeted. slot_bytes: what each gives back
+        # (its whole pages; 0 for another rank's slots and off the CPU).
+        self.released = np.zeros((len(self.layers), self.num_slots), dtype=bool)
+        self.slot_bytes = np.zeros((len(self.layers), self.num_slots), dtype=np.int64)
+        for i, m in enumerate(self.layers):
+            for k in range(m.local_slots):
+                self.slot_bytes[i, m.slot_offset + k] = m.releasable(k)
+        # the KV pool's limit as built (what pressure is judged against), its capacity, a block's cost
+        self.kv_block_bytes, self.kv_base, self.kv_capacity = kv_block_bytes, kv_base, max(kv_capacity, kv_base)
+        self.kv_limit = kv_base
+        self.kv_blocks_gained = self.kv_blocks_returned = 0
+        self.kv_waits = 0  # plans with replicas put off because lent KV blocks were still in use
+        self._said_kept = False
         # what /metrics shows
         self.rebalances = 0
         self.move_seconds = 0.0
@@ -178,18 +223,61 @@ class ExpertBalancer:
     def _as_placement(self, slots: np.ndarray) -> Placement:
         return Placement(slots.reshape(len(self.layers), self.num_ranks, -1))
 
+    def released_after(self, slots: np.ndarray) -> np.ndarray:
+        """[layers, slots] bool: the slots released once `slots` is applied (emptied now, or
+        released before and still empty)."""
+        return (slots < 0) & (self.released | (self.current >= 0))
+
+    def kv_limit_after(self, slots: np.ndarray) -> int:
+        """The KV pool's limit once `slots` is applied: the limit as built plus the blocks the
+        released slots' bytes pay for, within the capacity."""
+        if not self.kv_block_bytes:
+            return self.kv_limit
+        lent = int(self.slot_bytes[self.released_after(slots)].sum()) // self.kv_block_bytes
+        return min(self.kv_capacity, self.kv_base + lent)
+
+    def wait_for_kv(self, decision: Rebalance, blocks: int) -> None:
+        """A plan with replicas that needs `blocks` lent KV blocks back, some still in use: the
+        placement in use stays (replica-free) and the next interval's plan tries again."""
+        self.kv_waits += 1
+        self.planned_ratio = self.ratio.copy()  # nothing applied: the plan in use is the current one
+        self._stats = None
+        log.info("EPLB at step %d: replicas wait, the KV pool must hand back %d lent blocks first and some "
+                 "still hold KV", self.steps, blocks)
+
     # -- every rank --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def apply(self, slots: np.ndarray, decision: Rebalance | None = None) -> None:
-        """Move every layer whose slots changed (between steps; every rank, the same slots)."""
+    def apply(self, slots: np.ndarray, decision: Rebalance | None = None, kv_limit: int | None = None) -> None:
+        """Move every layer whose slots changed (between steps; every rank, the same slots), then
+        give the released slots' pages back. kv_limit: the KV pool's limit once this is applied
+        (kv_limit_after), which the caller shrinks the pool to before and grows it to after."""
         start = time.perf_counter()
         moved = [i for i in range(len(self.layers)) if not np.array_equal(slots[i], self.current[i])]
         # slots whose weights are rewritten (place() leaves the others, and emptied ones, alone)
         rewritten = int(((slots != self.current) & (slots >= 0)).sum())
+        released = self.released_after(slots)
+        newly = released & ~self.released
         for i in moved:
             self.layers[i].place(slots[i].tolist())
             self.current[i] = slots[i]
+        self.released = released
+        # every released slot, again: with expert parallelism place() rewrites a layer's whole
+        # stack, zeros included, committing their pages anew (a page not present costs nothing)
+        for i, k in zip(*np.nonzero(released)):
+            m = self.layers[i]
+            if m.slot_offset <= k < m.slot_offset + m.local_slots:
+                m.release(int(k) - m.slot_offset)
+        if newly.any() and not self.slot_bytes[newly].any() and not self._said_kept:
+            self._said_kept = True
+            log.info("EPLB: the dropped replicas' memory stays allocated (%s), the KV cache keeps its size",
+                     "no whole page in a slot" if self.layers[0].w13.device.type == "cpu" else
+                     f"no madvise on {self.layers[0].w13.device.type}")
+        kv = 0
+        if kv_limit is not None:
+            kv, self.kv_limit = kv_limit - self.kv_limit, kv_limit
+            self.kv_blocks_gained += max(kv, 0)
+            self.kv_blocks_returned += max(-kv, 0)
         device = self.layers[0].w13.device
         if device.type == "cuda":  # the copies are asynchronous: time them whole
             torch.cuda.synchronize(device)
@@ -203,13 +291,15 @@ class ExpertBalancer:
                                  "before_max": float(decision.before.max()), "after_max": float(decision.after.max()),
                                  "before_mean": float(decision.before.mean()),
                                  "after_mean": float(decision.after.mean()),
-                                 "replicas": int(self.replicas().max()), "ms": seconds * 1e3})
+                                 "replicas": int(self.replicas().max()), "kv_blocks": kv,
+                                 "kv_limit": self.kv_limit, "ms": seconds * 1e3})
             log.info("EPLB rebalance %d at step %d (%s): %d/%d layers moved (%d slots rewritten), max/min "
-                     "rank load %s -> %s (worst layer), %s -> %s (mean), replicas %d per layer, %.1f ms",
+                     "rank load %s -> %s (worst layer), %s -> %s (mean), replicas %d per layer, KV blocks %+d "
+                     "(%d lent), %.1f ms",
                      self.rebalances, self.steps, decision.reason, len(moved), len(self.layers), rewritten,
                      _ratio(decision.before.max()), _ratio(decision.after.max()),
                      _ratio(decision.before.mean()), _ratio(decision.after.mean()),
-                     int(self.replicas().max()), seconds * 1e3)
+                     int(self.replicas().max()), kv, self.kv_limit - self.kv_base, seconds * 1e3)
 
     def stats(self) -> dict:
         """For /metrics: rebuilt only when a plan changed something (the engine asks every step)."""
@@ -229,6 +319,11 @@ class ExpertBalancer:
             "spare_slots": self.spare,
             "rebalances": self.rebalances,
             "move_seconds": self.move_seconds,
+            "released_slots": self.released.sum(axis=1).tolist(),
+            "kv_blocks_lent": self.kv_limit - self.kv_base,
+            "kv_blocks_gained": self.kv_blocks_gained,
+            "kv_blocks_returned": self.kv_blocks_returned,
+            "kv_waits": self.kv_waits,
         }
 
 

@@ -6,6 +6,14 @@ rtp/models/attention.py): layer l's cache is spec.shape(num_blocks, block_size),
 [1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] for MLA. Block 0
 is the null block the runtime never hands out: padded tokens write there and
 padded rows read from it.
+
+With EPLB the caches are allocated for the pool's capacity, not its size: the budget's
+blocks plus those the memory of the replica slots would pay for, which the pool is lent
+when the replicas are dropped (BlockAllocator.grow, rtp/engine/expert_balancer.py). On a
+CPU that costs nothing until used: the caches are anonymous memory committed page by page
+as blocks are first written (rtp/hugepages.py), and `release_blocks` gives the pages of
+blocks the pool hands back (BlockAllocator.shrink) to the OS again. The tensors never move,
+so graphs captured over them stay valid through every resize.
 """
 
 from __future__ import annotations
@@ -49,9 +57,22 @@ def num_kv_blocks(specs: Sequence[KVCacheSpec], *, block_size: int, dtype: torch
 
 
 def allocate_kv_cache(specs: Sequence[KVCacheSpec], num_blocks: int, block_size: int,
-                      dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed cache per layer, shaped by the layer's spec."""
+                      dtype: torch.dtype, device: torch.device, committed: int | None = None) -> list[torch.Tensor]:
+    """One zeroed cache per layer, shaped by the layer's spec, for num_blocks (the capacity).
+
+    On a CPU the first `committed` blocks (default all) are written now, so that serving
+    never waits on the kernel zeroing their pages; the rest cost nothing until used."""
     shapes = [spec.shape(num_blocks, block_size) for spec in specs]
     if device.type == "cpu":  # huge pages: decode reads blocks scattered over the whole cache
-        return [hugepages.zeros(shape, dtype) for shape in shapes]
+        caches = [hugepages.zeros(shape, dtype) for shape in shapes]
+        for cache in caches:
+            cache[:, :committed].zero_()
+        return caches
     return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+
+
+def release_blocks(caches: Sequence[torch.Tensor], start: int, stop: int) -> int:
+    """Give the memory of blocks [start, stop) of every layer back to the OS (CPU only; their
+    KV reads back as zeros, which nothing reads before writing: the pool no longer lists
+    them). Returns the bytes released; 0 on CUDA, where the cache stays allocated."""
+    return sum(hugepages.release(cache[part, start:stop]) for cache in caches for part in range(cache.shape[0]))

@@ -58,7 +58,7 @@ _PLAN_ARRAYS = {
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
-                 device: torch.device, compile: bool = False):
+                 device: torch.device, compile: bool = False, committed_blocks: int | None = None):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -84,8 +84,9 @@ class ModelRunner:
         self.dev = self.host if device.type == "cpu" else {
             name: torch.zeros_like(t, device=device) for name, t in self.host.items()}
         layers = model.attention_layers()
+        # num_blocks: the pool's capacity; committed_blocks: its blocks as built (see allocate_kv_cache)
         self.kv_caches = allocate_kv_cache([layer.kv_cache_spec for layer in layers], num_blocks, block_size,
-                                           kv_dtype, device)
+                                           kv_dtype, device, committed=committed_blocks)
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
         self.graphs: dict[int, _DecodeBucket] = {}

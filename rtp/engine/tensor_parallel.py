@@ -45,11 +45,12 @@ class PlanChannel:
         for array in self.arrays:
             dist.broadcast(array, 0)
 
-    def send_rebalance(self, slots) -> None:
-        """EPLB's new slots [layers, num_slots] (int64), to be applied by every rank now."""
+    def send_rebalance(self, slots, kv_limit: int) -> None:
+        """EPLB's new slots [layers, num_slots] (int64), to be applied by every rank now, and
+        the KV pool's limit that goes with them."""
         import torch.distributed as dist
 
-        self._header[:3] = (_REBALANCE, *slots.shape)
+        self._header[:4] = (_REBALANCE, *slots.shape, kv_limit)
         dist.broadcast(self.header, 0)
         dist.broadcast(torch.from_numpy(slots), 0)
 
@@ -61,7 +62,7 @@ class PlanChannel:
 
     def receive(self, on_rebalance=None) -> bool:
         """Wait for rank 0's next step; True with the plan in place, False on stop. Rebalances
-        sent before it are handed to on_rebalance(slots) in order, as they arrive."""
+        sent before it are handed to on_rebalance(slots, kv_limit) in order, as they arrive."""
         import torch.distributed as dist
 
         dist.broadcast(self.header, 0)
@@ -70,7 +71,7 @@ class PlanChannel:
             dist.broadcast(slots, 0)
             if on_rebalance is None:
                 raise RuntimeError("rank 0 rebalanced experts, but this rank runs no EPLB")
-            on_rebalance(slots.numpy())
+            on_rebalance(slots.numpy(), int(self._header[3]))
             dist.broadcast(self.header, 0)
         if self._header[0] == _STOP:
             return False
@@ -81,8 +82,9 @@ class PlanChannel:
 
 
 def threads_per_rank(size: int) -> int:
-    """The cores of this host shared out between its ranks."""
-    return max(1, (os.cpu_count() or 1) // size)
+    """The cores of this host shared out between its ranks (`size` of them, or torchrun's
+    LOCAL_WORLD_SIZE when a multi-node run puts fewer on each host)."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", size)))
 
 
 def spawn_followers(config, size: int) -> tuple[str, list]:

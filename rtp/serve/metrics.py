@@ -176,3 +176,12 @@ class _EngineCollector:
         yield counter("eplb_rebalances", "Expert placements applied.", eplb["rebalances"])
         yield counter("eplb_move_seconds", "Seconds spent moving expert weights between slots.",
                       eplb["move_seconds"])
+        # the KV pool grown into the memory of dropped replicas (its blocks are in num_free/used_blocks)
+        yield gauge("eplb_kv_blocks_lent", "KV blocks the pool holds now in the memory of dropped expert replicas.",
+                    eplb["kv_blocks_lent"])
+        yield counter("eplb_kv_blocks_gained", "KV blocks lent to the pool when expert replicas were dropped.",
+                      eplb["kv_blocks_gained"])
+        yield counter("eplb_kv_blocks_returned", "KV blocks handed back by the pool for expert replicas.",
+                      eplb["kv_blocks_returned"])
+        yield counter("eplb_kv_waits", "Plans with replicas put off because lent KV blocks were still in use.",
+                      eplb["kv_waits"])
