@@ -3,8 +3,8 @@
  * A prefill step packs several sequences' chunks into one batch of query tokens; each chunk
  * attends to its sequence's cached prefix and to itself, causally. torch's CPU flash attention
  * ran these at about 140 GFLOP/s here (a third of a 2048-token step); the AMX unit multiplies
- * bf16 tiles at several TFLOP/s, so the scores and the weighted values go to the tiles and
- * the fp32 online softmax between them, on AVX-512, is what sets the pace.
+ * bf16 tiles at several TFLOP/s, so the scores and the weighted values go to the tiles and the
+ * fp32 online softmax between them runs on AVX-512.
  *
  * Two phases inside one parallel region:
  *   pack     each (sequence, kv head)'s keys and values, read from their blocks once, into the
@@ -24,6 +24,14 @@
  *   V     per key step t (32 keys) and dimension tile c (16 dims): 16 x 16 uint32, row r, column d
  *         = (V[32 t + 2r][16 c + d], V[32 t + 2r + 1][16 c + d]): the "B" operand of P V.
  * Q is copied per task into [G][16][D] bf16 (zero rows past the chunk): the "A" operand as is.
+ *
+ * Where the time goes (one thread, one 2048-token prompt, SmolLM2's 9/3 heads of 64: 11.5 ms):
+ * the tile products about 6 ms, three times their rate in a loop of their own (K/V tiles come
+ * from L2: 1.1 ms of it), the exponentials 2.8 ms, the rest (max pass, packing, copies) 2.6 ms.
+ * The tile unit and the vector ports do not overlap on this machine: 4 products and 16 exp
+ * vectors interleaved in one loop took 39.5 ns, against 22.4 and 24.1 ns alone; running the
+ * products in slices between softmax rows (a queue of resumable units) gained 3 %, so the
+ * simple order below stays.
  *
  * Numerics as torch's flash attention on bf16 inputs: products exact, sums in fp32, scale
  * applied to the fp32 scores, softmax in fp32, probabilities rounded to bf16 for P V, output
