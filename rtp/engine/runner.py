@@ -169,6 +169,7 @@ class ModelRunner:
         for name in names:  # rows of nothing: the null block's slot, no context to attend to
             self.host[name].zero_()
         graphs: list[tuple[int, int, CPUGraph | None]] = []
+        refused: dict[int, str] = {}  # rows -> why no graph
         try:
             for size in sizes:
                 meta = AttentionMetadata(slot_mapping=self.host["slot_mapping"][:size], block_size=self.block_size,
@@ -180,7 +181,7 @@ class ModelRunner:
                     with forward_context(meta):
                         graph = capture(lambda: self._decode_logits(ids, pos), size)
                 except CaptureRefused as e:
-                    log.info("no CPU graph for %d-row decode steps (%s): they run eagerly", size, e)
+                    refused[size] = str(e)
                     graphs.append((lo, size, None))
                     continue
                 last = graphs[-1][2] if graphs else None
@@ -192,6 +193,11 @@ class ModelRunner:
                 self.host[name].copy_(saved[name])
         self.cpu_graphs = [g for g in graphs if g[2] is not None]
         seconds = time.perf_counter() - start
+        if not self.cpu_graphs and len(set(refused.values())) == 1:  # e.g. fp32: one reason, one line
+            log.info("no CPU graphs (%s): decode steps run eagerly", next(iter(refused.values())))
+            return seconds
+        for size, why in refused.items():
+            log.info("no CPU graph for %d-row decode steps (%s): they run eagerly", size, why)
         log.info("captured %d CPU graphs for decode steps of %s rows in %.2f s", len(self.cpu_graphs),
                  ", ".join(f"{lo}-{hi}" if lo < hi else str(hi) for lo, hi, _ in self.cpu_graphs), seconds)
         return seconds
