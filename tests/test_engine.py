@@ -227,13 +227,16 @@ def test_cpu_graphs_give_the_eager_tokens(llm_bf16):
     assert replayed == eager
 
 
-def test_compiled_bf16_decode_equals_eager(default_gguf, llm_bf16):
+def test_compiled_bf16_decode_equals_eager(default_gguf):
     """The bucket-1 decode graph (Inductor on CPU, rtp's kernels as custom ops inside) gives the
-    eager engine's tokens."""
+    eager engine's tokens. The eager engine is a fresh one like it: the shared llm_bf16 holds
+    these prompts in its prefix cache, computed in other batches, and a bf16 prefill over
+    cached KV may round a near-tie the other way."""
     llm = LLM(model=str(default_gguf), compile=True, max_model_len=512, max_num_seqs=1)
+    eager = LLM(model=str(default_gguf), compile=False, max_model_len=512, max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     for q in QUESTIONS[:3]:
         got = llm.generate([chat_ids(llm, q)], params)[0].outputs[0].token_ids
-        want = llm_bf16.generate([chat_ids(llm_bf16, q)], params)[0].outputs[0].token_ids
+        want = eager.generate([chat_ids(eager, q)], params)[0].outputs[0].token_ids
         assert got == want, q
     assert llm.engine.runner.compiled_steps > 0
