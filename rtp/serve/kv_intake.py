@@ -1,0 +1,187 @@
+"""A decode node's side of a KV hand-off: reservations, and the pushes that fill them.
+
+A prefill node reserves blocks for a prompt (rtp/serve/pd.py, `rpc_reserve`); its KV
+then arrives as frames -- over HTTP push_kv or on the bare TCP KV port -- and each
+layer is written into the reserved blocks the moment its bytes are in. Every frame
+renews the reservation's lease; a push that breaks returns the blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rtp.sampling_params import SamplingParams
+from rtp.serve import rpc
+
+if TYPE_CHECKING:
+    from rtp.serve.pd import PDNode
+
+log = logging.getLogger("rtp.serve.pd")
+
+
+class Refused(Exception):
+    """A push the decode node will not take: its status and why."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class Intake:
+    """One push of one request's KV into its reservation, whichever transport carries the frames
+    (HTTP push_kv or the KV port). Every frame renews the lease; a layer is written into the
+    reserved blocks the moment its bytes are in."""
+
+    def __init__(self, node: PDNode):
+        self.node = node
+        self.r: Reservation | None = None
+        self.nbytes = 0
+
+    def header(self, head: rpc.KVFrame, key: str | None) -> int:
+        """Check a frame header; the payload bytes to read next (0 for a heartbeat). Refused says why not.
+        key: the reservation's KV key, required on the KV port (None: authenticated otherwise)."""
+        node = self.node
+        if self.r is None:
+            r = node._reservations.get(head.request_id)
+            if r is None or r.state != "reserved":
+                raise Refused(404, f"request {head.request_id} has no reservation here (never made, expired "
+                               f"or aborted)")
+            if key is not None and not hmac.compare_digest(key.encode(), r.kv_key.encode()):
+                raise Refused(401, f"wrong KV key for request {head.request_id}")
+            r.state = "receiving"
+            self.r = r
+        elif head.request_id != self.r.request_id:
+            raise Refused(400, "one push carries one request's KV")
+        r = self.r
+        if r.state != "receiving":  # expired or aborted meanwhile: the blocks are no longer ours
+            raise Refused(410, f"request {r.request_id}'s reservation ended during the transfer")
+        r.deadline = time.monotonic() + node.lease_seconds
+        if head.layer == rpc.HEARTBEAT and head.nbytes == 0:
+            return 0
+        layers = node.layout.layers
+        expected = len(r.prompt) * node.layout.token_bytes(head.layer) if 0 <= head.layer < len(layers) else -1
+        if head.num_tokens != len(r.prompt) or head.nbytes != expected:
+            raise Refused(400, f"layer {head.layer}: {head.num_tokens} tokens in {head.nbytes} bytes; expected "
+                           f"{len(r.prompt)} tokens in {expected} bytes")
+        return head.nbytes
+
+    def payload(self, head: rpc.KVFrame, data) -> None:
+        r = self.r
+        if r.state != "receiving":
+            raise Refused(410, f"request {r.request_id}'s reservation ended during the transfer")
+        self.node.engine.engine.write_kv(head.layer, r.blocks, head.num_tokens, data)
+        r.layers.add(head.layer)
+        r.deadline = time.monotonic() + self.node.lease_seconds
+        self.nbytes += head.nbytes
+
+    def finish(self) -> rpc.PushResponse:
+        r, layers = self.r, len(self.node.layout.layers)
+        if r is None:
+            raise Refused(400, "the push carried no KV frame")
+        if len(r.layers) != layers:
+            raise Refused(400, f"request {r.request_id}: {layers - len(r.layers)} of {layers} layers of KV missing")
+        r.state = "ready"
+        self.node.metrics.on_kv_received(self.nbytes)
+        return rpc.PushResponse(request_id=r.request_id, layers=layers)
+
+    def broken(self, why: str) -> None:
+        """The push failed: unless all its KV is in, the reservation's blocks go back now."""
+        r, node = self.r, self.node
+        if r is not None and r.state == "receiving" and node._reservations.get(r.request_id) is r:
+            del node._reservations[r.request_id]
+            node.metrics.pd_event("push_broken")
+            node._drop_reservation(r, why)
+
+
+class KVPort(asyncio.BufferedProtocol):
+    """The decode node's KV port: frames as on push_kv, on a bare TCP connection, received
+    straight into each frame's own buffer (no copy between the socket and the cache write but
+    the write itself). The first frame carries the reservation's KV key. One reply frame (a
+    PushResponse or an RPCError) ends the connection."""
+
+    def __init__(self, node: PDNode):
+        self.node = node
+        self.intake = Intake(node)
+        self.transport = None
+        self.head: rpc.KVFrame | None = None
+        self._expect(4, "length")
+        self.done = False
+
+    def _expect(self, n: int, what: str) -> None:
+        self.buf = bytearray(n)
+        self.view = memoryview(self.buf)
+        self.have = 0
+        self.what = what
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # fewer, larger reads: a layer is megabytes
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+
+    def get_buffer(self, sizehint: int):
+        return self.view[self.have:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.have += nbytes
+        try:
+            while self.have == len(self.buf) and not self.done:
+                self._complete()
+        except Refused as e:
+            self._end(rpc.RPCError(status=e.status, message=e.message))
+        except rpc.BadRequest as e:
+            self._end(rpc.RPCError(status=400, message=str(e)))
+        except Exception as e:  # a bug: this push fails, the node stays up
+            log.exception("KV port failed")
+            self._end(rpc.RPCError(status=500, message=f"internal error: {e!r}"))
+
+    def _complete(self) -> None:
+        if self.what == "length":
+            (n,) = rpc.LENGTH.unpack(self.buf)
+            if n > rpc.MAX_HEADER_BYTES:
+                raise rpc.BadRequest(f"a frame header of {n} bytes")
+            self._expect(n, "header")
+        elif self.what == "header":
+            self.head = rpc.decode(rpc.KVFrame, self.buf)
+            if self.head.layer == rpc.END and self.head.nbytes == 0:
+                self._end(self.intake.finish())
+                return
+            n = self.intake.header(self.head, key=self.head.key if self.intake.r is None else None)
+            self._expect(n, "payload") if n else self._expect(4, "length")
+        else:
+            self.intake.payload(self.head, self.buf)
+            self._expect(4, "length")
+
+    def _end(self, reply) -> None:
+        self.done = True
+        if isinstance(reply, rpc.RPCError):
+            self.intake.broken(reply.message)
+        self.transport.write(rpc.frame(reply))
+        self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if not self.done:
+            self.done = True
+            self.intake.broken(f"the KV connection dropped ({exc or 'closed'})")
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    engine_id: str
+    prompt: list[int]
+    params: SamplingParams
+    blocks: np.ndarray
+    deadline: float
+    kv_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    state: str = "reserved"  # reserved -> receiving -> ready (decode takes it); dropped
+    layers: set[int] = field(default_factory=set)
