@@ -17,6 +17,7 @@
  * model holds. Products are exact in fp32 and accumulated in fp32; out fp32 or bf16.
  */
 #include "cpu_kernels.h"
+#include "amx_tiles.h"
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -42,24 +43,6 @@ int rtp_amx_supported(void) {
     return state;
 }
 
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-AMX_TARGET static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 6; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* The weights in tile order (rtp/models/quant.py, BlockQuantized.amx_layout): for each group
  * of 16 output rows and k block, one contiguous record: Q4_1: the 16 rows' 16 quant bytes,
@@ -185,7 +168,7 @@ AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, 
     {
         uint16_t wtile[16 * 32] __attribute__((aligned(64)));
         float cbuf[MT_MAX * 256] __attribute__((aligned(64)));
-        configure_tiles();
+        rtp_configure_tiles(6);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) {
             int64_t n0 = t * 16;

@@ -39,6 +39,7 @@
  * the products with AVX-512 BF16 dot instructions over the same packed layouts.
  */
 #include "cpu_kernels.h"
+#include "amx_tiles.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -52,25 +53,7 @@
 #define QB 16 /* query tokens per task: one tile of rows per query head */
 #define KB 128 /* keys per online-softmax step */
 
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* Every tile 16 rows of 64 bytes: tiles 0-3 accumulators, 4-5 A operands, 6-7 B operands. */
-AMX_TARGET static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* Tiles (amx_tiles.h, 8 configured): 0-3 accumulators, 4-5 A operands, 6-7 B operands. */
 
 /* 2^t for the softmax's arguments (already in base 2, at most 0): relative error under
  * 5e-5, far below the bf16 rounding (2e-3) the probabilities get next; the sum's error, the
@@ -523,7 +506,7 @@ AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_c
             w.m = w.o + rowsz * D;
             w.l = w.m + rowsz;
         }
-        if (amx && mem) configure_tiles();
+        if (amx && mem) rtp_configure_tiles(8);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < ntasks * Hkv; u++) {
             if (!mem) continue;
