@@ -15,3 +15,17 @@ def default_gguf():
     from rtp.engine.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_gguf):
+    """transformers' own fp32 load of the default GGUF (it dequantizes with the gguf package and
+    undoes the q/k permutation): the reference for tensors and greedy tokens. Loaded once per
+    session (about 20 s); tests that need it in another dtype deep-copy it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+    return model.eval()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from rtp import LLM, SamplingParams
 
@@ -23,13 +22,6 @@ QUESTIONS = [
     "Describe a cat in one sentence.",
 ]
 NEW = 24
-
-
-@pytest.fixture(scope="module")
-def hf_model(default_gguf):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -51,12 +51,12 @@ def routed(master: Server) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    decode = Server("--role", "decode", "--rpc-token", TOKEN, *COMMON)
+    decode = Server("--role", "decode", "--rpc-token", TOKEN, *COMMON, threads=1)
     nodes = {
         "decode": decode,
-        "p0": Server("--role", "prefill", "--rpc-token", TOKEN, *COMMON),
-        "p1": Server("--role", "prefill", "--rpc-token", TOKEN, *COMMON),
-        "collocated": Server(*COMMON),
+        "p0": Server("--role", "prefill", "--rpc-token", TOKEN, *COMMON, threads=1),
+        "p1": Server("--role", "prefill", "--rpc-token", TOKEN, *COMMON, threads=1),
+        "collocated": Server(*COMMON, threads=1),
     }
     masters = []
     try:

@@ -27,16 +27,6 @@ def rtp_tensors(ckpt):
     return list(ckpt.tensors())
 
 
-@pytest.fixture(scope="module")
-def hf_model(default_gguf):
-    """transformers' own GGUF load (it dequantizes with the gguf package and undoes the q/k permutation)."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
-    return model
-
-
 def test_tensors_equal_transformers(rtp_tensors, hf_model):
     state = hf_model.state_dict()
     for name, tensor in rtp_tensors:

@@ -27,6 +27,7 @@ from test_models import (
 
 import rtp.distributed as dist
 from rtp.engine.loader import LoadOptions, load_model
+from rtp.engine.tensor_parallel import threads_per_rank
 
 
 def _run_rank(rank: int, init: str, fn, args, results) -> None:
@@ -267,3 +268,14 @@ def test_torchrun_tp2_generates_what_one_process_does(nodes, tmp_path):
         assert p.returncode == 0, err[-3000:]
     text = "".join(out for out, _ in outs)
     assert text.strip() and text == single.stdout
+
+
+def test_threads_per_rank_shares_the_cores_unless_told(monkeypatch):
+    monkeypatch.delenv("RTP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert threads_per_rank(1) == 8 and threads_per_rank(2) == 4 and threads_per_rank(16) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 of the 8 ranks on this host
+    assert threads_per_rank(8) == 2
+    monkeypatch.setenv("RTP_NUM_THREADS", "3")
+    assert threads_per_rank(8) == 3 and threads_per_rank(1) == 3

@@ -57,11 +57,11 @@ def test_kv_moves_token_major_between_block_sizes(src_bs, dst_bs, n, dtype):
 
 @pytest.fixture(scope="module")
 def nodes():
-    decode = Server("--role", "decode", "--rpc-token", TOKEN, "--kv-lease", str(LEASE), *COMMON)
+    decode = Server("--role", "decode", "--rpc-token", TOKEN, "--kv-lease", str(LEASE), *COMMON, threads=1)
     launched = {
         "decode": decode,
-        "prefill": Server("--role", "prefill", "--rpc-token", TOKEN, "--decode-peer", decode.url, *COMMON),
-        "collocated": Server(*COMMON),
+        "prefill": Server("--role", "prefill", "--rpc-token", TOKEN, "--decode-peer", decode.url, *COMMON, threads=1),
+        "collocated": Server(*COMMON, threads=1),
     }
     try:
         for server in launched.values():

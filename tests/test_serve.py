@@ -68,14 +68,18 @@ def _free_port() -> int:
 class Server:
     """`rtp serve` (or another subcommand that serves HTTP, such as `rtp route`) on a free port."""
 
-    def __init__(self, *args: str, launcher: list[str] | None = None, command: tuple[str, ...] = ("serve",)):
+    def __init__(self, *args: str, launcher: list[str] | None = None, command: tuple[str, ...] = ("serve",),
+                 threads: int | None = None):
+        """threads: RTP_NUM_THREADS for the server, for modules that run several at once on this
+        2-core machine (each would otherwise take both cores, and their OpenMP teams spin)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = f"rtp {command[0]}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"rtp-{command[0]}-", suffix=".log", delete=False)
         eager = ("--no-compile",) if command[0] == "serve" else ()
         argv = (launcher or [sys.executable, "-m", "rtp"]) + [*command, "--port", str(self.port), *eager, *args]
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        env = {**os.environ, "RTP_NUM_THREADS": str(threads)} if threads else None
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
     def wait_ready(self, timeout: float = 180.0) -> Server:
         deadline = time.monotonic() + timeout

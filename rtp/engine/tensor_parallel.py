@@ -83,7 +83,12 @@ class PlanChannel:
 
 def threads_per_rank(size: int) -> int:
     """The cores of this host shared out between its ranks (`size` of them, or torchrun's
-    LOCAL_WORLD_SIZE when a multi-node run puts fewer on each host)."""
+    LOCAL_WORLD_SIZE when a multi-node run puts fewer on each host), unless RTP_NUM_THREADS
+    says how many each rank gets: several servers sharing one host would otherwise each take
+    every core, and OpenMP teams that outnumber the cores spin against each other.
+    (OMP_NUM_THREADS is not read: torchrun sets it to 1 whatever the host.)"""
+    if os.environ.get("RTP_NUM_THREADS"):
+        return max(1, int(os.environ["RTP_NUM_THREADS"]))
     return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", size)))
 
 
