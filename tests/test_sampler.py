@@ -57,6 +57,9 @@ def test_greedy_is_argmax(device):
     out = sample(logits, params, device=device)
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert out.token_ids.dtype == torch.int64 and out.logprobs is None
+    tied = torch.zeros(3, 50)
+    tied[:, [7, 20, 41]] = 1.0  # the first of equal maxima, as torch and vLLM pick it
+    assert sample(tied, [SP(temperature=0.0)] * 3, device=device).token_ids.tolist() == [7, 7, 7]
 
 
 def test_caller_logits_are_not_modified():
