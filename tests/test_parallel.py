@@ -279,3 +279,7 @@ def test_threads_per_rank_shares_the_cores_unless_told(monkeypatch):
     assert threads_per_rank(8) == 2
     monkeypatch.setenv("RTP_NUM_THREADS", "3")
     assert threads_per_rank(8) == 3 and threads_per_rank(1) == 3
+    for bad in ("two", "0", "-1"):
+        monkeypatch.setenv("RTP_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match="RTP_NUM_THREADS must be a whole number"):
+            threads_per_rank(1)

@@ -144,10 +144,12 @@ class LLMEngine:
             if not checkpoint.num_experts:
                 raise ValueError(f"expert_parallel_size {ep}: {checkpoint.architecture} has no experts to split")
         ranks = max(tp, ep)  # config.validate() checked each is 1 or this
+        threads = threads_per_rank(ranks)  # a bad RTP_NUM_THREADS fails before any rank starts
         if ranks > 1 and world_size() == 1:  # rank 0 starts the others (under torchrun they exist)
             init, self._followers = spawn_followers(config, ranks)
-            torch.set_num_threads(threads_per_rank(ranks))
             init_parallel(tp, ep, 0, init_method=init)
+        if ranks > 1 or os.environ.get("RTP_NUM_THREADS"):  # one rank keeps torch's default unless told
+            torch.set_num_threads(threads)
         if ranks > 1 and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", local_rank())  # each rank of a host its own GPU
         if (tp_size(), ep_size()) != (tp, ep):

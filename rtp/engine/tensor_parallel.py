@@ -87,8 +87,11 @@ def threads_per_rank(size: int) -> int:
     says how many each rank gets: several servers sharing one host would otherwise each take
     every core, and OpenMP teams that outnumber the cores spin against each other.
     (OMP_NUM_THREADS is not read: torchrun sets it to 1 whatever the host.)"""
-    if os.environ.get("RTP_NUM_THREADS"):
-        return max(1, int(os.environ["RTP_NUM_THREADS"]))
+    told = os.environ.get("RTP_NUM_THREADS", "").strip()
+    if told:
+        if not told.isdigit() or int(told) < 1:
+            raise ValueError(f"RTP_NUM_THREADS must be a whole number of threads (1 or more), not {told!r}")
+        return int(told)
     return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", size)))
 
 
