@@ -51,25 +51,33 @@ int rtp_amx_supported(void) {
  * in GGUF's row order a tile gathered from 16 rows x 3 arrays, 48 streams, and stalled. */
 static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : 576; }
 
-/* One 16 x 32 weight tile from its record, as bf16 rows of 64 bytes. */
+/* One 16 x 32 weight tile from its record, as bf16 rows of 64 bytes.
+ * Q4_1: a row has only 16 distinct weights, q * d + m for q = 0..15, so they are computed once
+ * per row (the same fp32 then bf16 values as dequantizing each weight) and vpermw looks the
+ * 32 nibbles up in that table: 7 vector ops a row where converting each nibble took 13, and
+ * the dequantization shares the vector ports with the AMX loads. */
 AMX_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_t *tile) {
     const float *d = (const float *)(rec + (kind == 0 ? 256 : 512));
     const float *mn = d + 16;
-    __m128i mask = _mm_set1_epi8(15);
-    for (int64_t r = 0; r < 16; r++) {
-        __m512 dv = _mm512_set1_ps(d[r]), lo, hi;
-        if (kind == 0) { /* Q4_1: byte j holds weight j (low nibble) and weight j + 16 (high) */
-            __m128i bytes = _mm_load_si128((const __m128i *)(rec + r * 16));
-            lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-            hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-            __m512 mv = _mm512_set1_ps(mn[r]);
-            lo = _mm512_add_ps(_mm512_mul_ps(lo, dv), mv);
-            hi = _mm512_add_ps(_mm512_mul_ps(hi, dv), mv);
-        } else { /* Q8_0: 32 signed bytes */
-            const int8_t *q = (const int8_t *)rec + r * 32;
-            lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)q))), dv);
-            hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16)))), dv);
+    if (kind == 0) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (int64_t r = 0; r < 16; r++) {
+            __m512 w = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d[r])), _mm512_set1_ps(mn[r]));
+            __m512i table = (__m512i)_mm512_cvtne2ps_pbh(w, w); /* words 16-31 repeat 0-15 */
+            /* byte j holds weight j (low nibble) and weight j + 16 (high nibble). vpermw reads the
+             * low 5 bits of each index, so a whole byte indexes its low nibble: the repeated
+             * table makes bit 4 a don't-care. */
+            __m256i bytes = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(rec + r * 16)));
+            __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+            _mm512_store_si512((void *)(tile + r * 32), _mm512_permutexvar_epi16(index, table));
         }
+        return;
+    }
+    for (int64_t r = 0; r < 16; r++) { /* Q8_0: 32 signed bytes */
+        __m512 dv = _mm512_set1_ps(d[r]);
+        const int8_t *q = (const int8_t *)rec + r * 32;
+        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)q))), dv);
+        __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16)))), dv);
         _mm512_store_si512((void *)(tile + r * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
@@ -152,25 +160,46 @@ AMX_TARGET static void tile_pass(int kind, const uint8_t *recs, int64_t nk, cons
     _tile_stored(3, cbuf + 768, 64);
 }
 
+/* A thread's scratch for the packed activations, kept from call to call: OpenMP's threads live
+ * as long as the process, and a fresh allocation per call over glibc's mmap threshold (the
+ * 64-row down projection packs 192 KiB) would page-fault on every call. */
+static __thread uint32_t *packed_scratch;
+static __thread size_t packed_scratch_bytes;
+
+static uint32_t *thread_scratch(size_t bytes) {
+    if (bytes > packed_scratch_bytes) {
+        free(packed_scratch);
+        packed_scratch = aligned_alloc(64, bytes);
+        packed_scratch_bytes = packed_scratch ? bytes : 0;
+    }
+    return packed_scratch;
+}
+
 /* out [M, N] = x [M, K] bf16 (row stride ldx, even) or fp32 (x_fp32) @ W^T, W [N, K] as GGUF blocks in tile
  * order (kind 0 Q4_1, 1 Q8_0; records above, 64-byte aligned). N a multiple of 16, K of 32.
  * Returns 0 when the scratch memory could not be had. */
 AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                               const float *bias, void *out, int64_t ldo, int out_bf16,
                               int64_t M, int64_t N, int64_t K) {
-    int64_t nk = K / 32, nmt = (M + 15) / 16;
-    uint32_t *xt = aligned_alloc(64, (size_t)(nmt * nk) * 1024);
-    if (!xt) return 0;
-    for (int64_t mt = 0; mt < nmt; mt++)
-        for (int64_t kb = 0; kb < nk; kb++) pack_rows(x, x_fp32, ldx, M, mt * 16, kb, xt + (mt * nk + kb) * 256);
-    int64_t ntiles = N / 16;
+    int64_t nk = K / 32, nmt = (M + 15) / 16, ntiles = N / 16;
+    int ok = 1;
 #pragma omp parallel
     {
+        /* Each thread packs the whole batch for itself: every weight tile meets every row, and
+         * tiles one core packed and the other read cost more than packing twice (measured). */
+        uint32_t *xt = thread_scratch((size_t)(nmt * nk) * 1024);
+        if (xt)
+            for (int64_t i = 0; i < nmt * nk; i++) pack_rows(x, x_fp32, ldx, M, (i / nk) * 16, i % nk, xt + i * 256);
+        else {
+#pragma omp atomic write
+            ok = 0;
+        }
         uint16_t wtile[16 * 32] __attribute__((aligned(64)));
         float cbuf[MT_MAX * 256] __attribute__((aligned(64)));
         rtp_configure_tiles(6);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) {
+            if (!xt) continue;
             int64_t n0 = t * 16;
             for (int64_t mt0 = 0; mt0 < nmt; mt0 += MT_MAX) {
                 int64_t cnt = nmt - mt0 < MT_MAX ? nmt - mt0 : MT_MAX;
@@ -181,6 +210,5 @@ AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, 
         }
         _tile_release();
     }
-    free(xt);
-    return 1;
+    return ok;
 }
