@@ -29,11 +29,16 @@ cdef extern from "cpu_kernels.h":
         RTP_OP_SILU_MUL
         RTP_OP_PREFILL_ATTENTION
     int rtp_run_call(const int64_t *call) nogil
-    int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows) nogil
+    int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns) nogil
     int rtp_call_rows_word(int64_t op) nogil
     uint32_t rtp_call_address_words(int64_t op) nogil
 
 CALL_WORDS = RTP_CALL_WORDS
+# word 0 of a call -> the kernel's name (profiles of a replayed step)
+OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8_0: "linear_q8_0", RTP_OP_LINEAR_AMX: "linear_amx",
+            RTP_OP_ADD_RMS_NORM: "add_rms_norm", RTP_OP_ROPE_STORE_KV: "rope_store_kv",
+            RTP_OP_DECODE_ATTENTION: "decode_attention", RTP_OP_EMBED_ROWS: "embed_rows",
+            RTP_OP_SILU_MUL: "silu_mul", RTP_OP_PREFILL_ATTENTION: "prefill_attention"}
 
 cdef object _recording = None  # array('q') of the calls made since record_start(), or None
 
@@ -95,12 +100,13 @@ def rows_word(int64_t op) -> int:
     return rtp_call_rows_word(op)
 
 
-def run_calls(intptr_t calls, int64_t n, int64_t rows) -> None:
+def run_calls(intptr_t calls, int64_t n, int64_t rows, intptr_t ns=0) -> None:
     """Run n recorded calls (int64 [n, CALL_WORDS] at address `calls`) in order, each over
-    `rows` rows (0: as recorded)."""
+    `rows` rows (0: as recorded); ns, when not 0, the address of int64 [n] that receives each
+    call's wall time in nanoseconds."""
     cdef int64_t done
     with nogil:
-        done = rtp_run_calls(<const int64_t *>calls, n, rows)
+        done = rtp_run_calls(<const int64_t *>calls, n, rows, <int64_t *>ns)
     if done != n:
         raise MemoryError(f"replayed kernel call {done}: no scratch memory")
 
@@ -122,12 +128,13 @@ def linear_q8_0(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t bias,
 
 
 def linear_amx(intptr_t x, int64_t ldx, bint x_fp32, int kind, intptr_t weights, intptr_t bias,
-               intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
+               intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k, bint glu=False) -> None:
     """out = x @ dequant(weight).T (+ bias) on AMX; kind 0 Q4_1, 1 Q8_0 (tile-order records);
-    x bf16 or fp32."""
+    x bf16 or fp32. glu: weight is gate and up interleaved by tiles, out bf16 [rows, n / 2] =
+    silu(gate) * up."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:13] = [RTP_OP_LINEAR_AMX, x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, rows, n, k]
-    _run(c, 13)
+    c[:14] = [RTP_OP_LINEAR_AMX, x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, rows, n, k, glu]
+    _run(c, 14)
 
 
 def paged_decode_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride,

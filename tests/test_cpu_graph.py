@@ -48,6 +48,21 @@ def test_replay_over_fewer_rows():
         graph.replay(7)
 
 
+
+def test_profile_times_each_call_of_a_replay():
+    mlp = TinyMLP(6)
+    graph = capture(mlp, 6)
+    mlp.x.copy_(torch.randn(6, 64))
+    want = mlp()
+    times = graph.profile(4)
+    assert times.shape == (len(graph.calls),) and times.dtype.name == "int64" and (times > 0).all()
+    assert torch.equal(graph.output[:4], want[:4])  # a profiled replay computes what a replay does
+    assert [cpu_kernels.op_name(int(c[0])) for c in graph.calls] == ["linear_q4_1", "silu_mul", "linear_q4_1"]
+    with pytest.raises(ValueError):
+        graph.profile(7)
+    with pytest.raises(ValueError, match="one per call"):
+        cpu_kernels.run_calls(graph.calls, 4, times[:1].copy())
+
 def test_intermediates_share_an_arena():
     """Buffers whose lifetimes do not overlap share memory: the arena of a chain of layers is
     far smaller than the sum of their outputs."""

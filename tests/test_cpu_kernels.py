@@ -61,6 +61,32 @@ def test_amx_linear_equals_the_models_bf16_weights(kind, rows):
         assert torch.equal(w.linear(x, b, torch.float32), out)
 
 
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [2, 15, 17, 64, 65])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_silu_mul_equals_the_projection_then_the_activation(kind, rows, bias):
+    """The fused MLP kernel (gate and up tiles interleaved, silu(gate) * up as the tiles leave
+    the accumulators) gives the same bits as the gate_up product in bf16 and then the
+    SiLU-and-mul kernel, which is what runs without it."""
+    inter, k = 48, 192  # three 16-row tiles per half
+    plain = random_blocks(kind, 2 * inter, k).with_amx_layout()
+    fused = random_blocks(kind, 2 * inter, k).with_amx_layout(glu=True)
+    assert fused.glu and fused.tiles.shape == plain.tiles.shape
+    b = torch.randn(2 * inter) if bias else None
+    x = torch.randn(rows, k).bfloat16()
+    want = cpu_kernels.silu_mul(cpu_kernels.linear_amx(x, 0 if kind == "q4_1" else 1, plain.tiles, b, torch.bfloat16))
+    got = fused.silu_mul(x, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    assert torch.equal(got, want)
+    ref = x.float() @ fused.dequantize().bfloat16().float().T + (b if bias else 0)
+    gate, up = ref.bfloat16().float().chunk(2, dim=-1)
+    assert torch.allclose(got.float(), torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
+    # the interleaved tiles serve only silu_mul: a plain product of 2+ rows goes to oneDNN
+    assert fused.takes_silu_mul(rows) == (rows <= 64) and not fused.takes(rows) and fused.takes(1)
+
+
 @needs_amx
 @pytest.mark.parametrize("rows", [2, 17])
 def test_amx_linear_rounds_fp32_rows_like_torch(rows):

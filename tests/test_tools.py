@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from rtp.models import cpu_kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -47,3 +51,17 @@ def test_bench_eplb_kv_prints_what_dropped_replicas_lend():
     figures = json.loads(out.strip().splitlines()[-1])
     assert figures["slot_bytes_released"] == figures["slot_bytes"] == 86016
     assert figures["kv_blocks_lent"] == 84 and figures["layer_bytes_released"] == 4 * 86016
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (CPU graphs)")
+def test_bench_decode_step_times_every_kernel_of_a_replayed_step(default_gguf):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_decode_step.py"), "--rows", "3", "--context", "20",
+                          "--repeats", "2", "--threads", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["rows"] == 3 and res["calls"] > 100 and res["replay_ms"] > 0
+    kernels = {k["kernel"]: k for k in res["kernels"]}
+    assert kernels["decode_attention"]["calls"] == 30  # SmolLM2's 30 layers
+    assert sum(k["calls"] for k in res["kernels"]) == res["calls"]
+    assert any(name.startswith("lm_head") for name in kernels)
+    assert 0 < res["step_utilisation"] < 1

@@ -12,12 +12,18 @@
  * need no transposition; the activations, small and reused by every weight tile, are laid
  * out once per call in AMX's pair-interleaved "B" layout.
  *
+ * With glu set the weights are an MLP's gate and up projections, their 16-row tiles interleaved
+ * (gate tile j, then up tile j: BlockQuantized.amx_layout(glu=True)), and the output is
+ * silu(gate) * up, computed as the tiles of a pair leave the accumulators: the gate_up product
+ * is never written out and read back by a separate SiLU-and-mul pass.
+ *
  * Numerics: each weight is dequantized as (float)q * d (+ m) in fp32, separately rounded
  * (-ffp-contract=off), then rounded to bf16 (nearest even): the same bf16 weights the
  * model holds. Products are exact in fp32 and accumulated in fp32; out fp32 or bf16.
  */
 #include "cpu_kernels.h"
 #include "amx_tiles.h"
+#include "vec_math.h"
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -124,6 +130,28 @@ AMX_TARGET static inline void store_tile(const float *c, int64_t M, int64_t m0, 
     }
 }
 
+/* v rounded to bf16 (nearest even) and widened back. */
+AMX_TARGET static inline __m512 round_bf16(__m512 v) {
+    __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+/* One tile pair's silu(gate) * up, in place in the gate tile (still 16 features x 16 rows: the
+ * activation is elementwise, so it runs before the transposing store). Gate and up (+ their
+ * biases) are rounded to bf16 first, as the gate_up output is when the two steps run apart,
+ * so the result is the same bits. */
+AMX_TARGET static inline void silu_mul_tile(float *cg, const float *cu, int64_t n0, const float *bias_g,
+                                            const float *bias_u) {
+    for (int64_t r = 0; r < 16; r++) {
+        __m512 g = _mm512_load_ps(cg + r * 16), u = _mm512_load_ps(cu + r * 16);
+        if (bias_g) {
+            g = _mm512_add_ps(g, _mm512_set1_ps(bias_g[n0 + r]));
+            u = _mm512_add_ps(u, _mm512_set1_ps(bias_u[n0 + r]));
+        }
+        _mm512_store_ps(cg + r * 16, silu_mul_ps(round_bf16(g), round_bf16(u)));
+    }
+}
+
 /* One pass of up to MT_MAX row tiles over weight rows n0..n0+15: the tile indices of the AMX
  * instructions are immediates, hence the unrolled cases. */
 AMX_TARGET static void tile_pass(int kind, const uint8_t *recs, int64_t nk, const uint32_t *xt, int64_t mt0,
@@ -177,11 +205,15 @@ static uint32_t *thread_scratch(size_t bytes) {
 
 /* out [M, N] = x [M, K] bf16 (row stride ldx, even) or fp32 (x_fp32) @ W^T, W [N, K] as GGUF blocks in tile
  * order (kind 0 Q4_1, 1 Q8_0; records above, 64-byte aligned). N a multiple of 16, K of 32.
- * Returns 0 when the scratch memory could not be had. */
+ * glu: W holds gate and up interleaved by tiles (N = 2 I, I a multiple of 16; bias, if any, is
+ * [gate I | up I] as the layer has it) and out bf16 [M, I] = silu(gate) * up.
+ * Returns 0 when the scratch memory could not be had, or for glu with an fp32 output. */
 AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                               const float *bias, void *out, int64_t ldo, int out_bf16,
-                              int64_t M, int64_t N, int64_t K) {
-    int64_t nk = K / 32, nmt = (M + 15) / 16, ntiles = N / 16;
+                              int64_t M, int64_t N, int64_t K, int glu) {
+    if (glu && (!out_bf16 || N % 32)) return 0;
+    int64_t nk = K / 32, nmt = (M + 15) / 16, ntiles = N / 16, rb = record_bytes(kind);
+    int64_t steps = glu ? ntiles / 2 : ntiles; /* output tiles: one weight tile each, or a pair */
     int ok = 1;
 #pragma omp parallel
     {
@@ -195,17 +227,26 @@ AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, 
             ok = 0;
         }
         uint16_t wtile[16 * 32] __attribute__((aligned(64)));
-        float cbuf[MT_MAX * 256] __attribute__((aligned(64)));
+        float cbuf[2][MT_MAX * 256] __attribute__((aligned(64)));
         rtp_configure_tiles(6);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < ntiles; t++) {
+        for (int64_t t = 0; t < steps; t++) {
             if (!xt) continue;
             int64_t n0 = t * 16;
             for (int64_t mt0 = 0; mt0 < nmt; mt0 += MT_MAX) {
                 int64_t cnt = nmt - mt0 < MT_MAX ? nmt - mt0 : MT_MAX;
-                tile_pass(kind, weights + t * nk * record_bytes(kind), nk, xt, mt0, cnt, wtile, cbuf);
-                for (int64_t j = 0; j < cnt; j++)
-                    store_tile(cbuf + j * 256, M, (mt0 + j) * 16, n0, bias, out, ldo, out_bf16);
+                if (!glu) {
+                    tile_pass(kind, weights + t * nk * rb, nk, xt, mt0, cnt, wtile, cbuf[0]);
+                    for (int64_t j = 0; j < cnt; j++)
+                        store_tile(cbuf[0] + j * 256, M, (mt0 + j) * 16, n0, bias, out, ldo, out_bf16);
+                    continue;
+                }
+                tile_pass(kind, weights + 2 * t * nk * rb, nk, xt, mt0, cnt, wtile, cbuf[0]);
+                tile_pass(kind, weights + (2 * t + 1) * nk * rb, nk, xt, mt0, cnt, wtile, cbuf[1]);
+                for (int64_t j = 0; j < cnt; j++) {
+                    silu_mul_tile(cbuf[0] + j * 256, cbuf[1] + j * 256, n0, bias, bias ? bias + N / 2 : NULL);
+                    store_tile(cbuf[0] + j * 256, M, (mt0 + j) * 16, n0, NULL, out, ldo, 1);
+                }
             }
         }
         _tile_release();

@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 int rtp_cpu_kernels_supported(void) {
@@ -219,23 +221,6 @@ TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const
  * output in fp32 (online softmax), one block of keys at a time. A row of length 0
  * (bucket padding) writes zeros. window > 0 limits each row to its last `window` keys.
  * ------------------------------------------------------------------------------------------- */
-
-/* exp(x) for x <= 0 (softmax arguments), max rel. error about 2e-7. */
-TARGET static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
@@ -568,13 +553,7 @@ TARGET void rtp_silu_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t 
         const uint16_t *g = x + t * ldx, *u = g + I;
         uint16_t *o = out + t * ldo;
         for (int64_t c = 0; c < I; c += 16) {
-            /* sigmoid from e = exp(-|g|) <= 1, which neither overflows nor loses the tail */
-            __m512 gv = bf16x16_to_f32(g + c);
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ), e,
-                                              _mm512_set1_ps(1.0f));
-            __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            __m512 y = _mm512_mul_ps(_mm512_mul_ps(gv, sig), bf16x16_to_f32(u + c));
+            __m512 y = silu_mul_ps(bf16x16_to_f32(g + c), bf16x16_to_f32(u + c));
             _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(y));
         }
     }

@@ -22,7 +22,8 @@ void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *position
                        int64_t T, int64_t H, int64_t Hkv, int64_t D);
 int rtp_amx_supported(void);
 int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
-                   const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K);
+                   const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K,
+                   int glu);
 void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const int32_t *ids, float *out,
                     int64_t ldo, int64_t T, int64_t H);
 void rtp_silu_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t T, int64_t I);
@@ -45,6 +46,6 @@ enum {
     RTP_OP_PREFILL_ATTENTION,
 };
 int rtp_run_call(const int64_t *call);
-int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows);
+int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns);
 int rtp_call_rows_word(int64_t op);
 uint32_t rtp_call_address_words(int64_t op);

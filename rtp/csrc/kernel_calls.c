@@ -10,6 +10,7 @@
 #include "cpu_kernels.h"
 
 #include <string.h>
+#include <time.h>
 
 static inline float arg_float(int64_t word) {
     double v;
@@ -29,7 +30,7 @@ int rtp_run_call(const int64_t *c) {
         return 1;
     case RTP_OP_LINEAR_AMX:
         return rtp_linear_amx(P(1), c[2], (int)c[3], (int)c[4], P(5), P(6), P(7), c[8], (int)c[9], c[10], c[11],
-                              c[12]);
+                              c[12], (int)c[13]);
     case RTP_OP_ADD_RMS_NORM:
         rtp_add_rms_norm(P(1), c[2], P(3), (int)c[4], c[5], P(6), (int)c[7], arg_float(c[8]), P(9), (int)c[10],
                          c[11], c[12], c[13]);
@@ -73,15 +74,22 @@ int rtp_call_rows_word(int64_t op) {
 
 /* Runs n calls in order, each over `rows` rows (rows <= 0: as recorded). A step's rows are
  * independent in every kernel here, so calls captured over R rows serve any batch of up to R
- * rows whose inputs sit in the first rows of the same buffers. Returns n, or the index of the
- * call that failed. */
-int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows) {
+ * rows whose inputs sit in the first rows of the same buffers. ns, when not NULL, receives
+ * each call's wall time in nanoseconds (tools/bench_decode_step.py). Returns n, or the index
+ * of the call that failed. */
+int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns) {
     int64_t c[RTP_CALL_WORDS];
+    struct timespec start, end;
     for (int64_t i = 0; i < n; i++) {
         memcpy(c, calls + i * RTP_CALL_WORDS, sizeof c);
         int w = rtp_call_rows_word(c[0]);
         if (rows > 0 && w) c[w] = rows;
+        if (ns) clock_gettime(CLOCK_MONOTONIC, &start);
         if (!rtp_run_call(c)) return i;
+        if (ns) {
+            clock_gettime(CLOCK_MONOTONIC, &end);
+            ns[i] = (int64_t)(end.tv_sec - start.tv_sec) * 1000000000 + (end.tv_nsec - start.tv_nsec);
+        }
     }
     return n;
 }

@@ -93,6 +93,14 @@ class CPUGraph:
         cpu_kernels.run_calls(self.calls, rows)
         return self.output[:rows]
 
+    def profile(self, rows: int) -> np.ndarray:
+        """replay(rows), timed: each call's wall time in nanoseconds (int64 [n])."""
+        if not 0 < rows <= self.rows:
+            raise ValueError(f"a graph captured over {self.rows} rows cannot replay {rows}")
+        times = np.zeros(len(self.calls), dtype=np.int64)
+        cpu_kernels.run_calls(self.calls, rows, times)
+        return times
+
     def signature(self) -> list[tuple]:
         """The calls without their addresses and row counts: equal for two captures exactly when
         they ran the same kernels with the same shapes and flags."""

@@ -202,7 +202,8 @@ class ModelRunner:
                  ", ".join(f"{lo}-{hi}" if lo < hi else str(hi) for lo, hi, _ in self.cpu_graphs), seconds)
         return seconds
 
-    def _cpu_graph(self, rows: int) -> CPUGraph | None:
+    def cpu_graph(self, rows: int) -> CPUGraph | None:
+        """The captured CPU graph that replays decode steps of `rows` rows, if there is one."""
         for lo, hi, graph in self.cpu_graphs:
             if lo <= rows <= hi:
                 return graph
@@ -277,7 +278,7 @@ class ModelRunner:
         p = self.plan
         nd = p.num_decode_rows
         if self.cpu_graphs and 0 < nd == p.num_rows == p.num_samples:
-            graph = self._cpu_graph(nd)
+            graph = self.cpu_graph(nd)
             if graph is not None:  # a decode-only step: row r is token r and sample r
                 self.graph_steps += 1
                 return graph.replay(nd)

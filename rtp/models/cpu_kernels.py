@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 
@@ -111,6 +112,22 @@ def linear_amx(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Te
                   out_dtype == torch.bfloat16, rows, n, k)
     return out
 
+
+
+@_op("linear_amx_glu", (), lambda x, kind, weights, bias: x.new_empty(
+    x.shape[0], weights.shape[0] * 8, dtype=torch.bfloat16))
+def linear_amx_glu(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """An MLP's silu(x Wg^T + bg) * (x Wu^T + bu) in one AMX pass -> bf16 [M, I]: x [M, K] bf16;
+    weights: the gate and up blocks with their 16-row tiles interleaved, uint8 [2I/16, K/32,
+    record] (BlockQuantized.amx_layout(glu=True)); bias fp32 [gate I | up I] or None."""
+    if x.stride(1) != 1 or x.stride(0) % 2:
+        x = x.contiguous()
+    rows, k = x.shape
+    n = weights.shape[0] * 16
+    out = torch.empty(rows, n // 2, dtype=torch.bfloat16)
+    _k.linear_amx(x.data_ptr(), x.stride(0), False, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(), n // 2,
+                  True, rows, n, k, True)
+    return out
 
 # -- residual add + RMSNorm -----------------------------------------------------------------------
 
@@ -248,14 +265,23 @@ def address_words(op: int) -> int:
     return _k.address_words(op)
 
 
+def op_name(op: int) -> str:
+    """The name of the kernel a call with word 0 `op` runs."""
+    return _k.OP_NAMES.get(op, f"op {op}")
+
+
 def rows_word(op: int) -> int:
     """The word of an `op` call that holds its row count."""
     return _k.rows_word(op)
 
 
-def run_calls(calls, rows: int) -> None:
-    """Run recorded calls (numpy int64 [n, CALL_WORDS], C-contiguous) over `rows` rows."""
-    _k.run_calls(calls.ctypes.data, calls.shape[0], rows)
+def run_calls(calls, rows: int, times=None) -> None:
+    """Run recorded calls (numpy int64 [n, CALL_WORDS], C-contiguous) over `rows` rows; times, a
+    C-contiguous numpy int64 [n], receives each call's wall time in nanoseconds."""
+    if times is not None and (times.dtype != np.int64 or times.shape != (calls.shape[0],)
+                              or not times.flags.c_contiguous):
+        raise ValueError(f"times must be a contiguous int64 array of {calls.shape[0]} (one per call)")
+    _k.run_calls(calls.ctypes.data, calls.shape[0], rows, 0 if times is None else times.ctypes.data)
 
 
 # -- prefill attention over the paged cache (rtp/csrc/prefill_attention.c) -------------------------

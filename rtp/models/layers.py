@@ -123,6 +123,17 @@ class RowParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input fused into one matmul (gate_up)."""
 
+    # set by an MLP whose SiLU-and-mul reads this [gate | up] output: the loader then lays the
+    # packed blocks out for silu_mul() (BlockQuantized.amx_layout(glu=True))
+    silu_mul_after = False
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this projection in one kernel, when its packed blocks take this
+        batch; None: run the projection and the activation apart."""
+        if self.quant is not None and self.quant.takes_silu_mul(x.shape[0]):
+            return self.quant.silu_mul(x, self.bias)
+        return None
+
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
         self.out_sizes = [s // tp_size() for s in out_sizes]
         self.shard_order = tuple(range(len(out_sizes)))

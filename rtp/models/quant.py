@@ -45,6 +45,7 @@ class BlockQuantized:
     d: torch.Tensor
     m: torch.Tensor | None      # q4_1 only
     tiles: torch.Tensor | None = None  # the same blocks in AMX tile order (amx_layout), when made
+    glu: bool = False           # tiles interleave gate and up (an MLP's gate_up): only silu_mul reads them
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,9 +81,11 @@ class BlockQuantized:
         return BlockQuantized(parts[0].kind, torch.cat([p.qs for p in parts]),
                               torch.cat([p.d for p in parts]), m)
 
-    def amx_layout(self) -> torch.Tensor:
+    def amx_layout(self, glu: bool = False) -> torch.Tensor:
         """The blocks regrouped for rtp's AMX kernel (rtp/csrc/amx_linear.c): uint8 [N/16, K/32,
-        record], one record per 16 rows x 1 block: their quant bytes, then d (then m), fp32."""
+        record], one record per 16 rows x 1 block: their quant bytes, then d (then m), fp32.
+        glu (rows [gate | up]): the 16-row tiles interleaved, gate tile j then up tile j, so that
+        the kernel's SiLU-and-mul epilogue finds both halves of an output tile in one pass."""
         n, k = self.shape
         nk = k // BLOCK
 
@@ -93,12 +96,17 @@ class BlockQuantized:
 
         parts = [by_tile(self.qs), by_tile(self.d)] + ([by_tile(self.m)] if self.m is not None else [])
         tiles = torch.cat(parts, dim=-1)
+        if glu:
+            half = n // 32
+            tiles = tiles[torch.stack([torch.arange(half), torch.arange(half, 2 * half)], dim=1).flatten()]
         return hugepages.empty(tuple(tiles.shape), torch.uint8).copy_(tiles)  # streamed every step
 
-    def with_amx_layout(self) -> "BlockQuantized":
-        """This, also holding amx_layout() (when AMX is there and N is a multiple of 16)."""
-        if cpu_kernels.amx_available() and self.shape[0] % 16 == 0:
-            self.tiles = self.amx_layout()
+    def with_amx_layout(self, glu: bool = False) -> "BlockQuantized":
+        """This, also holding amx_layout(glu) (when AMX is there and N is a multiple of 16, of 32
+        for glu)."""
+        if cpu_kernels.amx_available() and self.shape[0] % (32 if glu else 16) == 0:
+            self.tiles = self.amx_layout(glu)
+            self.glu = glu
         return self
 
     def dequantize(self) -> torch.Tensor:
@@ -115,8 +123,18 @@ class BlockQuantized:
     def takes(self, rows: int) -> bool:
         """Whether a batch of `rows` rows is faster through the blocks than through oneDNN."""
         if self.tiles is not None:
-            return rows <= AMX_MAX_ROWS
+            # interleaved tiles serve silu_mul only: a plain product past one row goes to oneDNN
+            return rows < AMX_MIN_ROWS if self.glu else rows <= AMX_MAX_ROWS
         return rows <= QUANT_MAX_ROWS
+
+    def takes_silu_mul(self, rows: int) -> bool:
+        """Whether silu_mul serves a batch of `rows` rows (tiles made with glu, AMX's row range)."""
+        return self.glu and AMX_MIN_ROWS <= rows <= AMX_MAX_ROWS
+
+    def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """silu(gate) * up of these [gate | up] blocks (glu tiles) for x, bf16 [M, N/2], one kernel."""
+        return cpu_kernels.linear_amx_glu(x.to(torch.bfloat16), 0 if self.kind == "q4_1" else 1, self.tiles,
+                                          None if bias is None else bias.float())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         b = None if bias is None else bias.float()

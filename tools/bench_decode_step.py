@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes, kernel by kernel, on this CPU.
+
+A decode step on a CPU with rtp's kernels is one CPU graph (rtp/engine/cpu_graph.py):
+every op is a C kernel call, replayed from C with no Python between them. This tool
+fills a batch of --rows requests with --context-token prompts through the real engine,
+takes the graph that serves that batch, and replays the step --repeats times with each
+call timed in C (clock_gettime around the call, nothing else). Timing from Python
+instead adds a call's dispatch to every kernel: 30-40 us each, which at ~270 calls a
+step is the size of the kernels themselves.
+
+For each kind of call it prints the milliseconds per step (medians over the repeats,
+summed over the step's calls of that kind), its share of the replay, and what it
+achieves: GFLOP/s for the linear layers (2 x rows x N x K) and GB/s of weight blocks
+read; GB/s of K/V read for decode attention. The replay's FLOP/s are set against this
+machine's bf16 matmul rate, measured in the same run (2048^3 torch.matmul), as
+tools/bench_offline.py does for its batch-64 target. Host work (scheduling, sampling,
+detokenising) is not in a replay; bench_offline's step times include it.
+
+The script prints a table, then (as the last line of stdout) one JSON object.
+
+    python tools/bench_decode_step.py                          # 64 rows, 80-token contexts
+    python tools/bench_decode_step.py --rows 1 --context 32
+    python tools/bench_decode_step.py --rows 64 --context 144 --repeats 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_offline import CpuWatch, bench_matmul, count_params, note  # noqa: E402
+
+from rtp.models import cpu_kernels  # noqa: E402
+
+# bytes a linear kernel reads per weight: GGUF blocks as rtp keeps them (fp32 scales)
+_BYTES_PER_WEIGHT = {"q4_1": 24 / 32, "q8_0": 36 / 32}
+# call words (rtp/csrc/kernel_calls.c): (rows, N, K) and, for AMX, the block kind (0 Q4_1)
+_LINEAR_WORDS = {"linear_q4_1": (10, 11, 12), "linear_q8_0": (9, 10, 11), "linear_amx": (10, 11, 12)}
+
+
+def linear_names(config) -> dict[tuple[int, int], str]:
+    """(N, K) of each Llama-family linear -> its name."""
+    h, i = config.hidden_size, config.intermediate_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+    return {(qkv, h): "qkv_proj", (config.num_attention_heads * d, h): "o_proj", (2 * i, h): "gate_up_proj",
+            (h, i): "down_proj", (config.vocab_size, h): "lm_head"}
+
+
+def label(call: np.ndarray, names: dict[tuple[int, int], str]) -> tuple[str, str, int, int, str]:
+    """(group label, kernel, N, K, block kind) of one recorded call."""
+    kernel = cpu_kernels.op_name(int(call[0]))
+    if kernel not in _LINEAR_WORDS:
+        return kernel, kernel, 0, 0, ""
+    _, nw, kw = _LINEAR_WORDS[kernel]
+    n, k = int(call[nw]), int(call[kw])
+    kind = "q8_0" if kernel == "linear_q8_0" or (kernel == "linear_amx" and int(call[4]) == 1) else "q4_1"
+    name = names.get((n, k), f"{n}x{k}")
+    if kernel == "linear_amx" and int(call[13]):
+        name += " + silu_mul"  # the fused MLP epilogue (glu)
+    # o_proj and qkv_proj coincide under MHA: the name map keeps the last; fine for a label
+    return f"{name} ({kernel.removeprefix('linear_')}, {kind})", kernel, n, k, kind
+
+
+def fill_batch(llm, rows: int, context: int, seed: int) -> None:
+    """Admit `rows` requests of `context` prompt tokens and step until all of them decode."""
+    from rtp import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model.config.vocab_size
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
+    for r in range(rows):
+        engine.add_request(f"bench-step-{r}", rng.integers(100, vocab - 100, context).tolist(), sp)
+    plan = engine.scheduler.plan
+    for _ in range(10 * rows + 100):
+        engine.step()
+        if plan.num_rows == rows and plan.num_decode_rows == rows:
+            return
+    raise SystemExit(f"the engine never ran all {rows} requests as one decode step (max_num_seqs, KV memory?)")
+
+
+def profile(graph, rows: int, repeats: int) -> np.ndarray:
+    """[repeats, calls] nanoseconds, after two untimed replays (warm caches, woken threads)."""
+    graph.replay(rows)
+    graph.replay(rows)
+    return np.stack([graph.profile(rows) for _ in tqdm(range(repeats), desc="replaying", unit="step",
+                                                          file=sys.stderr, leave=False)])
+
+
+def summarise(graph, times: np.ndarray, rows: int, context: int, config, params: int, peak: float) -> dict:
+    names = linear_names(config)
+    groups: dict[str, dict] = defaultdict(lambda: {"calls": 0, "flop": 0.0, "bytes": 0.0})
+    per_call = np.median(times, axis=0) / 1e6  # ms
+    replay_ms = statistics.median(times.sum(axis=1)) / 1e6
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for call, ms in zip(graph.calls, per_call):
+        name, kernel, n, k, kind = label(call, names)
+        g = groups[name]
+        g["calls"] += 1
+        g["ms"] = g.get("ms", 0.0) + float(ms)
+        if n:
+            g["flop"] += 2.0 * rows * n * k
+            g["bytes"] += n * k * _BYTES_PER_WEIGHT[kind]
+        elif kernel == "decode_attention":
+            g["bytes"] += rows * (context + 1) * 2 * kv_heads * head_dim * 2  # K and V, bf16
+    table = []
+    for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["ms"]):
+        row = {"kernel": name, "calls": g["calls"], "ms": round(g["ms"], 3), "share": round(g["ms"] / replay_ms, 4)}
+        if g["flop"]:
+            row["gflops"] = round(g["flop"] / g["ms"] / 1e6, 1)
+        if g["bytes"]:
+            row["gb_s"] = round(g["bytes"] / g["ms"] / 1e6, 1)
+        table.append(row)
+    linear_ms = sum(g["ms"] for g in groups.values() if g["flop"])
+    linear_flop = sum(g["flop"] for g in groups.values())
+    step_gflops = 2.0 * params * rows / replay_ms / 1e6
+    return {"rows": rows, "context": context, "calls": len(graph.calls), "replay_ms": round(replay_ms, 3),
+            "sum_of_medians_ms": round(float(per_call.sum()), 3), "linear_ms": round(linear_ms, 3),
+            "linear_gflops": round(linear_flop / linear_ms / 1e6, 1) if linear_ms else None,
+            "step_gflops": round(step_gflops, 1), "matmul_bf16_gflops": round(peak, 1),
+            "linear_utilisation": round(linear_flop / linear_ms / 1e6 / peak, 4) if linear_ms else None,
+            "step_utilisation": round(step_gflops / peak, 4), "kernels": table}
+
+
+def print_table(res: dict) -> None:
+    print(f"\ndecode step, {res['rows']} rows at a {res['context'] + 1}-token context: "
+          f"{res['calls']} kernel calls, replay {res['replay_ms']:.2f} ms (median of the sums)")
+    print(f"{'kernel':<34} {'calls':>5} {'ms/step':>8} {'share':>6} {'GFLOP/s':>8} {'GB/s':>6}")
+    for k in res["kernels"]:
+        gf = f"{k['gflops']:,.0f}" if "gflops" in k else ""
+        gb = f"{k['gb_s']:.1f}" if "gb_s" in k else ""
+        print(f"{k['kernel']:<34} {k['calls']:>5} {k['ms']:>8.3f} {k['share']:>6.1%} {gf:>8} {gb:>6}")
+    peak = res["matmul_bf16_gflops"]
+    if res["linear_gflops"]:
+        print(f"linear layers: {res['linear_ms']:.2f} ms, {res['linear_gflops']:,.0f} GFLOP/s = "
+              f"{res['linear_utilisation']:.0%} of this run's bf16 matmul ({peak:,.0f} GFLOP/s)")
+    print(f"whole replay: {res['step_gflops']:,.0f} GFLOP/s (2 x params x rows) = {res['step_utilisation']:.0%} "
+          f"of the bf16 matmul")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", default=None, help="checkpoint directory or GGUF file (default: SmolLM2-135M)")
+    ap.add_argument("--rows", type=int, default=64, help="decode rows in the step (default 64)")
+    ap.add_argument("--context", type=int, default=80,
+                    help="prompt tokens per row; the step attends over one more (default 80: the middle "
+                         "of bench_offline's batch-64 run, contexts 17-144)")
+    ap.add_argument("--repeats", type=int, default=20, help="timed replays (default 20)")
+    ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.rows < 1 or args.context < 1 or args.repeats < 1:
+        ap.error("--rows, --context and --repeats must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_kernels.available():
+        raise SystemExit("rtp's CPU kernels are not available here (they need AVX-512 BF16): no CPU graphs to profile")
+
+    from rtp import LLM
+
+    note(f"loading the model, bf16, room for {args.rows} rows")
+    llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(args.rows, 1))
+    graph = llm.engine.runner.cpu_graph(args.rows)
+    if graph is None:
+        raise SystemExit(f"no CPU graph serves {args.rows} rows with this model (see the engine's start-up log)")
+    note(f"filling {args.rows} rows with {args.context}-token prompts")
+    fill_batch(llm, args.rows, args.context, args.seed)
+    note("measuring this machine's bf16 matmul GFLOP/s (2048x2048)")
+    peak = bench_matmul(2048, torch.bfloat16)
+    note(f"replaying the step {args.repeats} times, each call timed")
+    with CpuWatch() as cpu:
+        times = profile(graph, args.rows, args.repeats)
+    res = summarise(graph, times, args.rows, args.context, llm.engine.model.config,
+                    count_params(llm.engine.model), peak)
+    res["other_cpu_s"] = cpu.other_cpu_s
+    print_table(res)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
