@@ -24,7 +24,10 @@ __attribute__((target("amx-tile"))) static inline void rtp_configure_tiles(int n
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    /* ldtilecfg with the whole 64-byte struct as its operand: GCC 12's _tile_loadconfig names
+     * only its first 8 bytes, so the optimiser may drop the stores of rows and colsb (seen: a
+     * config of garbage, then SIGSEGV or SIGILL at the first tile instruction). */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 #endif
