@@ -278,6 +278,6 @@ def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
             continue
         blocks = BlockQuantized.cat([parts[s] for s in order])
         if blocks is not None and blocks.shape == tuple(layer.weight.shape):
-            layer.quant = blocks.with_amx_layout(glu=getattr(layer, "silu_mul_after", False))
+            layer.quant = blocks.on_huge_pages().with_amx_layout(glu=getattr(layer, "silu_mul_after", False))
             attached += 1
     log.info("%s: %d layers also keep their GGUF blocks for small-batch decode", gguf.path.name, attached)
