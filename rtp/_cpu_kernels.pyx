@@ -29,6 +29,7 @@ cdef extern from "cpu_kernels.h":
         RTP_OP_SILU_MUL
         RTP_OP_PREFILL_ATTENTION
     int rtp_run_call(const int64_t *call) nogil
+    void rtp_argmax_rows(const float *x, int64_t ldx, int64_t t, int64_t n, int64_t *out) nogil
     int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns) nogil
     int rtp_call_rows_word(int64_t op) nogil
     uint32_t rtp_call_address_words(int64_t op) nogil
@@ -191,3 +192,9 @@ def prefill_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64
     c[:16] = [RTP_OP_PREFILL_ATTENTION, q, k_cache, v_cache, tok_stride, seqs, tables, out, nseq, h, hkv, d,
               block_size, _float_word(scale), window, amx]
     _run(c, 16)
+
+
+def argmax_rows(intptr_t x, int64_t ldx, int64_t t, int64_t n, intptr_t out) -> None:
+    """out int64 [t] = each row's argmax of x fp32 [t, n] (first on ties; first NaN if any)."""
+    with nogil:
+        rtp_argmax_rows(<const float *>x, ldx, t, n, <int64_t *>out)

@@ -344,3 +344,22 @@ def test_prefill_attention_in_the_layer_matches_sdpa(monkeypatch):
     assert fused.shape == sdpa.shape == (102, heads * dim)
     assert torch.equal(fused[:2], sdpa[:2])  # the decode rows: the same kernel
     assert (fused.float() - sdpa.float()).abs().max().item() < 2e-2  # a bf16 ulp of values below 4
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 49152])
+def test_argmax_rows_is_numpys(n):
+    """Greedy sampling's argmax: NumPy's answer on random rows, ties (the first wins, across
+    lanes and across vectors), -inf rows, NaN (the first NaN wins) and a row stride past N."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(70, n + 3, generator=g)[:, :n]
+    x[1] = 0.0                                      # all tied: index 0
+    x[2, n // 2] = x[2, n - 1] = 100.0              # tied maxima: the first
+    x[3] = float("-inf")
+    x[4, n // 3] = float("nan")
+    x[5, -1] = float("nan")
+    x[5, 0] = float("inf")
+    x[6] = torch.randint(0, 3, (n,), generator=g).float()  # many ties
+    got = cpu_kernels.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.from_numpy(x.numpy().argmax(axis=-1)))
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_kernels.argmax_rows(x.bfloat16())

@@ -26,6 +26,7 @@ int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8
                    int glu);
 void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const int32_t *ids, float *out,
                     int64_t ldo, int64_t T, int64_t H);
+void rtp_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out);
 void rtp_silu_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t T, int64_t I);
 int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                int64_t tok_stride, const int32_t *seqs, const int32_t *tables, uint16_t *out,

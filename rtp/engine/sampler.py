@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rtp.models import cpu_kernels
 from rtp.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -83,8 +84,10 @@ def _dev(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Te
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum (the first one on ties). Over a [64, 49152] fp32 batch on
     the CPU, NumPy's argmax took 0.64 ms, torch's max(dim) 1.1 ms (2.7 ms inside a decode
-    step) and torch's argmax 2.6 ms, measured here."""
+    step) and torch's argmax 2.6 ms, measured here; rtp's kernel runs the rows on every core."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
+        if cpu_kernels.available() and x.dim() == 2 and x.stride(1) == 1 and x.shape[1]:
+            return cpu_kernels.argmax_rows(x.detach())
         return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
     return x.max(dim=-1).indices
 

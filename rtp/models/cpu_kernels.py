@@ -185,6 +185,21 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# -- greedy sampling ------------------------------------------------------------------------------
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 [T]: each row's argmax of x fp32 [T, N] (last dim contiguous): the first index of
+    the maximum, or of the first NaN, as NumPy's argmax."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
+        raise ValueError(f"argmax_rows takes a CPU fp32 [T, N] tensor with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError("argmax of an empty row")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _k.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
 # -- RoPE + KV cache write ------------------------------------------------------------------------
 
 def rope_supported(qkv: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
