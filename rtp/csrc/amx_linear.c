@@ -4,8 +4,10 @@
  * 2.4x the bytes of Q4_1 blocks. The AVX-512 kernels in cpu_kernels.c read the blocks but
  * their multiply work grows with the rows, so past a few rows oneDNN's bf16 GEMM wins. Here
  * the blocks are dequantized once per step into 16 x 32 bf16 tiles in L1 and every row of
- * the batch is multiplied on the AMX unit, so the cost stays near the blocks' bytes up to
- * 64 rows and more.
+ * the batch is multiplied on the AMX unit. At 64 rows the kernel does about 1.07 TFLOP/s
+ * (tools/bench_decode_step.py), bound by the vector ports the dequantization shares with the
+ * tile loads, not by the blocks' bytes: with the weights in L2 the dequantization alone and
+ * the tile work alone add up to the whole.
  *
  * The roles are swapped (out^T = W x^T): a weight tile is the AMX "A" operand, whose rows
  * are exactly one GGUF block each (32 consecutive k of one output feature), so the weights
