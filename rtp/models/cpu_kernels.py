@@ -102,16 +102,7 @@ def linear_amx(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Te
     """x [M, K] bf16 or fp32 (rounded to bf16 as it is read) @ W [N, K].T (+ bias fp32) -> [M, N]
     in out_dtype, on AMX tiles. W: GGUF blocks in tile order, uint8 [N/16, K/32, record]
     (BlockQuantized.amx_layout); kind 0 Q4_1, 1 Q8_0."""
-    fp32 = x.dtype == torch.float32
-    if x.stride(1) != 1 or (not fp32 and x.stride(0) % 2):
-        x = x.contiguous()
-    rows, k = x.shape
-    n = weights.shape[0] * 16
-    out = torch.empty(rows, n, dtype=out_dtype)
-    _k.linear_amx(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(), n,
-                  out_dtype == torch.bfloat16, rows, n, k)
-    return out
-
+    return _linear_amx(x, kind, weights, bias, out_dtype, glu=False)
 
 
 @_op("linear_amx_glu", (), lambda x, kind, weights, bias: x.new_empty(
@@ -120,14 +111,21 @@ def linear_amx_glu(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torc
     """An MLP's silu(x Wg^T + bg) * (x Wu^T + bu) in one AMX pass -> bf16 [M, I]: x [M, K] bf16;
     weights: the gate and up blocks with their 16-row tiles interleaved, uint8 [2I/16, K/32,
     record] (BlockQuantized.amx_layout(glu=True)); bias fp32 [gate I | up I] or None."""
-    if x.stride(1) != 1 or x.stride(0) % 2:
+    return _linear_amx(x, kind, weights, bias, torch.bfloat16, glu=True)
+
+
+def _linear_amx(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype, glu: bool) -> torch.Tensor:
+    fp32 = x.dtype == torch.float32
+    if x.stride(1) != 1 or (not fp32 and x.stride(0) % 2):
         x = x.contiguous()
     rows, k = x.shape
     n = weights.shape[0] * 16
-    out = torch.empty(rows, n // 2, dtype=torch.bfloat16)
-    _k.linear_amx(x.data_ptr(), x.stride(0), False, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(), n // 2,
-                  True, rows, n, k, True)
+    out = torch.empty(rows, n // 2 if glu else n, dtype=out_dtype)
+    _k.linear_amx(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(),
+                  out.shape[1], out_dtype == torch.bfloat16, rows, n, k, glu)
     return out
+
 
 # -- residual add + RMSNorm -----------------------------------------------------------------------
 

@@ -127,13 +127,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     # packed blocks out for silu_mul() (BlockQuantized.amx_layout(glu=True))
     silu_mul_after = False
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of this projection in one kernel, when its packed blocks take this
-        batch; None: run the projection and the activation apart."""
-        if self.quant is not None and self.quant.takes_silu_mul(x.shape[0]):
-            return self.quant.silu_mul(x, self.bias)
-        return None
-
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
         self.out_sizes = [s // tp_size() for s in out_sizes]
         self.shard_order = tuple(range(len(out_sizes)))
@@ -147,6 +140,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if tp_size() > 1:
             loaded = _shard(loaded, 0)
         _copy_checked(param.data.narrow(0, offset, size), loaded, f"part {shard_id}")
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this projection in one kernel, when its packed blocks take this
+        batch; None: run the projection and the activation apart."""
+        if self.quant is not None and self.quant.takes_silu_mul(x.shape[0]):
+            return self.quant.silu_mul(x, self.bias)
+        return None
 
 
 class QKVParallelLinear(ColumnParallelLinear):

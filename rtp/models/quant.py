@@ -104,7 +104,7 @@ class BlockQuantized:
     def on_huge_pages(self) -> "BlockQuantized":
         """This, its arrays moved onto transparent huge pages (rtp/hugepages.py) like the AMX
         records: a one-row step streams every block, and with 4 KiB pages every 4 KiB of the
-        stream is a TLB miss (the LM head's one-row product: 3.1-3.2 -> 2.4-2.7 ms)."""
+        stream is a TLB miss (the LM head's one-row product: 3.1-3.2 -> 2.2-2.7 ms)."""
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else hugepages.empty(tuple(t.shape), t.dtype).copy_(t)
 
