@@ -67,6 +67,11 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[offset: offset + nbytes].view(dtype).view(shape)
 
 
+def copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t in memory from empty(): for data read whole every step."""
+    return empty(tuple(t.shape), t.dtype).copy_(t)
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor from anonymous memory: page-aligned (2 MiB-aligned when large),
     nothing committed until written, whole 2 MiB pages asked to be huge."""

@@ -185,14 +185,18 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 # -- greedy sampling ------------------------------------------------------------------------------
 
+def argmax_supported(x: torch.Tensor) -> bool:
+    """Whether argmax_rows takes x: CPU fp32 [T, N], N >= 1, rows contiguous."""
+    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[1] > 0 and x.stride(1) == 1)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """int64 [T]: each row's argmax of x fp32 [T, N] (last dim contiguous): the first index of
     the maximum, or of the first NaN, as NumPy's argmax."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
-        raise ValueError(f"argmax_rows takes a CPU fp32 [T, N] tensor with contiguous rows, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    if x.shape[1] == 0:
-        raise ValueError("argmax of an empty row")
+    if not argmax_supported(x):
+        raise ValueError(f"argmax_rows takes a CPU fp32 [T, N] tensor (N >= 1) with contiguous rows, got "
+                         f"{x.dtype} {tuple(x.shape)}")
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _k.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out

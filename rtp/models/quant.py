@@ -99,16 +99,14 @@ class BlockQuantized:
         if glu:
             half = n // 32
             tiles = tiles[torch.stack([torch.arange(half), torch.arange(half, 2 * half)], dim=1).flatten()]
-        return hugepages.empty(tuple(tiles.shape), torch.uint8).copy_(tiles)  # streamed every step
+        return hugepages.copy(tiles)  # streamed every step
 
     def on_huge_pages(self) -> "BlockQuantized":
         """This, its arrays moved onto transparent huge pages (rtp/hugepages.py) like the AMX
         records: a one-row step streams every block, and with 4 KiB pages every 4 KiB of the
         stream is a TLB miss (the LM head's one-row product: 3.1-3.2 -> 2.2-2.7 ms)."""
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else hugepages.empty(tuple(t.shape), t.dtype).copy_(t)
-
-        self.qs, self.d, self.m = move(self.qs), move(self.d), move(self.m)
+        self.qs, self.d = hugepages.copy(self.qs), hugepages.copy(self.d)
+        self.m = None if self.m is None else hugepages.copy(self.m)
         return self
 
     def with_amx_layout(self, glu: bool = False) -> "BlockQuantized":
