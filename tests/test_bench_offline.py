@@ -20,4 +20,7 @@ def test_bench_offline_tiny_prints_a_json_last_line(default_gguf):
     assert "error" not in figures["rtp"]["bf16"]
     assert figures["rtp"]["bf16"]["lengths_ok"]
     assert "not_run" in figures["vllm"]
+    # the oneDNN reference for the batch target: SmolLM2's 30 layers x 4 linears + the LM head
+    ref = figures["rtp"]["bf16"]["batch_decode"]["onednn_linears"]
+    assert ref["rows"] == 4 and ref["matrices"] == 121 and ref["ms"] > 0
     assert "Throughput" in out  # the table for people comes first

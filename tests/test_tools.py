@@ -65,3 +65,5 @@ def test_bench_decode_step_times_every_kernel_of_a_replayed_step(default_gguf):
     assert sum(k["calls"] for k in res["kernels"]) == res["calls"]
     assert any(name.startswith("lm_head") for name in kernels)
     assert 0 < res["step_utilisation"] < 1
+    ref = res["onednn_linears"]  # oneDNN over the same 30 x 4 linears + LM head, the same rows
+    assert ref["rows"] == 3 and ref["matrices"] == 121 and 0 < ref["utilisation"] < 1

@@ -14,7 +14,9 @@ summed over the step's calls of that kind), its share of the replay, and what it
 achieves: GFLOP/s for the linear layers (2 x rows x N x K) and GB/s of weight blocks
 read; GB/s of K/V read for decode attention. The replay's FLOP/s are set against this
 machine's bf16 matmul rate, measured in the same run (2048^3 torch.matmul), as
-tools/bench_offline.py does for its batch-64 target. Host work (scheduling, sampling,
+tools/bench_offline.py does for its batch-64 target, and against oneDNN's own bf16
+GEMMs over the same linears with weights prepacked for it (no dequantisation, no
+attention): what a tuned vendor library reaches at these shapes here. Host work (scheduling, sampling,
 detokenising) is not in a replay; bench_offline's step times include it.
 
 The script prints a table, then (as the last line of stdout) one JSON object.
@@ -39,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_offline import CpuWatch, bench_matmul, count_params, note  # noqa: E402
+from bench_offline import CpuWatch, bench_matmul, bench_onednn_linears, count_params, note  # noqa: E402
 
 from rtp.models import cpu_kernels  # noqa: E402
 
@@ -149,6 +151,10 @@ def print_table(res: dict) -> None:
               f"{res['linear_utilisation']:.0%} of this run's bf16 matmul ({peak:,.0f} GFLOP/s)")
     print(f"whole replay: {res['step_gflops']:,.0f} GFLOP/s (2 x params x rows) = {res['step_utilisation']:.0%} "
           f"of the bf16 matmul")
+    ref = res.get("onednn_linears")
+    if ref:
+        print(f"reference: oneDNN, bf16 weights prepacked, the same {ref['matrices']} linears over {ref['rows']} rows: "
+              f"{ref['ms']:.2f} ms, {ref['gflops']:,.0f} GFLOP/s = {ref['utilisation']:.0%} of the bf16 matmul")
 
 
 def main() -> None:
@@ -187,6 +193,11 @@ def main() -> None:
     res = summarise(graph, times, args.rows, args.context, llm.engine.model.config,
                     count_params(llm.engine.model), peak)
     res["other_cpu_s"] = cpu.other_cpu_s
+    note(f"reference: oneDNN with prepacked bf16 weights over this model's {args.rows}-row linears alone")
+    ref = bench_onednn_linears(llm.engine.model.config, args.rows)
+    if ref:
+        ref["utilisation"] = round(ref["gflops"] / peak, 4)
+        res["onednn_linears"] = ref
     print_table(res)
     print(json.dumps(res))
 

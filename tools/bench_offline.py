@@ -83,6 +83,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+from tqdm import tqdm
 
 from rtp.engine.default_model import default_model_path, rtp_home
 
@@ -235,6 +236,44 @@ def bench_matmul(n: int = 2048, dtype: torch.dtype = torch.bfloat16, repeats: in
         torch.matmul(a, b, out=out)
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
+
+
+def linear_shapes(config) -> list[tuple[int, int]] | None:
+    """(N, K) of every linear a dense Llama-family decode step runs, in model order: per layer the
+    fused qkv, o, fused gate_up and down projections, then the LM head. None for MoE configs."""
+    if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None
+    h, i = config.hidden_size, config.intermediate_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    layer = [((config.num_attention_heads + 2 * config.num_key_value_heads) * d, h),
+             (config.num_attention_heads * d, h), (2 * i, h), (h, i)]
+    return layer * config.num_hidden_layers + [(config.vocab_size, h)]
+
+
+def bench_onednn_linears(config, rows: int, repeats: int = 8) -> dict | None:
+    """The linear layers of one decode step over `rows` rows through oneDNN with bf16 weights
+    prepacked for it (as Inductor's freezing does; no dequantisation, no attention, no norms):
+    what a tuned vendor GEMM reaches at this model's shapes on this machine, run in model order
+    over distinct weights so they stream from memory as a real step's do. Median ms of a pass."""
+    shapes = linear_shapes(config)
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if shapes is None or reorder is None or not torch.backends.mkldnn.is_available():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for n, k in tqdm(shapes, desc="oneDNN reference: packing weights", unit="matrix", file=sys.stderr, leave=False):
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+        layers.append((torch.randn(rows, k, generator=gen).to(torch.bfloat16), reorder(w, rows)))
+    linear = torch.ops.mkldnn._linear_pointwise
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        for x, w in layers:
+            linear(x, w, None, "none", [], "")
+        times.append(time.perf_counter() - t)
+    ms = statistics.median(times[1:]) * 1e3
+    flop = sum(2.0 * rows * n * k for n, k in shapes)
+    return {"rows": rows, "ms": round(ms, 3), "gflops": round(flop / ms / 1e6, 1), "matrices": len(shapes)}
 
 
 def inductor_cache_dir() -> Path:
@@ -397,6 +436,12 @@ def bench_batch_decode(llm, ids: np.ndarray, args: argparse.Namespace) -> dict:
                     "flop_utilisation": round(gflops / peak, 4)})
         note(f"rtp batch decode: {res['ms_per_step']:.1f} ms/step, {gflops:.0f} GFLOP/s "
              f"= {gflops / peak:.0%} of matmul {peak:.0f} GFLOP/s")
+        note(f"reference: oneDNN with prepacked bf16 weights over this model's {batch}-row linears alone")
+        ref = bench_onednn_linears(model.config, batch)
+        if ref:
+            ref["utilisation"] = round(ref["gflops"] / peak, 4)
+            res["onednn_linears"] = ref
+            note(f"reference: {ref['ms']:.1f} ms = {ref['utilisation']:.0%} of matmul, linears only")
     else:
         res["error"] = f"no step ran all {batch} requests as decode rows (max_num_seqs {args.max_num_seqs}?)"
     return res
@@ -816,6 +861,13 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
                   f"({batch['tok_s']:,.0f} tok/s); {batch['gflops']:,.0f} GFLOP/s "
                   f"(2 x {batch['params'] / 1e6:.1f} M params x {batch['batch']}) = "
                   f"{batch['flop_utilisation']:.0%} of bf16 matmul {batch['matmul_bf16_gflops']:,.0f} GFLOP/s")
+            ref = batch.get("onednn_linears")
+            if ref:
+                budget = 2 * batch["params"] * batch["batch"] / (TARGET_FLOP_UTIL * batch["matmul_bf16_gflops"]) / 1e6
+                print(f"   reference, same rows: oneDNN's bf16 GEMMs with prepacked weights over the model's "
+                      f"{ref['matrices']} linears alone (no attention, norms or dequantisation) take "
+                      f"{ref['ms']:.1f} ms = {ref['utilisation']:.0%} of the matmul rate; "
+                      f"a {TARGET_FLOP_UTIL:.0%} step must take at most {budget:.1f} ms")
         elif batch:
             print(f"   batch {batch['batch']}: {batch['error']}")
 
