@@ -276,24 +276,27 @@ static inline int64_t key_rows(const uint16_t *k_cache, const uint16_t *v_cache,
     return n;
 }
 
-/* The rows of the next block of keys, with its K rows (values 0) or V rows (1) prefetched
- * while the current block computes. */
-static inline void next_chunk(const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
-                              const int32_t *table, int64_t block_size, int64_t head, int64_t D, int64_t t0,
-                              int64_t end, const uint16_t **kp, const uint16_t **vp, int values) {
-    int64_t n = key_rows(k_cache, v_cache, tok_stride, table, block_size, head, t0, end, kp, vp);
-    const uint16_t **rows = values ? vp : kp;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t c = 0; c < D; c += 32) _mm_prefetch((const char *)(rows[i] + c), _MM_HINT_T0);
+/* Prefetch the D elements of a K or V row. */
+TARGET static inline void prefetch_row(const uint16_t *row, int64_t D, int hint_l2) {
+    for (int64_t c = 0; c < D; c += 32) {
+        if (hint_l2) _mm_prefetch((const char *)(row + c), _MM_HINT_T1);
+        else _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
+    }
 }
 
 /* One (row, kv head) task. Always inlined into call sites with constant G and NC, so the
  * compiler unrolls the head and dimension loops and keeps the accumulators in registers
- * (with them as variables every accumulator lived on the stack: 3x slower). */
+ * (with them as variables every accumulator lived on the stack: 3x slower).
+ *
+ * The K/V stream is prefetched a key at a time among the math, never in bursts: a burst of a
+ * chunk's 32 lines outran the core's 16 line-fill buffers and stalled everything behind it
+ * (40 % of the kernel's samples sat on prefetch instructions). The dot products, long on
+ * math, carry the next chunk's K rows and this chunk's V rows; the values pass, short on math,
+ * carries the next kv head's K rows of the same keys (next_head: the task goes on to it). */
 TARGET static inline __attribute__((always_inline)) void attend_task(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
         const int32_t *table, int64_t len, uint16_t *o, int64_t b, int64_t h, int64_t H, int64_t D,
-        int64_t block_size, float scale, int64_t window, const int64_t G, const int64_t NC) {
+        int64_t block_size, float scale, int64_t window, const int64_t G, const int64_t NC, int next_head) {
     int64_t first = window > 0 && len > window ? len - window : 0;
     /* query (scaled) and output accumulators in the even/odd split layout */
     __m512 qe[MAX_GROUP][MAX_DIM / 32], qo[MAX_GROUP][MAX_DIM / 32];
@@ -321,11 +324,13 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
         key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0, s0 + ns, kp, vp);
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t nt = ns - ch * KEYS < KEYS ? ns - ch * KEYS : KEYS;
-            next_chunk(k_cache, v_cache, tok_stride, table, block_size, h * D, D, s0 + (ch + 1) * KEYS, s0 + ns,
-                       nkp, nvp, 0);
+            int64_t nn = key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0 + (ch + 1) * KEYS,
+                                  s0 + ns, nkp, nvp);
             /* per key and query head a vector of partial dot products, summed 16 at once */
             __m512 part[MAX_GROUP][KEYS];
             for (int64_t i = 0; i < KEYS; i++) {
+                if (i < nn) prefetch_row(nkp[i], D, 0);
+                if (i < nt) prefetch_row(vp[i], D, 0);
                 if (i >= nt) {
                     for (int64_t g = 0; g < G; g++) part[g][i] = _mm512_setzero_ps();
                     continue;
@@ -346,6 +351,7 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
             for (int64_t g = 0; g < G; g++)
                 sc[g][ch] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16x16(part[g]));
             memcpy(kp, nkp, sizeof(kp));
+            memcpy(vp, nvp, sizeof(vp));
         }
         __mmask16 last = (__mmask16)((1u << (ns - (nch - 1) * KEYS)) - 1);
         for (int64_t g = 0; g < G; g++) {
@@ -372,9 +378,9 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
         key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0, s0 + ns, kp, vp);
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t nt = ns - ch * KEYS < KEYS ? ns - ch * KEYS : KEYS;
-            next_chunk(k_cache, v_cache, tok_stride, table, block_size, h * D, D, s0 + (ch + 1) * KEYS, s0 + ns,
-                       nkp, nvp, 1);
+            key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp);
             for (int64_t i = 0; i < nt; i++) {
+                if (next_head) prefetch_row(k_cache + (vp[i] - v_cache) + D, D, 1);
                 __m512 ve[MAX_DIM / 32], vo[MAX_DIM / 32];
                 for (int64_t c = 0; c < NC; c++) bf16x32_split(vp[i] + 32 * c, &ve[c], &vo[c]);
                 for (int64_t g = 0; g < G; g++) {
@@ -426,7 +432,8 @@ TARGET void rtp_paged_decode_attention_bf16(
         int64_t h0 = per_row == 1 ? 0 : task % per_row, h1 = per_row == 1 ? Hkv : h0 + 1;
         for (int64_t h = h0; h < h1; h++) {
             uint16_t *o = out + (b * H + h * G) * D;
-#define ATTEND(g, n) attend_task(q, k_cache, v_cache, tok_stride, table, len, o, b, h, H, D, block_size, scale, window, g, n)
+#define ATTEND(g, n) attend_task(q, k_cache, v_cache, tok_stride, table, len, o, b, h, H, D, block_size, scale, window, \
+                                     g, n, h + 1 < h1)
             /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
             switch (G * 16 + nc) {
             case 1 * 16 + 2: ATTEND(1, 2); break;
