@@ -25,6 +25,7 @@
  */
 #include "cpu_kernels.h"
 #include "amx_tiles.h"
+#include "prefetch.h"
 #include "vec_math.h"
 
 #include <cpuid.h>
@@ -165,7 +166,7 @@ AMX_TARGET static void tile_pass(int kind, const uint8_t *recs, int64_t nk, cons
     _tile_zero(3);
     for (int64_t kb = 0; kb < nk; kb++) {
         const uint8_t *rec = recs + kb * rb;
-        for (int64_t off = 0; off < rb; off += 64) _mm_prefetch((const char *)(rec + 4 * rb + off), _MM_HINT_T0);
+        for (int64_t off = 0; off < rb; off += 64) rtp_prefetch_l1(rec + 4 * rb + off);
         dequant_tile(kind, rec, wtile);
         _tile_loadd(4, wtile, 64);
         const uint32_t *b = xt + (mt0 * nk + kb) * 256; /* tiles ordered [row tile][k block] */

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "prefetch.h"
 #include "vec_math.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
@@ -76,7 +77,7 @@ static inline void store_out(void *out, int64_t at, int out_bf16, float v) {
 TARGET static inline void prefetch_part(const void *p, int64_t n, int64_t step, int64_t steps) {
     int64_t lines = (n + 63) / 64, per = (lines + steps - 1) / steps;
     const char *c = (const char *)p;
-    for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++) _mm_prefetch(c + l * 64, _MM_HINT_T0);
+    for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++) rtp_prefetch_l1(c + l * 64);
 }
 
 /* 16 bytes of nibbles -> the block's 32 weights as bf16 of 128 + q. With 128's exponent,
@@ -279,8 +280,8 @@ static inline int64_t key_rows(const uint16_t *k_cache, const uint16_t *v_cache,
 /* Prefetch the D elements of a K or V row. */
 TARGET static inline void prefetch_row(const uint16_t *row, int64_t D, int hint_l2) {
     for (int64_t c = 0; c < D; c += 32) {
-        if (hint_l2) _mm_prefetch((const char *)(row + c), _MM_HINT_T1);
-        else _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
+        if (hint_l2) rtp_prefetch_l2(row + c);
+        else rtp_prefetch_l1(row + c);
     }
 }
 
