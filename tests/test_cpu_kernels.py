@@ -363,3 +363,33 @@ def test_argmax_rows_is_numpys(n):
     assert got.dtype == torch.int64 and torch.equal(got, torch.from_numpy(x.numpy().argmax(axis=-1)))
     with pytest.raises(ValueError, match="fp32"):
         cpu_kernels.argmax_rows(x.bfloat16())
+
+
+def test_compiled_kernels_keep_their_prefetches():
+    """GCC 12 once deleted every _mm_prefetch of the streaming kernels (a loop doing only
+    __builtin_prefetch is dead code to it), which halved the one-row step's speed unnoticed:
+    the binary must hold prefetch instructions in each kernel that streams weights or K/V."""
+    import re
+    import shutil
+    import subprocess
+
+    from rtp import _cpu_kernels
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("needs objdump (binutils)")
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", _cpu_kernels.__file__], capture_output=True,
+                             text=True, check=True).stdout
+    counts: dict[str, int] = {}
+    function = ""
+    for line in listing.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.+)>:$", line)
+        if head:
+            function = head.group(1)
+        elif "prefetcht" in line:
+            counts[function] = counts.get(function, 0) + 1
+    # each kernel with the functions its loops may live in (tile_pass: the AMX linear's, unless inlined)
+    for kernel in (("rtp_linear_q4_1",), ("rtp_linear_q8_0",), ("rtp_paged_decode_attention_bf16",),
+                   ("tile_pass", "rtp_linear_amx")):
+        found = sum(n for name, n in counts.items() if name.startswith(kernel))
+        assert found > 0, f"{kernel[0]}: no prefetch instruction in {_cpu_kernels.__file__}"
