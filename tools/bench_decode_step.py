@@ -16,8 +16,9 @@ read; GB/s of K/V read for decode attention. The replay's FLOP/s are set against
 machine's bf16 matmul rate, measured in the same run (2048^3 torch.matmul), as
 tools/bench_offline.py does for its batch-64 target, and against oneDNN's own bf16
 GEMMs over the same linears with weights prepacked for it (no dequantisation, no
-attention): what a tuned vendor library reaches at these shapes here. Host work (scheduling, sampling,
-detokenising) is not in a replay; bench_offline's step times include it.
+attention): what a tuned vendor library reaches at these shapes here. Host work
+(scheduling, sampling, detokenising) is not in a replay; bench_offline's step times
+include it.
 
 The script prints a table, then (as the last line of stdout) one JSON object.
 
@@ -41,7 +42,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_offline import CpuWatch, bench_matmul, bench_onednn_linears, count_params, note  # noqa: E402
+from bench_offline import CpuWatch, bench_matmul, bench_onednn_linears, count_params, linear_layers, note  # noqa: E402
 
 from rtp.models import cpu_kernels  # noqa: E402
 
@@ -53,11 +54,7 @@ _LINEAR_WORDS = {"linear_q4_1": (10, 11, 12), "linear_q8_0": (9, 10, 11), "linea
 
 def linear_names(config) -> dict[tuple[int, int], str]:
     """(N, K) of each Llama-family linear -> its name."""
-    h, i = config.hidden_size, config.intermediate_size
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * d
-    return {(qkv, h): "qkv_proj", (config.num_attention_heads * d, h): "o_proj", (2 * i, h): "gate_up_proj",
-            (h, i): "down_proj", (config.vocab_size, h): "lm_head"}
+    return {shape: name for name, shape in linear_layers(config).items()}
 
 
 def label(call: np.ndarray, names: dict[tuple[int, int], str]) -> tuple[str, str, int, int, str]:
@@ -194,9 +191,8 @@ def main() -> None:
                     count_params(llm.engine.model), peak)
     res["other_cpu_s"] = cpu.other_cpu_s
     note(f"reference: oneDNN with prepacked bf16 weights over this model's {args.rows}-row linears alone")
-    ref = bench_onednn_linears(llm.engine.model.config, args.rows)
+    ref = bench_onednn_linears(llm.engine.model.config, args.rows, peak)
     if ref:
-        ref["utilisation"] = round(ref["gflops"] / peak, 4)
         res["onednn_linears"] = ref
     print_table(res)
     print(json.dumps(res))

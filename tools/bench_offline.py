@@ -238,23 +238,31 @@ def bench_matmul(n: int = 2048, dtype: torch.dtype = torch.bfloat16, repeats: in
     return 2 * n ** 3 / best / 1e9
 
 
-def linear_shapes(config) -> list[tuple[int, int]] | None:
-    """(N, K) of every linear a dense Llama-family decode step runs, in model order: per layer the
-    fused qkv, o, fused gate_up and down projections, then the LM head. None for MoE configs."""
-    if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        return None
+def linear_layers(config) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear of a Llama-family layer (fused qkv and gate_up, as rtp runs them),
+    then of the LM head."""
     h, i = config.hidden_size, config.intermediate_size
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    layer = [((config.num_attention_heads + 2 * config.num_key_value_heads) * d, h),
-             (config.num_attention_heads * d, h), (2 * i, h), (h, i)]
-    return layer * config.num_hidden_layers + [(config.vocab_size, h)]
+    return {"qkv_proj": ((config.num_attention_heads + 2 * config.num_key_value_heads) * d, h),
+            "o_proj": (config.num_attention_heads * d, h), "gate_up_proj": (2 * i, h), "down_proj": (h, i),
+            "lm_head": (config.vocab_size, h)}
 
 
-def bench_onednn_linears(config, rows: int, repeats: int = 8) -> dict | None:
+def linear_shapes(config) -> list[tuple[int, int]] | None:
+    """(N, K) of every linear a dense Llama-family decode step runs, in model order: each layer's
+    four, then the LM head. None for MoE configs."""
+    if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None
+    *layer, head = linear_layers(config).values()
+    return layer * config.num_hidden_layers + [head]
+
+
+def bench_onednn_linears(config, rows: int, peak_gflops: float, repeats: int = 8) -> dict | None:
     """The linear layers of one decode step over `rows` rows through oneDNN with bf16 weights
     prepacked for it (as Inductor's freezing does; no dequantisation, no attention, no norms):
     what a tuned vendor GEMM reaches at this model's shapes on this machine, run in model order
-    over distinct weights so they stream from memory as a real step's do. Median ms of a pass."""
+    over distinct weights so they stream from memory as a real step's do. Median ms of a pass,
+    and the share of peak_gflops (this run's bf16 matmul rate) that makes."""
     shapes = linear_shapes(config)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if shapes is None or reorder is None or not torch.backends.mkldnn.is_available():
@@ -272,8 +280,9 @@ def bench_onednn_linears(config, rows: int, repeats: int = 8) -> dict | None:
             linear(x, w, None, "none", [], "")
         times.append(time.perf_counter() - t)
     ms = statistics.median(times[1:]) * 1e3
-    flop = sum(2.0 * rows * n * k for n, k in shapes)
-    return {"rows": rows, "ms": round(ms, 3), "gflops": round(flop / ms / 1e6, 1), "matrices": len(shapes)}
+    gflops = sum(2.0 * rows * n * k for n, k in shapes) / ms / 1e6
+    return {"rows": rows, "ms": round(ms, 3), "gflops": round(gflops, 1), "utilisation": round(gflops / peak_gflops, 4),
+            "matrices": len(shapes)}
 
 
 def inductor_cache_dir() -> Path:
@@ -437,9 +446,8 @@ def bench_batch_decode(llm, ids: np.ndarray, args: argparse.Namespace) -> dict:
         note(f"rtp batch decode: {res['ms_per_step']:.1f} ms/step, {gflops:.0f} GFLOP/s "
              f"= {gflops / peak:.0%} of matmul {peak:.0f} GFLOP/s")
         note(f"reference: oneDNN with prepacked bf16 weights over this model's {batch}-row linears alone")
-        ref = bench_onednn_linears(model.config, batch)
+        ref = bench_onednn_linears(model.config, batch, peak)
         if ref:
-            ref["utilisation"] = round(ref["gflops"] / peak, 4)
             res["onednn_linears"] = ref
             note(f"reference: {ref['ms']:.1f} ms = {ref['utilisation']:.0%} of matmul, linears only")
     else:
