@@ -88,18 +88,20 @@ class CPUGraph:
 
     def replay(self, rows: int) -> torch.Tensor:
         """Rerun the step over the first `rows` rows of its inputs; returns output[:rows]."""
-        if not 0 < rows <= self.rows:
-            raise ValueError(f"a graph captured over {self.rows} rows cannot replay {rows}")
+        self._check_rows(rows)
         cpu_kernels.run_calls(self.calls, rows)
         return self.output[:rows]
 
     def profile(self, rows: int) -> np.ndarray:
         """replay(rows), timed: each call's wall time in nanoseconds (int64 [n])."""
-        if not 0 < rows <= self.rows:
-            raise ValueError(f"a graph captured over {self.rows} rows cannot replay {rows}")
+        self._check_rows(rows)
         times = np.zeros(len(self.calls), dtype=np.int64)
         cpu_kernels.run_calls(self.calls, rows, times)
         return times
+
+    def _check_rows(self, rows: int) -> None:
+        if not 0 < rows <= self.rows:
+            raise ValueError(f"a graph captured over {self.rows} rows cannot replay {rows}")
 
     def signature(self) -> list[tuple]:
         """The calls without their addresses and row counts: equal for two captures exactly when
