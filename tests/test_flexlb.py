@@ -1,21 +1,31 @@
 """`rtp route`, the FlexLB master, end to end: real `rtp serve` workers and masters on loopback.
 
-Two prefill nodes, one decode node and a collocated reference start together (loading
+Two prefill nodes, one decode node and two collocated nodes start together (loading
 overlaps) and are shared by the module; all run float32, as tests/test_pd.py's do, so
-greedy tokens do not depend on batching. Two masters route over the same workers, one
-at the default beta and one at beta = 0. The last test kills a prefill node.
+greedy tokens do not depend on batching. Two masters route over the prefill/decode
+workers, one at the default beta and one at beta = 0; a third over the collocated pair,
+which also serves as the P/D output's reference. The collocated nodes carry
+tests/test_serve.py's fault hook (a prompt with FAULT_MARK fails in the detokenizer),
+which touches no other prompt. The last tests kill a prefill node, then both collocated ones.
+
+The master's pure parts -- when to retry, which pair to try next, SSE event cuts -- are
+tested first, without servers.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from test_serve import MODEL, Server
+from test_serve import FAULT_MARK, FAULTY_SERVE, MODEL, Server
+
+from rtp.serve.flexlb import FINAL, RETRY, RETRY_IF_ALIVE, Master, RouteOptions, _Events, retry_rule
 
 TOKEN = "flexlb-test-secret"
 COMMON = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "96MiB", "--max-num-seqs", "16")
@@ -49,24 +59,86 @@ def routed(master: Server) -> dict[str, float]:
     return out
 
 
+def error_of(r: httpx.Response, status: int) -> dict:
+    """The OpenAI-shaped error body of r, checked to have that status and shape."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    return error
+
+
+def errors_seen(server: Server) -> float:
+    return sum(v for k, v in metric(server.url, "rtp:request_success_total").items() if 'reason="error"' in k)
+
+
+# -- the pure parts ---------------------------------------------------------------------------------
+
+
+def test_retry_only_what_never_reached_an_engine():
+    assert retry_rule(error=httpx.ConnectError("refused")) == RETRY
+    assert retry_rule(error=httpx.ConnectTimeout("slow")) == RETRY
+    assert retry_rule(error=httpx.RemoteProtocolError("no response")) == RETRY_IF_ALIVE
+    assert retry_rule(error=httpx.ReadError("reset")) == RETRY_IF_ALIVE
+    assert retry_rule(error=httpx.ReadTimeout("busy")) == FINAL  # the worker has it
+    assert retry_rule(503, {"Retry-After": "1"}) == RETRY       # full queue, draining, no decode peer
+    assert retry_rule(503, {"content-type": "application/json"}) == FINAL  # its engine failed on it
+    for status in (400, 401, 404, 413, 500, 502, 504):
+        assert retry_rule(status, {"retry-after": "1"}) == FINAL
+
+
+def test_a_retry_changes_the_worker_or_the_pair():
+    class Tokenizer:
+        def encode(self, text):
+            return [1, 2, 3]
+
+    pd = Master(RouteOptions(prefill=["http://p0", "http://p1"], decode=["http://d0"]), Tokenizer())
+    co = Master(RouteOptions(collocated=["http://c0", "http://c1"]), Tokenizer())
+    for m in (pd, co):
+        for url in m.workers:
+            m.router.set_healthy(url, True)
+    names = lambda picked: (picked[0].url, picked[2] and picked[2].url)  # noqa: E731
+    # a prefill 503 may be the decode peer's: the next attempt changes what it can
+    assert names(pd._pick([1, 2, 3], 8, [("http://p0", "http://d0")])) == ("http://p1", "http://d0")
+    with pytest.raises(LookupError):
+        pd._pick([1, 2, 3], 8, [("http://p0", "http://d0"), ("http://p1", "http://d0")])
+    assert names(co._pick([1, 2, 3], 8, [("http://c0", None)])) == ("http://c1", None)
+    with pytest.raises(LookupError):
+        co._pick([1, 2, 3], 8, [("http://c0", None), ("http://c1", None)])
+
+
+def test_a_relayed_stream_is_cut_at_event_boundaries():
+    events = _Events()
+    assert events.whole(b"data: {\"a\"") == b""
+    assert events.whole(b": 1}\n\ndata: {\"b") == b"data: {\"a\": 1}\n\n"
+    assert events.tail == b"data: {\"b"  # dropped if the stream breaks now: the error event stands alone
+    assert events.whole(b"\": 2}\n\n") == b"data: {\"b\": 2}\n\n" and events.tail == b""
+
+
+# -- the cluster ------------------------------------------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def cluster():
     decode = Server("--role", "decode", "--rpc-token", TOKEN, *COMMON, threads=1)
+    faulty = [sys.executable, "-c", FAULTY_SERVE]
     nodes = {
         "decode": decode,
         "p0": Server("--role", "prefill", "--rpc-token", TOKEN, *COMMON, threads=1),
         "p1": Server("--role", "prefill", "--rpc-token", TOKEN, *COMMON, threads=1),
-        "collocated": Server(*COMMON, threads=1),
+        "collocated": Server(*COMMON, threads=1, launcher=faulty),
+        "collocated2": Server(*COMMON, threads=1, launcher=faulty),
     }
     masters = []
     try:
         for node in nodes.values():
             node.wait_ready()
         workers = ("--prefill", nodes["p0"].url, nodes["p1"].url, "--decode", decode.url)
-        masters = [start_master(*workers), start_master(*workers, "--beta", "0")]
+        masters = [start_master(*workers), start_master(*workers, "--beta", "0"),
+                   start_master("--collocated", nodes["collocated"].url, nodes["collocated2"].url)]
         for m in masters:
             m.wait_ready()
-        yield {**nodes, "master": masters[0], "master_beta0": masters[1]}
+        yield {**nodes, "master": masters[0], "master_beta0": masters[1], "master_co": masters[2]}
     finally:
         for m in masters:
             m.stop()
@@ -151,6 +223,42 @@ def test_the_master_rejects_bad_bodies_and_reports_metrics(cluster):
     assert 0 < metric(url, "rtp:route_prefix_hit_ratio")[""] <= 1
 
 
+def test_a_request_that_faults_a_worker_is_not_retried(cluster):
+    """A request that fails inside an engine is the request's fault: the client gets the worker's own
+    answer, no other worker sees the request, and the worker that did stays in the pool."""
+    master, workers = cluster["master_co"], (cluster["collocated"], cluster["collocated2"])
+    before = [errors_seen(w) for w in workers]
+    retries = metric(master.url, "rtp:route_retries_total")[""]
+    r = httpx.post(master.url + "/v1/completions", timeout=120,
+                   json={"model": MODEL, "prompt": f"{FAULT_MARK} once upon a time", "max_tokens": 8})
+    error = error_of(r, 500)
+    assert error["type"] == "server_error" and "injected" in error["message"]
+    assert sorted(errors_seen(w) - b for w, b in zip(workers, before)) == [0, 1]
+    # streamed, the failure is an event after the status line: the worker's event, relayed
+    streamed = httpx.post(master.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": FAULT_MARK}], "max_tokens": 8, "stream": True})
+    events = [line for line in streamed.text.splitlines() if line]
+    assert events[-1] == "data: [DONE]" and "injected" in json.loads(events[-2][6:])["error"]["message"]
+    assert sum(errors_seen(w) - b for w, b in zip(workers, before)) == 2
+    assert metric(master.url, "rtp:route_retries_total")[""] == retries
+    assert list(metric(master.url, "rtp:route_worker_healthy").values()) == [1.0, 1.0]
+    for w in workers:
+        assert httpx.get(w.url + "/health").status_code == 200
+        ok = httpx.post(w.url + "/v1/completions", timeout=60, json={"prompt": "The sea is", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+def test_bad_input_passes_through_unretried(cluster):
+    master = cluster["master_co"]
+    retries = metric(master.url, "rtp:route_retries_total")[""]
+    routed_before = sum(metric(master.url, "rtp:route_requests_total").values())
+    r = httpx.post(master.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "top_p": 2})
+    assert error_of(r, 400)["param"] == "top_p"
+    assert sum(metric(master.url, "rtp:route_requests_total").values()) == routed_before + 1
+    assert metric(master.url, "rtp:route_retries_total")[""] == retries
+
+
 def test_killing_a_prefill_worker(cluster):
     """Streams it was relaying fail with an error; requests that had not started are retried
     elsewhere; the master keeps serving."""
@@ -193,3 +301,35 @@ def test_killing_a_prefill_worker(cluster):
     assert httpx.get(master.url + "/health").status_code == 200
     healthy = metric(master.url, "rtp:route_worker_healthy")
     assert healthy[f'role="prefill",worker="{cluster[victim].url}"'] == 0.0
+
+
+def test_dead_collocated_workers_leave_the_pool(cluster):
+    """SIGKILL one collocated worker: it leaves the pool and requests go to the other; kill the
+    other and the master says, on /health and to requests, that nothing can serve."""
+    master = cluster["master_co"]
+    client = client_of(master)
+
+    def wait_for(condition, timeout=15.0):
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return condition()
+
+    cluster["collocated2"].proc.kill()
+    cluster["collocated2"].proc.wait()
+    for k in range(4):  # the first may still be sent to the dead one: unreached, it is retried
+        out = client.completions.create(model=MODEL, prompt=f"With one worker {k}:", max_tokens=2, temperature=0)
+        assert out.choices[0].finish_reason == "length"
+    assert wait_for(lambda: metric(master.url, "rtp:route_worker_healthy")[
+        f'role="collocated",worker="{cluster["collocated2"].url}"'] == 0.0)
+    assert httpx.get(master.url + "/health").status_code == 200
+    cluster["collocated"].proc.kill()
+    cluster["collocated"].proc.wait()
+    assert wait_for(lambda: httpx.get(master.url + "/health").status_code == 503)
+    assert "no healthy collocated worker" in error_of(httpx.get(master.url + "/health"), 503)["message"]
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True})):
+        r = httpx.post(master.url + path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
+        assert error_of(r, 503)["type"] == "service_unavailable" and r.headers["retry-after"]
+    for m in ("master", "master_beta0", "master_co"):
+        assert "never retrieved" not in cluster[m].output()
