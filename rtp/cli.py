@@ -364,8 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the prefill worker maximising beta * (prefix it holds) / |prompt| - (1 - beta) * (queue time), and "
         "the decode worker with the most free KV net of what its running requests are expected to generate "
         "(--gamma); with --collocated workers only, to the best collocated one by the same prefill rule. "
-        "Worker stats come from their /rpc/stats; a failed worker leaves the pool until it answers again, "
-        "and a request that had not started streaming is retried once elsewhere.",
+        "Worker stats come from their /rpc/stats and /health; a failed worker leaves the pool until it answers "
+        "again. A request is retried elsewhere only where no engine saw it (the worker could not be reached, "
+        "or answered 503 with Retry-After); a 4xx or a 500 goes to the client as the worker sent it.",
         epilog="example: rtp route --prefill http://p1:8000 http://p2:8000 --decode http://d1:8000 "
         "--rpc-token $TOKEN --beta auto")
     p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers (rtp serve --role prefill)")
@@ -388,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="longest a proxied request may take (default 600)")
     p.add_argument("--retries", type=int, default=1,
-                   help="times a request that failed before streaming is retried on another worker (default 1)")
+                   help="times a request no engine saw (worker unreachable, or its queue full) is retried on "
+                   "another worker (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -114,6 +114,19 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuse a tensor-parallel size this model's layers cannot split over (the same rules the
+        parallel layers apply as they are built), before any rank is started to find out."""
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads % tp or (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise ValueError(f"--tp {tp}: {heads} attention heads and {kv} kv heads do not split over {tp} "
+                             f"tensor-parallel ranks")
+        if self.vocab_size % tp:
+            raise ValueError(f"--tp {tp}: a vocabulary of {self.vocab_size} does not split over {tp} ranks")
+        if self.intermediate_size % tp:
+            raise ValueError(f"--tp {tp}: an intermediate size of {self.intermediate_size} does not split "
+                             f"over {tp} ranks")
+
     def validate(self) -> None:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be between 1 and "

@@ -1,20 +1,28 @@
 """SamplingParams: how one request turns logits into tokens and when it stops.
 
 The field names and defaults follow vLLM's SamplingParams (and through it the
-OpenAI API), so a request body maps onto it field for field. Validation runs
-once, when the object is built (``__post_init__`` also runs when msgspec
-decodes one, where a ValueError surfaces as msgspec.ValidationError).
+OpenAI API), so a request body maps onto it field for field. This file is the
+one place a request's settings are checked, offline and served alike: types and
+ranges when the object is built (`validate`), the bounds the loaded model sets
+(vocabulary, context length) when the engine admits it (`validate_for`, called by
+LLMEngine.check_request, which the HTTP layer calls too before it queues).
+Every refusal is an InvalidRequest naming its field.
 """
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+from rtp.errors import InvalidRequest
 
 # Below this temperature a row is sampled greedily: dividing logits by a
 # temperature this small only overflows to the same argmax.
 GREEDY_TEMPERATURE = 1e-5
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # completions per prompt, as the OpenAI API caps n
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -66,44 +74,75 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or ())
+        if isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None:
+            self.stop_token_ids = list(self.stop_token_ids or ())
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field whose value is out of range."""
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        """Raise InvalidRequest naming the first field whose value is of the wrong type or out of
+        range. What needs the model (vocabulary, context length) is checked by validate_for()."""
+        _integer("n", self.n, 1, MAX_N)
+        _number("temperature", self.temperature, 0.0, None)
+        _number("top_p", self.top_p, 0.0, 1.0, "in (0, 1]")
+        if self.top_p == 0.0:
+            raise InvalidRequest("top_p must be a finite number in (0, 1], got 0", "top_p")
+        if _integer("top_k", self.top_k, None, None) < -1:
+            raise InvalidRequest(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}", "top_k")
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, None, "greater than 0")
+        if self.repetition_penalty == 0.0:
+            raise InvalidRequest(f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                                 "repetition_penalty")
+        if self.seed is not None:
+            _integer("seed", self.seed, -(1 << 63), (1 << 63) - 1)
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, 1, None)
+        _integer("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise InvalidRequest(
                 f"min_tokens must not exceed max_tokens, got min_tokens={self.min_tokens} "
-                f"> max_tokens={self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        bad = [t for t in self.stop_token_ids or () if t < 0]
+                f"> max_tokens={self.max_tokens}", "min_tokens")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.stop_token_ids, list):
+            raise InvalidRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t, 0, None)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequest("stop must be a string or a list of strings", "stop")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty", "stop")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be true or false, got {getattr(self, name)!r}", name)
+
+    def validate_for(self, prompt_len: int, *, vocab_size: int, max_model_len: int,
+                     prompt_param: str = "prompt") -> None:
+        """What the loaded model bounds: token ids below its vocabulary, top_k at most its size
+        (vLLM's rule), and prompt + max_tokens (and min_tokens) within its context length."""
+        if self.top_k > vocab_size:
+            raise InvalidRequest(f"top_k must be at most the vocabulary size {vocab_size}, or -1 or 0 "
+                                 f"for no limit; got {self.top_k}", "top_k")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids must be non-negative, got {bad}")
-        if any(not s for s in self.stop or ()):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequest(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:8]}",
+                                 "stop_token_ids")
+        if prompt_len >= max_model_len:
+            raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                                 f"prompt has {prompt_len} tokens, which leaves no room for a completion.",
+                                 prompt_param)
+        room = max_model_len - prompt_len
+        if self.max_tokens is not None and self.max_tokens > room:
+            raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                 f"requested {prompt_len + self.max_tokens} tokens ({prompt_len} in the prompt, "
+                                 f"{self.max_tokens} in the completion). Please reduce the length.", "max_tokens")
+        if self.min_tokens > room:
+            raise InvalidRequest(f"min_tokens {self.min_tokens} does not fit: the prompt has {prompt_len} tokens "
+                                 f"and the context length is {max_model_len}", "min_tokens")
 
     @property
     def greedy(self) -> bool:
@@ -114,3 +153,24 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _integer(name: str, value, low: int | None, high: int | None):
+    """An int (not a bool) in [low, high]; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        where = (f"in [{low}, {high}]" if low is not None and high is not None
+                 else f"at least {low}" if low is not None else f"at most {high}")
+        raise InvalidRequest(f"{name} must be {where}, got {value}", name)
+    return value
+
+
+def _number(name: str, value, low: float | None, high: float | None, words: str | None = None) -> bool:
+    """A finite int or float in [low, high] (NaN and infinities refused); returns True."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"{name} must be a number, got {value!r}", name)
+    if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
+        where = words or (f"in [{low}, {high}]" if high is not None else f"at least {low}")
+        raise InvalidRequest(f"{name} must be a finite number {where}, got {value}", name)
+    return True

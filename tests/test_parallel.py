@@ -100,6 +100,20 @@ def test_heads_must_split_evenly(monkeypatch):
     QKVParallelLinear(64, 16, 4, 1, bias=False)  # one kv head: replicated on both ranks
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_tp_on_a_model_whose_heads_do_not_split_is_one_clear_line(default_gguf, command):
+    """Checked before any rank starts: the one error line, and no follower's traceback under it."""
+    import subprocess
+    import sys
+
+    args = ["--prompt", "hi"] if command == "generate" else ["--port", "0"]
+    out = subprocess.run([sys.executable, "-m", "rtp", command, "--model", str(default_gguf), "--tp", "2", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "9 attention heads and 3 kv heads do not split over 2" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr
+
+
 def test_bad_rank_is_refused():
     with pytest.raises(ValueError, match="not a rank"):
         dist.init_tensor_parallel(2, 2)

@@ -35,9 +35,10 @@ from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks, release_blocks
 from rtp.engine.kv_transfer import KVLayout, KVSink, LayerTaps, layout_of, scatter, token_slots
 from rtp.engine.loader import load_model
 from rtp.engine.runner import ModelRunner
-from rtp.engine.sampler import Sampler, SamplingBatch
+from rtp.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from rtp.engine.tensor_parallel import PlanChannel, spawn_followers, threads_per_rank
 from rtp.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from rtp.errors import EngineFatal, EngineFull, InvalidRequest
 from rtp.models.moe import FusedMoE
 from rtp.sampling_params import SamplingParams
 
@@ -49,7 +50,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None          # "stop" | "length" | "abort"
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | "error" | "remote"
     stop_reason: int | str | None = None      # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled first
     cumulative_logprob: float | None = None
@@ -139,11 +140,13 @@ class LLMEngine:
         self._followers: list = []
         self._channel: PlanChannel | None = None
         tp, ep = config.tensor_parallel_size, config.expert_parallel_size
-        if ep > 1:  # checked before any rank starts: each would only repeat the same dense model
-            checkpoint = ModelConfig.from_hf(open_checkpoint(path).config)
-            if not checkpoint.num_experts:
-                raise ValueError(f"expert_parallel_size {ep}: {checkpoint.architecture} has no experts to split")
         ranks = max(tp, ep)  # config.validate() checked each is 1 or this
+        if ranks > 1 and world_size() == 1:  # checked before any rank starts, so only one reports it
+            checkpoint = ModelConfig.from_hf(open_checkpoint(path).config)
+            if ep > 1 and not checkpoint.num_experts:  # each rank would only repeat the same dense model
+                raise ValueError(f"expert_parallel_size {ep}: {checkpoint.architecture} has no experts to split")
+            if tp > 1:
+                checkpoint.check_tensor_parallel(tp)
         threads = threads_per_rank(ranks)  # a bad RTP_NUM_THREADS fails before any rank starts
         if ranks > 1 and world_size() == 1:  # rank 0 starts the others (under torchrun they exist)
             init, self._followers = spawn_followers(config, ranks)
@@ -218,21 +221,17 @@ class LLMEngine:
         output then finishes with reason "remote" and its blocks are free again (the prompt's
         stays in the prefix cache). A first token that already ends it finishes it as usual."""
         params = params or SamplingParams()
-        params.validate()
         if kv_sink is not None and params.n != 1:
-            raise ValueError("n must be 1 for a request prefilled for another node")
-        if kv_sink is not None and self._taps is None:
-            self._taps = LayerTaps(self.model.attention_layers(), self.runner.kv_caches)
+            raise InvalidRequest("n must be 1 for a request prefilled for another node", "n")
         if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} already exists")
+            raise InvalidRequest(f"request {request_id!r} already exists")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len {self.max_model_len}")
+        self.check_request(ids, params)
+        if kv_sink is not None and self._taps is None:
+            self._taps = LayerTaps(self.model.attention_layers(), self.runner.kv_caches)
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         prompt_ids = np.asarray(ids, dtype=np.int32)
         request = RequestOutput(request_id, text, list(ids), [])
@@ -251,13 +250,29 @@ class LLMEngine:
                                             IncrementalDetokenizer(self.tokenizer, ids,
                                                                    skip_special_tokens=params.skip_special_tokens),
                                             prompt_ids, kv_sink=kv_sink)
-        except (ValueError, OverflowError):
+        except BaseException as e:
             for rid in rids:  # all choices or none
                 self.scheduler.abort(rid)
                 self._seqs.pop(rid, None)
+            if isinstance(e, OverflowError):  # every request slot of the runtime is taken
+                raise EngineFull(str(e)) from None
+            if isinstance(e, ValueError) and not isinstance(e, InvalidRequest):  # e.g. needs more KV than exists
+                raise InvalidRequest(str(e)) from None
             raise
         self._requests[request_id] = rids
         return request
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt") -> None:
+        """Everything about a request that can be refused before it runs, against this model:
+        InvalidRequest naming the field. The HTTP layer calls this too, before it queues."""
+        params.validate()
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", prompt_param)
+        vocab = self.model_config.vocab_size
+        if not all(type(t) is int and 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", prompt_param)
+        params.validate_for(len(prompt_ids), vocab_size=vocab, max_model_len=self.max_model_len,
+                            prompt_param=prompt_param)
 
     def abort_request(self, request_id: str) -> bool:
         reserved = self._reserved.pop(request_id, None)
@@ -281,9 +296,24 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that received tokens (finished ones marked)."""
+        """One engine step; returns the requests that received tokens or finished (marked so).
+
+        Faults are kept where they arise (rtp/errors.py). A failure caused by one request --
+        building its sampling row, sampling it, a token outside the vocabulary, detokenizing,
+        stop strings, its KV hand-off -- finishes that request with an error (`RequestOutput.error`)
+        and the step goes on for the others with the tokens they would have had. A failure of a
+        stage every request shares (schedule, forward, the runtime's update, a collective), or
+        an integrity check that fails after a request was failed, raises EngineFatal."""
         if not self.scheduler.has_unfinished:
             return []
+        try:
+            return self._step()
+        except EngineFatal:
+            raise
+        except Exception as e:
+            raise EngineFatal(f"engine step failed: {e!r}") from e
+
+    def _step(self) -> list[RequestOutput]:
         self.scheduler.schedule()
         plan = self.scheduler.plan
         if plan.num_rows == 0:
@@ -299,35 +329,113 @@ class LLMEngine:
         finally:
             if self._taps is not None:
                 self._taps.disarm()
-        sampled = self.sampler(logits, self._batch(seqs)) if seqs else None
-        tokens = sampled.token_ids.cpu().numpy() if sampled is not None else np.zeros(0, dtype=np.int64)
+        tokens, sampled, failed = self._sample(logits, seqs)
+        for k in failed:  # dropped by update(), which never appends their placeholder token
+            self.scheduler.abort(seqs[k].rid)
         for seq in seqs:
             # read before update(): a request that finishes on its first token leaves the scheduler there
             if not seq.out_ids and seq.output.index == 0:
                 seq.request.num_cached_tokens = self.scheduler.cached_prompt_tokens(seq.rid)
         n = self.scheduler.update(tokens)
         touched: dict[str, RequestOutput] = {}
-        for k, seq in enumerate(seqs):
-            if seq.rid not in self._seqs:
-                continue  # aborted while the step ran
-            try:
-                self._append(seq, k, int(tokens[k]), sampled)
-            except Exception as e:  # a detokenizer or stop-string failure ends this request alone
-                self._fail(seq.request, e)
+        faults = 0
+
+        def fail(seq: _Sequence, error: Exception) -> None:
+            nonlocal faults
+            faults += 1
+            self._fail(seq.request, error)
             touched[seq.request.request_id] = seq.request
+
+        for k, seq in enumerate(seqs):
+            if k in failed:
+                fail(seq, failed[k])
+            elif seq.rid in self._seqs:  # else aborted while the step ran, or failed with a sibling choice
+                try:
+                    self._append(seq, k, int(tokens[k]), sampled)
+                except Exception as e:  # a detokenizer or stop-string failure ends this request alone
+                    fail(seq, e)
+                touched[seq.request.request_id] = seq.request
         finish = self.scheduler.event_finish
         for i in range(n):
             rid = int(self.scheduler.event_req_ids[i])
             reason = FINISH_REASONS[int(finish[i])]
             seq = self._seqs.get(rid)
-            if seq is not None and reason == "remote":
-                self._hand_off(seq, int(self.scheduler.event_tokens[i]))
-            if seq is not None and reason is not None and seq.output.finish_reason is None:
-                self._finish(seq, reason, stop_reason=int(self.scheduler.event_tokens[i])
-                             if reason == "stop" else None)
+            if seq is None or reason is None:
+                continue
+            try:
+                if reason == "remote":
+                    self._hand_off(seq, int(self.scheduler.event_tokens[i]))
+                if seq.output.finish_reason is None:
+                    self._finish(seq, reason, stop_reason=int(self.scheduler.event_tokens[i])
+                                 if reason == "stop" else None)
+            except Exception as e:
+                fail(seq, e)
+        if faults:
+            self._check_integrity()
         if self.balancer is not None:
             self._rebalance_experts()
         return list(touched.values())
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]
+                ) -> tuple[np.ndarray, SamplerOutput | None, dict[int, Exception]]:
+        """One token per sampling row, and the rows whose request faulted (a placeholder token 0
+        stands in for theirs). When sampling the batch raises, each row is sampled alone to find
+        the requests that caused it; the others are then sampled together, as they would have been."""
+        if not seqs:
+            return np.zeros(0, dtype=np.int64), None, {}
+        failed: dict[int, Exception] = {}
+        try:
+            sampled = self.sampler(logits, self._batch(seqs))
+        except Exception as batch_error:
+            for k, seq in enumerate(seqs):
+                try:
+                    self.sampler(logits[k:k + 1], self._batch([seq]))
+                except Exception as e:
+                    failed[k] = e
+            if not failed:  # only together: every row is a suspect
+                failed = dict.fromkeys(range(len(seqs)), batch_error)
+            sampled = self._sample_rows(logits, seqs, failed)
+        if sampled is None:
+            tokens = np.zeros(len(seqs), dtype=np.int64)
+        else:
+            tokens = sampled.token_ids.cpu().numpy()
+        vocab = self.model_config.vocab_size
+        for k in np.flatnonzero((tokens < 0) | (tokens >= vocab)).tolist():
+            if k not in failed:  # NaN logits or a sampler bug under this request's settings
+                failed[k] = RuntimeError(f"sampling produced token id {int(tokens[k])}, outside the "
+                                         f"vocabulary of {vocab}")
+        if failed:
+            tokens = tokens.copy()
+            tokens[list(failed)] = 0
+            log.warning("step: %d of %d sampling rows failed", len(failed), len(seqs))
+        return tokens, sampled, failed
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[_Sequence], failed: dict[int, Exception]
+                     ) -> SamplerOutput | None:
+        """The rows not in `failed`, sampled together and scattered back to full-batch rows."""
+        good = [k for k in range(len(seqs)) if k not in failed]
+        if not good:
+            return None
+        try:
+            out = self.sampler(logits[good], self._batch([seqs[k] for k in good]))
+        except Exception as e:
+            failed.update(dict.fromkeys(good, e))
+            return None
+        index = torch.tensor(good, device=out.token_ids.device)
+
+        def spread(t: torch.Tensor) -> torch.Tensor:
+            full = t.new_zeros((len(seqs), *t.shape[1:]))
+            return full.index_copy_(0, index, t)
+
+        top = None if out.top_logprobs is None else (spread(out.top_logprobs[0]), spread(out.top_logprobs[1]))
+        return SamplerOutput(spread(out.token_ids), None if out.logprobs is None else spread(out.logprobs), top)
+
+    def _check_integrity(self) -> None:
+        """After a request failed mid-step: the runtime's shared state must still hold together."""
+        try:
+            self.scheduler.check_integrity()
+        except Exception as e:
+            raise EngineFatal(f"the runtime's integrity check failed after a request fault: {e!r}") from e
 
     # -- EPLB ---------------------------------------------------------------------------------
 
@@ -397,6 +505,7 @@ class LLMEngine:
                 state = self.scheduler.request_state(seq.rid)
                 taps.append((token_slots(state["block_ids"], self.scheduler.block_size, state["num_tokens"]),
                              seq.kv_sink))
+        self.runner.taps = self._taps  # the runner hands them every layer, whichever path runs the step
         self._taps.arm(taps)
 
     def _hand_off(self, seq: _Sequence, token: int) -> None:
@@ -556,7 +665,14 @@ class LLMEngine:
             self._requests.pop(request.request_id, None)
 
     def _fail(self, request: RequestOutput, error: Exception) -> None:
+        """End a request whose processing raised: its unfinished choices finish with "error",
+        its blocks go back, and `request.error` carries the cause to whoever waits for it."""
+        if request.error is not None:
+            return  # another of its choices failed first
         log.error("request %s failed: %r", request.request_id, error, exc_info=error)
+        for out in request.outputs:
+            if out.finish_reason is None:
+                out.finish_reason = "error"
         self.abort_request(request.request_id)
         request.error = error
         request.finished = True

@@ -43,6 +43,14 @@ from rtp.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _TOP_K_OFF = 1 << 62  # clamped to the vocabulary size at sampling time
+# Parameters become float32 tensors here: a value float32 cannot hold is taken as its limit
+# (a top_p of 1e-300 would round to 0 and cut every token; a temperature of 1e300 to inf,
+# and -inf / inf is NaN), so every row samples a token in the vocabulary.
+_F32 = torch.finfo(torch.float32)
+
+
+def _f32(value: float) -> float:
+    return min(max(value, _F32.tiny), _F32.max)
 
 
 def _splitmix64(x: int) -> int:
@@ -190,7 +198,7 @@ class SamplingBatch:
                 b.prompt_tokens, b.prompt_lengths = _padded(
                     [prompt_ids[i] if params[i].repetition_penalty != 1.0 else ()
                      for i in pen], device)
-                b.repetition = _dev(rep, torch.float32, device)
+                b.repetition = _dev([_f32(r) for r in rep], torch.float32, device)
             freq = [params[i].frequency_penalty for i in pen]
             pres = [params[i].presence_penalty for i in pen]
             if any(freq):
@@ -210,20 +218,20 @@ class SamplingBatch:
             return b
         b.random_rows = _rows(rand, n, device)
         rp = [params[i] for i in rand]
-        b.temperature = _dev([p.temperature for p in rp], torch.float32, device)
+        b.temperature = _dev([_f32(p.temperature) for p in rp], torch.float32, device)
         if any(p.min_p > 0.0 for p in rp):
             b.min_p = _dev([p.min_p for p in rp], torch.float32, device)
         trunc = [j for j, p in enumerate(rp) if p.top_k > 0 or p.top_p < 1.0]
         if trunc:
             b.any_trunc = True
             b.trunc_rows = _rows(trunc, len(rp), device)
-            k = [rp[j].top_k if rp[j].top_k > 0 else _TOP_K_OFF for j in trunc]
+            k = [min(rp[j].top_k, _TOP_K_OFF) if rp[j].top_k > 0 else _TOP_K_OFF for j in trunc]
             if any(rp[j].top_k > 0 for j in trunc):
                 b.top_k = _dev(k, torch.int64, device)
-                b.max_top_k = max(rp[j].top_k for j in trunc)
+                b.max_top_k = min(max(rp[j].top_k for j in trunc), _TOP_K_OFF)
             if any(rp[j].top_p < 1.0 for j in trunc):
                 # off rows get inf: a cumulative sum that rounds past 1.0 must not cut them
-                top_p = [rp[j].top_p if rp[j].top_p < 1.0 else float("inf") for j in trunc]
+                top_p = [_f32(rp[j].top_p) if rp[j].top_p < 1.0 else float("inf") for j in trunc]
                 b.top_p = _dev(top_p, torch.float32, device)
         for j, i in enumerate(rand):
             seed = params[i].seed if seeds is None else seeds[i]
@@ -307,6 +315,8 @@ class Sampler:
     def _sample(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Random rows only: temperature, min_p, top_k/top_p, inverse-CDF draw."""
         x.div_(batch.temperature.unsqueeze(1))
+        if batch.any_penalty:  # a penalised logit near float32's limit over a small temperature
+            x.clamp_(max=_F32.max)
         if batch.min_p is not None:
             probs = x.softmax(dim=-1)
             floor = probs.amax(dim=-1, keepdim=True) * batch.min_p.unsqueeze(1)
@@ -346,6 +356,9 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
         xp -= batch.frequency.unsqueeze(1) * counts
     if batch.presence is not None:
         xp -= batch.presence.unsqueeze(1) * (counts > 0).to(torch.float32)
+    # a penalty near float32's limits can push a logit to +inf, and softmax over +inf is NaN;
+    # -inf (a masked token) stays
+    xp.clamp_(max=_F32.max)
     if rows is None:
         if xp is not x:
             x.copy_(xp)

@@ -118,7 +118,14 @@ def spawn_followers(config, size: int) -> tuple[str, list]:
 def _follower_main(config, rank: int, size: int, init: str) -> None:
     from rtp.engine.engine import LLMEngine
 
-    torch.set_num_threads(threads_per_rank(size))
-    init_parallel(config.tensor_parallel_size, config.expert_parallel_size, rank, init_method=init)
-    LLMEngine(config).follow()
+    try:
+        torch.set_num_threads(threads_per_rank(size))
+        init_parallel(config.tensor_parallel_size, config.expert_parallel_size, rank, init_method=init)
+        LLMEngine(config).follow()
+    except Exception as e:
+        # rank 0 meets the same error (the same load, or the collective this rank left) and
+        # reports it; a second traceback from here would only bury that one line
+        log.error("tensor-parallel rank %d stopped: %s", rank, e)
+        log.debug("rank %d", rank, exc_info=e)
+        raise SystemExit(1) from None
 

@@ -55,7 +55,7 @@ class Update:
 
 
 class EngineDead(RuntimeError):
-    """A step failed outside any one request; nothing more can be trusted to run."""
+    """A step failed outside any one request (EngineFatal); nothing more can be trusted to run."""
 
 
 class Stream:
@@ -65,10 +65,11 @@ class Stream:
     so a slow client costs one wake-up, not one per token.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]]):
+    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], n: int = 1):
         self.engine = engine
         self.request_id = request_id
         self.prompts = prompts
+        self.n = n  # sequences per prompt
         self.arrival = time.monotonic()
         self.first_token: list[float | None] = [None] * len(prompts)
         self.last_token: list[float] = [0.0] * len(prompts)
@@ -125,10 +126,10 @@ class AsyncEngine:
         self.prefill_tokens_per_ms = 0.0
         self._prefill_tokens = self._prefill_ms = 0.0
         self.decode_step_ms = 0.0
-        self.num_unstarted = 0             # prompts submitted that have not produced a token yet
+        self.num_unstarted = 0             # sequences (prompts x n) submitted that have no token yet
         self.dead: BaseException | None = None
-        # called (on the engine thread) when the engine dies; the server exits when the engine is
-        # tensor-parallel, as a rank that died takes the group down
+        # called (on the engine thread) when the engine dies, after every request in flight was
+        # failed: the server exits non-zero then, for its supervisor to restart it
         self.on_dead: Callable[[BaseException], None] | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
@@ -184,6 +185,10 @@ class AsyncEngine:
             self._go.set()
             self._thread.join(timeout)
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt") -> None:
+        """LLMEngine.check_request, from the loop: it reads only limits fixed at load."""
+        self.engine.check_request(prompt_ids, params, prompt_param)
+
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                kv_sink=None) -> Stream:
         """Queue one engine request per prompt; their updates arrive on the returned Stream.
@@ -191,9 +196,9 @@ class AsyncEngine:
         (LLMEngine.add_request); such a stream feeds no client-facing metrics."""
         if self.dead is not None:
             raise EngineDead(f"the engine failed: {self.dead!r}")
-        stream = Stream(self, request_id, prompts)
+        stream = Stream(self, request_id, prompts, params.n)
         stream.internal = kv_sink is not None
-        self.num_unstarted += len(prompts)
+        self.num_unstarted += len(prompts) * params.n
         for i, (engine_id, ids) in enumerate(zip(stream.engine_ids(), prompts)):
             self._commands.put(("add", stream, i, engine_id, ids, params, kv_sink))
         return stream
@@ -225,7 +230,7 @@ class AsyncEngine:
 
     def _close(self, stream: Stream) -> None:
         unstarted = sum(t is None for t in stream.first_token)
-        self.num_unstarted -= unstarted
+        self.num_unstarted -= unstarted * stream.n
         if stream.unfinished:
             self._commands.put(("abort", stream.engine_ids()))
             if stream.internal:
@@ -244,7 +249,7 @@ class AsyncEngine:
             i = update.prompt
             if stream.first_token[i] is None:
                 stream.first_token[i] = now
-                self.num_unstarted -= 1
+                self.num_unstarted -= stream.n
                 if metrics is not None and update.error is None:
                     metrics.on_first_token(stream, i, now, step_started)
             elif metrics is not None:
@@ -275,8 +280,7 @@ class AsyncEngine:
         try:
             while self._once():
                 pass
-        except BaseException as e:  # a bug here, not in a request: say so on /health, fail what runs
-            log.exception("the engine thread failed")
+        except BaseException as e:  # a bug here, not in a request: fail what runs, and exit
             self._die(e)
         finally:
             if self.dead is None:
@@ -372,9 +376,8 @@ class AsyncEngine:
             outputs = self.engine.step()
             self._measure(time.monotonic() - started)
         except Exception as e:
-            # not attributable to one request (the engine isolates those), so nothing more can be
-            # trusted to run: fail them all, and stay up to answer /health with the cause
-            log.exception("engine step failed")
+            # not attributable to one request (the engine fails those alone and steps on), so
+            # nothing more can be trusted to run: fail them all, and let the server exit
             self._die(e)
             return
         batch = []
@@ -414,6 +417,8 @@ class AsyncEngine:
             self.decode_step_ms = ms if not self.decode_step_ms else 0.8 * self.decode_step_ms + 0.2 * ms
 
     def _die(self, error: BaseException) -> None:
+        # one record, its first line the cause, for whoever is paged; the traceback follows it
+        log.critical("engine failed, no more requests can run: %s", error, exc_info=error)
         self.dead = error
         dead = EngineDead(repr(error))
         self._post([(live.stream, Update(live.prompt, [], finished=True, error=dead))

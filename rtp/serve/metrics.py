@@ -63,6 +63,7 @@ class ServerMetrics:
                                           "decode node's acknowledgement of the KV: the part of the transfer the "
                                           "prefill of later layers did not hide.", _LATENCY_BUCKETS)
         self.read_stats: Callable[[], dict] = dict  # set by whoever owns the engine
+        self.read_healthy: Callable[[], bool] = lambda: True  # likewise: False once the engine died
         self.registry.register(_EngineCollector(self))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and friends
 
@@ -125,6 +126,8 @@ class _EngineCollector:
             c.add_metric(name, value)
             return c
 
+        yield gauge("engine_healthy", "1 while the engine can run requests, 0 once it failed (the server "
+                    "then exits).", 1.0 if self.metrics.read_healthy() else 0.0)
         yield gauge("num_requests_running", "Sequences in the running batch.", s.get("num_running", 0))
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.get("num_waiting", 0))
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",

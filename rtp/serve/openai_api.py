@@ -20,6 +20,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -29,11 +30,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from rtp.errors import EngineFull, InvalidRequest
 from rtp.sampling_params import SamplingParams
 from rtp.serve.async_engine import AsyncEngine, EngineDead, Stream
 from rtp.serve.metrics import ServerMetrics
 from rtp.serve.pd import PDNode, PeerError
 from rtp.serve.protocol import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -45,6 +49,7 @@ from rtp.serve.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    asks_for,
     encoder,
 )
 from rtp.serve.render import ChatRender, CompletionRender
@@ -53,8 +58,19 @@ from rtp.serve.streams import EventStream
 log = logging.getLogger("rtp.serve")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-                503: "service_unavailable"}
+                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                500: "server_error", 503: "service_unavailable"}
+_OFF_LOOP_CHARS = 16 << 10  # prompts this long or longer are tokenized off the event loop
+_ignored_fields: set[str] = set()
+
+
+def _log_ignored(path: str, names) -> None:
+    """Unknown fields are ignored, as vLLM does; each name is logged once at WARNING (a client that
+    always sends one would otherwise double the log), later at DEBUG."""
+    new = sorted(set(names) - _ignored_fields)
+    _ignored_fields.update(new)
+    log.log(logging.WARNING if new else logging.DEBUG, "%s: ignoring unknown fields %s", path,
+            ", ".join(sorted(names)))
 
 
 class APIError(Exception):
@@ -72,9 +88,11 @@ class APIError(Exception):
 
 
 def _engine_error(e: Exception) -> APIError:
-    """The error an engine-side failure of one request shows its client."""
-    if isinstance(e, ValueError):  # the engine refused the input
-        return APIError(400, str(e), _param_of(str(e)))
+    """The error an engine-side failure of one request shows its client (rtp/errors.py)."""
+    if isinstance(e, InvalidRequest):  # refused before it ran
+        return APIError(400, str(e), e.param)
+    if isinstance(e, EngineFull):
+        return APIError(503, f"the server is overloaded: {e}", headers={"Retry-After": "1"})
     if isinstance(e, EngineDead):
         return APIError(503, f"the engine is down: {e}")
     if isinstance(e, PeerError):  # the decode node failed it: another pair may not (the master retries)
@@ -82,13 +100,9 @@ def _engine_error(e: Exception) -> APIError:
     return APIError(500, f"the request failed: {e!r}")
 
 
-_SAMPLING_FIELDS = set(SamplingParams.__struct_fields__) | {"stop"}
-
-
-def _param_of(message: str) -> str | None:
-    """SamplingParams and the engine name the field first ("top_p must be ...")."""
-    word = message.split(" ", 1)[0]
-    return word if word in _SAMPLING_FIELDS else None
+def _json_media_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 async def _until_disconnected(request: Request, work) -> None:
@@ -130,6 +144,8 @@ class OpenAIServing:
         self.max_queue = max_queue
         self.draining = False
         self.created = int(time.time())
+        # one thread: large prompts are tokenized one at a time, beside the loop and the engine
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="rtp-tokenize")
 
     def routes(self) -> list[Route]:
         api = self._api
@@ -170,7 +186,13 @@ class OpenAIServing:
             raise APIError(401, "missing or incorrect API key (send Authorization: Bearer <key>)",
                            headers={"WWW-Authenticate": "Bearer"})
 
-    async def _decode(self, request: Request, kind: type):
+    async def _decode(self, request: Request, kind: type, unsupported: tuple[str, ...] = ()):
+        """The body as `kind`. 415 for a body that does not say it is JSON (text/plain is a request
+        any web page can send cross-origin without asking), 413 past the size limit, 400 for what
+        does not decode (named where msgspec names it) or asks for a field rtp does not implement."""
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not _json_media_type(content_type):
+            raise APIError(415, f"the body must be JSON (Content-Type: application/json), not {content_type}")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise APIError(413, f"the body has {length} bytes, more than the limit of {self.max_body_bytes}")
@@ -180,14 +202,26 @@ class OpenAIServing:
             if size > self.max_body_bytes:
                 raise APIError(413, f"the body exceeds the limit of {self.max_body_bytes} bytes")
             chunks.append(chunk)
+        data = b"".join(chunks)
         try:
-            return msgspec.json.decode(b"".join(chunks), type=kind)
+            body = msgspec.json.decode(data, type=kind)
+            keys = msgspec.json.decode(data, type=dict[str, msgspec.Raw]).keys()  # a scan, values unparsed
         except msgspec.ValidationError as e:
             # "Expected `int`, got `str` - at `$.n`", "Object missing required field `prompt`"
             where = re.search(r"`\$\.(\w+)|required field `(\w+)`", str(e))
             raise APIError(400, str(e), where and (where.group(1) or where.group(2))) from None
         except msgspec.DecodeError as e:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "the body is nested too deeply") from None
+        n = getattr(body, "n", 1)
+        for name in unsupported:
+            if asks_for(name, getattr(body, name), n):
+                raise APIError(400, f"`{name}` is not supported by rtp", name)
+        unknown = keys - set(kind.__struct_fields__)
+        if unknown:
+            _log_ignored(request.url.path, unknown)
+        return body
 
     def _model(self, name: str | None) -> str:
         if name is None:
@@ -200,14 +234,14 @@ class OpenAIServing:
     # -- generation --------------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body = await self._decode(request, CompletionRequest)
+        body = await self._decode(request, CompletionRequest, UNSUPPORTED_COMPLETION)
         model = self._model(body.model)
-        texts, prompts = self._completion_prompts(body.prompt)
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
         params = self._params(body, body.max_tokens, body.logprobs)
+        texts, prompts = await self._completion_prompts(body.prompt)
         for ids in prompts:
-            self._check_length(len(ids), body.max_tokens, "prompt")
+            self._check(ids, params, "prompt")
         stream = await self._start(request, "cmpl", prompts, params)
         echo = [t if t is not None else self.tokenizer.decode(p) for t, p in zip(texts, prompts)] \
             if body.echo else None
@@ -216,21 +250,21 @@ class OpenAIServing:
         return await self._respond(request, body, stream, render)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await self._decode(request, ChatCompletionRequest)
+        body = await self._decode(request, ChatCompletionRequest, UNSUPPORTED_CHAT)
         model = self._model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        self._check_length(len(ids), max_tokens, "messages")
+        ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        self._check(ids, params, "messages")
         stream = await self._start(request, "chatcmpl", [ids], params)
         render = ChatRender(stream.request_id, model, self.tokenizer, [ids], params.n,
                             top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         return await self._respond(request, body, stream, render)
 
-    def _completion_prompts(self, prompt) -> tuple[list[str | None], list[list[int]]]:
-        """(texts, token ids) of each prompt of a completion request, checked."""
+    async def _completion_prompts(self, prompt) -> tuple[list[str | None], list[list[int]]]:
+        """(texts, token ids) of each prompt of a completion request."""
         if isinstance(prompt, str) or not prompt or all(isinstance(t, int) for t in prompt):
             items = [prompt]  # one prompt ([] is one empty prompt)
         elif all(isinstance(p, (str, list)) for p in prompt):
@@ -238,23 +272,27 @@ class OpenAIServing:
         else:
             raise APIError(400, "prompt must be a string, a list of strings, a list of token ids "
                            "or a list of token id lists", "prompt")
-        texts, prompts = [], []
-        for item in items:
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else item
-            if not ids:
-                raise APIError(400, "the prompt is empty", "prompt")
-            if isinstance(item, list) and not all(0 <= t < self.engine.vocab_size for t in item):
-                raise APIError(400, f"prompt token ids must be in [0, {self.engine.vocab_size})", "prompt")
-            texts.append(item if isinstance(item, str) else None)
-            prompts.append(ids)
+        texts = [item if isinstance(item, str) else None for item in items]
+        size = sum(len(t) for t in texts if t is not None)
+        prompts = await self._off_loop(size, lambda: [self.tokenizer.encode(item) if isinstance(item, str)
+                                                      else item for item in items])
         return texts, prompts
 
-    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     kwargs: dict | None) -> list[int]:
+    async def _off_loop(self, size: int, work):
+        """Run `work` (tokenizing, rendering a template) here when the text is small, else on the
+        tokenizing thread: a prompt of megabytes takes seconds, and the loop must keep answering."""
+        if size < _OFF_LOOP_CHARS:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
+
+    async def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                           kwargs: dict | None) -> list[int]:
         if not messages:
             raise APIError(400, "messages is empty", "messages")
-        plain = []
-        for m in messages:
+        plain, size = [], 0
+        for i, m in enumerate(messages):
+            if asks_for("tool_calls", m.tool_calls):
+                raise APIError(400, f"messages[{i}].tool_calls: tool calls are not supported by rtp", "messages")
             content = m.content
             if isinstance(content, list):
                 if any(part.type != "text" for part in content):
@@ -263,15 +301,19 @@ class OpenAIServing:
             message = {"role": m.role, "content": content or ""}
             if m.name is not None:
                 message["name"] = m.name
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
             plain.append(message)
+            size += len(message["content"])
+
+        def render() -> list[int]:
+            return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=True, **(kwargs or {}))
+
         try:
-            ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, **(kwargs or {}))
+            return await self._off_loop(size, render)
         except Exception as e:  # the template rejected these messages (raise_exception, bad roles)
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
-        if not ids:
-            raise APIError(400, "the prompt is empty", "messages")
-        return ids
 
     def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         def given(value, default):
@@ -288,24 +330,21 @@ class OpenAIServing:
                 stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output)
-        except ValueError as e:
-            raise APIError(400, str(e), _param_of(str(e))) from None
+        except InvalidRequest as e:
+            raise APIError(400, str(e), e.param) from None
 
-    def _check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
-                           f"prompt has {prompt_len} tokens, which leaves no room for a completion.", param)
-        if max_tokens is not None and prompt_len + max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
-                           f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                           f"{max_tokens} in the completion). Please reduce the length.", "max_tokens")
+    def _check(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        """The engine's own admission check (LLMEngine.check_request), here before anything is queued."""
+        try:
+            self.engine.check_request(ids, params, param)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), e.param) from None
 
     async def _start(self, request: Request, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
         """Run the request here, or on a prefill node through its decode node (rtp/serve/pd.py)."""
         if self.pd is None or not self.pd.relays(len(prompts), params):
             return self._submit(kind, prompts, params)
-        self._admit()
+        self._admit(1)
         try:
             peer = self.pd.peer_for(request.headers)
             return await self.pd.start(f"{kind}-{uuid.uuid4().hex}", prompts[0], params, peer)
@@ -313,15 +352,20 @@ class OpenAIServing:
             log.warning("%s", e)
             raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
 
-    def _admit(self) -> None:
+    def _admit(self, sequences: int) -> None:
+        """Room in the queue for `sequences` more (prompts x n): the queue bounds the work waiting,
+        so one request of many prompts or a large n cannot lock everyone else out."""
+        if self.engine.dead is not None:
+            raise APIError(503, f"the engine is down: {self.engine.dead}")
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
-        if self.engine.num_unstarted >= self.max_queue:
-            raise APIError(503, f"the server is overloaded: {self.engine.num_unstarted} requests are "
-                           f"waiting (limit {self.max_queue}); retry later", headers={"Retry-After": "1"})
+        waiting = self.engine.num_unstarted
+        if waiting + sequences > self.max_queue and (waiting or sequences > self.max_queue):
+            raise APIError(503, f"the server is overloaded: {waiting} sequences are waiting and this request "
+                           f"adds {sequences} (limit {self.max_queue}); retry later", headers={"Retry-After": "1"})
 
     def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
-        self._admit()
+        self._admit(len(prompts) * params.n)
         try:
             return self.engine.submit(f"{kind}-{uuid.uuid4().hex}", prompts, params)
         except EngineDead as e:
@@ -377,9 +421,10 @@ class OpenAIServing:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = self._chat_prompt(body.messages, body.add_generation_prompt, None)
+            ids = await self._chat_prompt(body.messages, body.add_generation_prompt, None)
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await self._off_loop(len(body.prompt), lambda: self.tokenizer.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens))
         return Response(encoder.encode(TokenizeResponse(len(ids), self.max_model_len, ids)),
                         media_type="application/json")
 

@@ -2,9 +2,13 @@
 
 Requests decode straight from the body bytes (`msgspec.json.decode(body, type=...)`):
 a wrong type fails there, with the path of the field, before any handler code runs.
-Unknown fields are ignored, as the OpenAI API and vLLM do. Field names and defaults
-follow the OpenAI API; the sampling extras (top_k, min_p, repetition_penalty,
-stop_token_ids, ignore_eos, ...) follow vLLM.
+Field names and defaults follow the OpenAI API; the sampling extras (top_k, min_p,
+repetition_penalty, stop_token_ids, ignore_eos, ...) follow vLLM.
+
+Fields that would change what a request returns and that rtp does not implement are
+declared too (typed `Any`, so any value decodes), for the handler to refuse by name
+(`asks_for`) instead of answering as if they were absent. Fields nobody declares are
+ignored, as vLLM does, and the handler logs their names.
 """
 
 from __future__ import annotations
@@ -17,11 +21,52 @@ from msgspec import Struct
 # -- requests -------------------------------------------------------------------------------
 
 
+# What each unsupported field looks like when it asks for nothing: None, false, "" and empty
+# containers always; the values below too (the OpenAI client sends some of them by default).
+_INERT: dict[str, tuple] = {
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "length_penalty": (1, 1.0),
+    "spaces_between_special_tokens": (True,),
+}
+
+
+def asks_for(name: str, value, n: int = 1) -> bool:
+    """Whether an unsupported field's value asks for something rtp would not do."""
+    if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
+        return False
+    if name == "best_of":  # best of n when n are returned anyway: every one is returned
+        return value != n and value != 1
+    return value not in _INERT.get(name, ())
+
+
+class _Unsupported(Struct, kw_only=True):
+    """Fields of the OpenAI API and vLLM's extras that rtp does not implement (see asks_for)."""
+
+    logit_bias: Any = None
+    response_format: Any = None
+    best_of: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    spaces_between_special_tokens: Any = None
+
+
 class StreamOptions(Struct):
     include_usage: bool = False
 
 
-class _Sampling(Struct, kw_only=True):
+class _Sampling(_Unsupported, kw_only=True):
     """Fields both generation endpoints share; None means the API's default."""
 
     model: str | None = None
@@ -52,6 +97,8 @@ class CompletionRequest(_Sampling, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: Any = None        # unsupported
+    prompt_embeds: Any = None  # unsupported
 
 
 class TextPart(Struct):
@@ -63,6 +110,8 @@ class ChatMessage(Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Any = None    # unsupported
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -73,6 +122,25 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # unsupported
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    echo: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    documents: Any = None
+
+
+UNSUPPORTED_COMPLETION = tuple(_Unsupported.__struct_fields__) + ("suffix", "prompt_embeds")
+UNSUPPORTED_CHAT = tuple(_Unsupported.__struct_fields__) + (
+    "tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
+    "web_search_options", "echo", "continue_final_message", "chat_template", "documents")
 
 
 class TokenizeRequest(Struct, kw_only=True):

@@ -5,6 +5,10 @@ Shutdown: SIGTERM (or SIGINT) marks the server draining -- new requests get 503,
 the grace period for in-flight requests to finish. Whatever still runs after it
 is cancelled (which aborts it in the engine), the engine thread stops, and the
 process exits 0. A second signal exits at once, with status 1.
+
+A fatal engine failure (rtp/errors.py EngineFatal) fails every request in flight,
+turns /health, /rpc/stats and /metrics' rtp:engine_healthy to failure at once, and
+the process exits with status 1 within a second, for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from rtp.config import EngineConfig
 log = logging.getLogger("rtp.serve")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_FATAL_GRACE = 0.5  # seconds the server lingers after its engine failed, to finish writing the errors
 
 
 @dataclass
@@ -62,15 +67,16 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     async_engine = AsyncEngine.load(lambda: LLMEngine(config), metrics)
     metrics.read_stats = lambda: async_engine.stats
     pd = PDNode(async_engine, metrics, role=options.role, model_name=names[0], token=options.rpc_token,
-                decode_peer=options.decode_peer, lease_seconds=options.kv_lease)
-    if options.rpc_token is None and options.role != "collocated":
+                api_key=options.api_key, decode_peer=options.decode_peer, lease_seconds=options.kv_lease)
+    if options.rpc_token is None and options.api_key is None and options.role != "collocated":
         log.warning("the /rpc routes are open to anyone who can reach %s:%d: pass --rpc-token", options.host,
                     options.port)
     serving = OpenAIServing(async_engine, metrics, model_names=names, api_key=options.api_key,
                             max_body_bytes=options.max_body_bytes, max_queue=options.max_queue, pd=pd)
+    metrics.read_healthy = lambda: async_engine.dead is None
     asyncio.run(_run(serving, options))
-    if async_engine.dead is not None and config.tensor_parallel_size > 1:
-        log.error("exiting: a tensor-parallel rank failed (%r)", async_engine.dead)
+    if async_engine.dead is not None:  # for the supervisor (systemd, Kubernetes) to restart it
+        log.error("exiting with status 1: the engine failed (%s)", async_engine.dead)
         return 1
     log.info("server stopped")
     return 0
@@ -125,22 +131,26 @@ async def _run(serving, options: ServeOptions) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, drain, sig.name)
+
+    def engine_failed() -> None:
+        # every request in flight has been failed already (AsyncEngine._die): nothing to drain
+        # but the error responses themselves, which are written by now or within moments
+        serving.draining = True
+        config.graceful_timeout = min(config.graceful_timeout, _FATAL_GRACE)
+        stop.set()
+
+    # on the engine thread, the moment it dies (/health, /metrics and /rpc/stats already say so)
+    serving.engine.on_dead = lambda error: loop.call_soon_threadsafe(engine_failed)
     watch = None
     if serving.engine.engine.config.tensor_parallel_size > 1:
-        def rank_failed(error: BaseException) -> None:  # engine thread: the group is gone, stop serving
-            serving.draining = True
-            loop.call_soon_threadsafe(stop.set)
-
         async def watch_followers() -> None:  # an idle server notices a dead rank too
             while not stop.is_set():
                 await asyncio.sleep(1.0)
                 if not serving.engine.engine.followers_alive():
                     serving.engine.dead = serving.engine.dead or RuntimeError(
                         "a tensor-parallel follower process exited")
-                    serving.draining = True
-                    stop.set()
+                    engine_failed()
 
-        serving.engine.on_dead = rank_failed
         watch = asyncio.create_task(watch_followers())
     app = build_app(serving, lifespan)
     role = serving.pd.role if serving.pd is not None else "collocated"
