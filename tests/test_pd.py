@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import select
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -329,6 +331,144 @@ def test_a_client_that_leaves_aborts_on_both_nodes(nodes):
         httpx.post(p.url + "/v1/completions", json=long, timeout=0.3)
     wait_idle(p, d)
     assert pd_events(p).get("aborted", 0) - before == 2
+
+
+def _tokens(server: Server, text: str) -> list[int]:
+    return httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]
+
+
+def test_one_token_and_fully_cached_prompts_cross_the_pair(nodes, clients):
+    """A prompt with one token left to compute -- one token long, or found in the prefill node's
+    cache but for its last token -- makes a one-token step, which must hand the decode node every
+    layer's KV like any other (tests/test_kv_taps.py has each step shape)."""
+    pd, colo = clients
+    long = _tokens(nodes["collocated"], "The history of the printing press begins in the fifteenth century, "
+                                        "when movable type changed how books were made and read. " * 2)
+    cached = long[:33]  # 33 tokens: two blocks of 16 in the prefix cache after a first run, one left
+    before = pd_events(nodes["prefill"]).get("decoded", 0)
+    args = {"model": MODEL, "temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    for prompt in ("hi", cached):
+        runs = [(client.completions.create(prompt=prompt, **args), client.completions.create(prompt=prompt, **args))
+                for client in (pd, colo)]
+        (first, again), (want_first, want_again) = runs
+        assert first.choices[0].text == want_first.choices[0].text and first.choices[0].text, prompt
+        assert again.choices[0].text == want_again.choices[0].text, prompt
+        if prompt is cached:
+            assert again.usage.prompt_tokens_details.cached_tokens == len(cached) - 1
+    assert pd_events(nodes["prefill"]).get("decoded", 0) - before == 4  # all through the decode node
+    wait_idle(nodes["prefill"], nodes["decode"])
+
+
+def _raw_post(server: Server, path: str, headers: dict[str, str], body=None) -> tuple[bytes, int]:
+    """POST on a bare socket: (the start of the answer, body bytes sent). body(sock) sends what it
+    wants and returns the count; the answer may be empty when the server closed on it."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: {rpc.CONTENT_TYPE}\r\n"
+        s.sendall((head + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode())
+        sent = body(s) if body is not None else 0
+        try:
+            return s.recv(4096), sent
+        except OSError:
+            return b"", sent
+
+
+def test_rpc_bodies_are_bounded_as_they_are_read(nodes):
+    """Credentials before the body; then a Content-Length over the limit is refused at once, and a
+    body without one is counted as it streams: neither is buffered whole."""
+    d = nodes["decode"]
+    huge = str(400 << 20)
+    start = time.monotonic()
+    answer, _ = _raw_post(d, "/rpc/stats", {"content-length": huge})  # no token: 401, nothing read
+    assert answer.startswith(b"HTTP/1.1 401")
+    answer, _ = _raw_post(d, "/rpc/stats", {"content-length": huge, rpc.TOKEN_HEADER: TOKEN})
+    assert answer.startswith(b"HTTP/1.1 413")
+    assert time.monotonic() - start < 5  # not waiting for 400 MiB that never comes
+
+    def chunked(s: socket.socket) -> int:
+        chunk = b"%x\r\n" % (1 << 20) + bytes(1 << 20) + b"\r\n"
+        sent = 0
+        try:
+            while sent < 400 << 20 and not select.select([s], [], [], 0)[0]:  # until the server answers
+                s.sendall(chunk)
+                sent += 1 << 20
+        except OSError:  # it answered and closed
+            pass
+        return sent
+
+    answer, sent = _raw_post(d, "/rpc/reserve", {"transfer-encoding": "chunked", rpc.TOKEN_HEADER: TOKEN}, chunked)
+    assert sent < 64 << 20, f"{sent >> 20} MiB sent before the server refused"
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 413"), answer[:100]
+    status, e = call(d.url, "/rpc/abort", b"\x82" + msgspec.msgpack.encode("version") + b"\x01"
+                     + msgspec.msgpack.encode("request_id") + b"\x91" * 50_000 + b"\xc0")
+    assert status == 400 and "recursion" in e.message
+    assert httpx.get(d.url + "/health").status_code == 200
+    wait_idle(d)
+
+
+def test_the_kv_port_refuses_a_stranger_before_reading(nodes):
+    d = nodes["decode"]
+    _, reply = _reserve(d, "stranger-1")
+    assert reply.kv_port > 0 and reply.kv_timeout > 0
+    with socket.create_connection(("127.0.0.1", reply.kv_port), timeout=10) as s:
+        s.sendall(rpc.LENGTH.pack((16 << 20) - 1))  # "a 16 MiB first frame follows"
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    (n,) = rpc.LENGTH.unpack(data[:4])
+    error = rpc.decode(rpc.RPCError, data[4:4 + n])
+    assert error.status == 400 and "frame header" in error.message
+    assert stats(d).num_reserved == 1  # a stranger cannot end a reservation
+    call(d.url, "/rpc/abort", rpc.AbortRequest(version=1, request_id="stranger-1"))
+    wait_idle(d, timeout=LEASE / 2)
+
+
+def test_a_closed_decode_stream_aborts_on_the_decode_node(nodes):
+    """Without an abort RPC: the prefill node's connection closing is enough."""
+    d = nodes["decode"]
+    layout = stats(d).kv_layout
+    status, reply = call(d.url, "/rpc/reserve", rpc.ReserveRequest(
+        version=1, request_id="closed-1", prompt_token_ids=list(range(100, 140)),
+        params=SamplingParams(max_tokens=400, ignore_eos=True), kv_layout=layout), kind=rpc.ReserveResponse)
+    assert status == 200, reply
+    frames = []
+    for layer in range(len(layout.layers)):
+        n = 40 * layout.token_bytes(layer)
+        frames += [rpc.frame(rpc.KVFrame(version=1, request_id="closed-1", layer=layer, num_tokens=40, nbytes=n)),
+                   bytes(n)]
+    assert call(d.url, "/rpc/push_kv", b"".join(frames), kind=rpc.PushResponse)[0] == 200
+    body = rpc.encode(rpc.DecodeRequest(version=1, request_id="closed-1", first_token=5))
+    with httpx.stream("POST", d.url + "/rpc/decode", content=body, headers={rpc.TOKEN_HEADER: TOKEN},
+                      timeout=30) as r:
+        chunks = r.iter_bytes()
+        next(chunks)
+        next(chunks)
+        assert stats(d).num_running == 1
+    wait_idle(d, timeout=3.0)  # 400 tokens take far longer
+
+
+def test_an_abort_that_overtakes_its_reserve_still_frees_the_blocks(nodes):
+    d = nodes["decode"]
+    layout = stats(d).kv_layout
+
+    def reserve(request_id: str):
+        return call(d.url, "/rpc/reserve", rpc.ReserveRequest(
+            version=1, request_id=request_id, prompt_token_ids=list(range(100, 140)),
+            params=SamplingParams(max_tokens=8), kv_layout=layout), kind=rpc.ReserveResponse)
+
+    def abort(request_id: str):
+        return call(d.url, "/rpc/abort", rpc.AbortRequest(version=1, request_id=request_id), kind=rpc.AbortResponse)
+
+    status, reply = abort("overtaken-0")
+    assert status == 200 and not reply.found
+    status, e = reserve("overtaken-0")
+    assert status == 409 and "aborted" in e.message
+    # both in flight at once, whichever lands first
+    with ThreadPoolExecutor(16) as pool:
+        done = [(pool.submit(reserve, f"overtaken-{i}"), pool.submit(abort, f"overtaken-{i}")) for i in range(1, 13)]
+        outcomes = [(r.result()[0], a.result()[1].found) for r, a in done]
+    assert all(status in (200, 409) for status, _ in outcomes), outcomes
+    wait_idle(d, timeout=LEASE / 2)  # before any lease could have expired
 
 
 def test_a_decode_node_that_dies_fails_the_stream_and_frees_the_prefill_node(nodes):

@@ -9,11 +9,14 @@ the other's.
 
 The prefill node gathers a layer as soon as that layer's attention has written it
 (`LayerTaps`, a forward hook per attention layer), so the transfer of layer l
-proceeds while layers l+1.. still compute, instead of after the whole forward.
+proceeds while layers l+1.. still compute, instead of after the whole forward; a
+step that replays a graph (no Python between layers) hands every layer over once
+the replay is done.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 from typing import Protocol
 
@@ -106,29 +109,62 @@ def scatter(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor | bytes |
 
 
 class LayerTaps:
-    """Forward hooks on the attention layers that hand each layer's KV of chosen requests to
-    their sinks as soon as that layer has written it.
+    """Hands each layer's KV of chosen requests to their sinks: layer by layer while an eager
+    forward runs (a forward hook per attention layer), or all at once after a forward that runs
+    no Python between layers (a CPU graph replay, a compiled graph).
 
     `arm(taps)` before a forward, `disarm()` after: a tap is (slots, sink) and the sink's
     `put_layer(layer, kv)` gets a copy (the blocks may be reused once the step ends; the copy
-    is what crosses to the sending thread). The hooks cost one attribute test per layer
-    while nothing is armed. Installed only on nodes that prefill for others, so a compiled
-    decode graph elsewhere never sees them."""
+    is what crosses to the sending thread). The model runner owns the delivery: the hooks hand
+    a layer over only inside `per_layer()` (its eager forward), and `complete()` after every
+    forward hands over each layer not yet handed over -- so every sink gets every layer once,
+    whichever path ran the step (decode-only graph replay, eager, mixed), and a compiled graph
+    never runs a hook that would hand over a layer. The hooks cost one attribute test per layer
+    otherwise."""
 
     def __init__(self, layers: list[torch.nn.Module], kv_caches: list[torch.Tensor]):
         self.kv_caches = kv_caches
         self.taps: list[tuple[torch.Tensor, KVSink]] = []
+        self.live = False  # True only inside per_layer(): the hooks hand layers over
+        self.sent = [False] * len(kv_caches)  # per layer, this step: handed over already
         self.handles = [layer.register_forward_hook(partial(self._done, i)) for i, layer in enumerate(layers)]
+
+    @property
+    def armed(self) -> bool:
+        return bool(self.taps)
 
     def arm(self, taps: list[tuple[torch.Tensor, KVSink]]) -> None:
         self.taps = taps
+        self.sent = [False] * len(self.kv_caches)
 
     def disarm(self) -> None:
         self.taps = []
+        self.live = False
+
+    @contextmanager
+    def per_layer(self):
+        """Hand each layer over as the forward run inside finishes it (the transfer of layer l
+        overlaps the compute of l+1..). Only for a forward whose earlier parts of the step, if
+        any, already wrote every layer of the rows they computed."""
+        self.live = True
+        try:
+            yield
+        finally:
+            self.live = False
+
+    def complete(self) -> None:
+        """After the step's forward: hand over every layer no hook handed over (all of them
+        after a graph replay); every layer's KV is in the cache by now."""
+        for layer, sent in enumerate(self.sent):
+            if not sent:
+                self._put(layer)
 
     def _done(self, layer: int, module, args, output) -> None:
-        if not self.taps:
-            return
+        if self.live and self.taps:
+            self._put(layer)
+
+    def _put(self, layer: int) -> None:
+        self.sent[layer] = True
         cache = self.kv_caches[layer]
         for slots, sink in self.taps:
             kv = gather(cache, slots)

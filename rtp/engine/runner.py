@@ -20,6 +20,12 @@ captured at warm-up over the plan's own input buffers, run from C with no Python
 between them; one graph serves every batch size whose calls agree (with AMX: one
 row, and 2-64 rows). Steps that mix decode rows with a prefill chunk run eagerly
 as one forward, so the weights are read once.
+
+On a node that prefills for others, `taps` (kv_transfer.LayerTaps, armed by the engine
+for the step that computes a prefill-only request's last chunk) must see the step
+whatever path runs it: a one-token last chunk is a decode row and may be replayed from
+a graph. forward() hands the taps every layer: layer by layer during its eager forward,
+the rest (all of them after a replay) once the forward is done.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -35,6 +42,7 @@ from rtp._runtime import StepPlan
 from rtp.distributed import world_size
 from rtp.engine.cpu_graph import CaptureRefused, CPUGraph, capture
 from rtp.engine.kv_cache import allocate_kv_cache
+from rtp.engine.kv_transfer import LayerTaps
 from rtp.models import cpu_kernels
 from rtp.models.attention import AttentionMetadata, PrefillRow, forward_context
 
@@ -101,6 +109,7 @@ class ModelRunner:
         self._want_cpu_graphs = (device.type == "cpu" and not compile and cpu_kernels.available()
                                  and world_size() == 1 and os.environ.get("RTP_CPU_GRAPHS", "1") != "0")
         self.graph_steps = 0  # steps replayed from a CPU graph
+        self.taps: LayerTaps | None = None  # set by the engine on a node that prefills for others
 
     # -- compiled decode -------------------------------------------------------------------
 
@@ -221,7 +230,7 @@ class ModelRunner:
         with forward_context(meta):
             return self._compiled(g.input_ids, g.positions)
 
-    def _forward_compiled(self) -> torch.Tensor:
+    def _forward_compiled(self, taps: LayerTaps | None = None) -> torch.Tensor:
         p = self.plan
         nd, nr, ns = p.num_decode_rows, p.num_rows, p.num_samples
         g = self.graphs[next(b for b in self.graphs if b >= nd)]
@@ -233,7 +242,7 @@ class ModelRunner:
         n_dec = int(np.searchsorted(indices, nd))  # decode rows sample first; token index == row index
         parts = [logits[torch.from_numpy(indices[:n_dec].astype(np.int64)).to(self.device)]]
         if nr > nd:
-            parts.append(self._forward_eager(first_token=nd, first_sample=n_dec))
+            parts.append(self._forward_eager(first_token=nd, first_sample=n_dec, taps=taps))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _to_device(self, name: str, n: int | tuple[int, int]) -> torch.Tensor:
@@ -275,6 +284,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self) -> torch.Tensor:
         """Run the planned step; logits [num_samples, vocab] in fp32 for the sampling rows."""
+        taps = self.taps if self.taps is not None and self.taps.armed else None
+        logits = self._forward(taps)
+        if taps is not None:
+            taps.complete()
+        return logits
+
+    def _forward(self, taps: LayerTaps | None) -> torch.Tensor:
         p = self.plan
         nd = p.num_decode_rows
         if self.cpu_graphs and 0 < nd == p.num_rows == p.num_samples:
@@ -283,18 +299,20 @@ class ModelRunner:
                 self.graph_steps += 1
                 return graph.replay(nd)
         if self._compiled is not None and 0 < nd <= max(self.graphs):
-            return self._forward_compiled()
-        return self._forward_eager()
+            return self._forward_compiled(taps)
+        return self._forward_eager(taps=taps)
 
-    def _forward_eager(self, first_token: int = 0, first_sample: int = 0) -> torch.Tensor:
+    def _forward_eager(self, first_token: int = 0, first_sample: int = 0,
+                       taps: LayerTaps | None = None) -> torch.Tensor:
         """Eager forward over the plan's tokens from first_token on; logits of its samples
-        from first_sample on."""
+        from first_sample on. With taps, each layer goes to them as it is done (rows before
+        first_token were computed by a graph that already wrote every layer)."""
         p = self.plan
         n = p.num_tokens
         meta = self.metadata(first_token)
         input_ids = self._to_device("input_ids", n)[first_token:]
         positions = self._to_device("positions", n)[first_token:]
-        with forward_context(meta):
+        with forward_context(meta), taps.per_layer() if taps is not None else nullcontext():
             hidden = self.model(input_ids, positions)
         rows = self._to_device("logits_indices", p.num_samples)[first_sample:]
         if first_token:

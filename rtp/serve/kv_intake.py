@@ -4,6 +4,12 @@ A prefill node reserves blocks for a prompt (rtp/serve/pd.py, `rpc_reserve`); it
 then arrives as frames -- over HTTP push_kv or on the bare TCP KV port -- and each
 layer is written into the reserved blocks the moment its bytes are in. Every frame
 renews the reservation's lease; a push that breaks returns the blocks at once.
+
+The KV port is open to anyone who can reach it, so it authenticates before it allocates:
+the first frame is a small KVHello (at most MAX_HELLO_BYTES) with the reservation's KV key,
+checked before anything else is read; then frame headers of at most MAX_KV_HEADER_BYTES,
+and payloads of exactly the size the reservation expects. A connection that completes no
+frame for `timeout` seconds (idle, or a frame that trickles in) is closed.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ log = logging.getLogger("rtp.serve.pd")
 
 
 class Refused(Exception):
-    """A push the decode node will not take: its status and why."""
+    """A request (an RPC body, a push) the node will not take: its status and why."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -46,19 +52,25 @@ class Intake:
         self.r: Reservation | None = None
         self.nbytes = 0
 
-    def header(self, head: rpc.KVFrame, key: str | None) -> int:
+    def open(self, request_id: str, key: str | None) -> None:
+        """Take the push's reservation (Refused says why not). key: the reservation's KV key,
+        required on the KV port (None: the push was authenticated otherwise)."""
+        r = self.node._reservations.get(request_id)
+        if r is None or r.state != "reserved":
+            raise Refused(404, f"request {request_id} has no reservation here (never made, expired, aborted "
+                          f"or already being pushed)")
+        if key is not None and not hmac.compare_digest(key.encode(), r.kv_key.encode()):
+            raise Refused(401, f"wrong KV key for request {request_id}")
+        r.state = "receiving"
+        r.deadline = time.monotonic() + self.node.lease_seconds
+        self.r = r
+
+    def header(self, head: rpc.KVFrame) -> int:
         """Check a frame header; the payload bytes to read next (0 for a heartbeat). Refused says why not.
-        key: the reservation's KV key, required on the KV port (None: authenticated otherwise)."""
+        The first frame of a push not opened yet opens it (HTTP push_kv: the route authenticated it)."""
         node = self.node
         if self.r is None:
-            r = node._reservations.get(head.request_id)
-            if r is None or r.state != "reserved":
-                raise Refused(404, f"request {head.request_id} has no reservation here (never made, expired "
-                               f"or aborted)")
-            if key is not None and not hmac.compare_digest(key.encode(), r.kv_key.encode()):
-                raise Refused(401, f"wrong KV key for request {head.request_id}")
-            r.state = "receiving"
-            self.r = r
+            self.open(head.request_id, None)
         elif head.request_id != self.r.request_id:
             raise Refused(400, "one push carries one request's KV")
         r = self.r
@@ -105,16 +117,19 @@ class Intake:
 class KVPort(asyncio.BufferedProtocol):
     """The decode node's KV port: frames as on push_kv, on a bare TCP connection, received
     straight into each frame's own buffer (no copy between the socket and the cache write but
-    the write itself). The first frame carries the reservation's KV key. One reply frame (a
-    PushResponse or an RPCError) ends the connection."""
+    the write itself). A KVHello with the reservation's KV key comes first; one reply frame (a
+    PushResponse or an RPCError) ends the connection, as does `timeout` seconds without a
+    complete frame."""
 
-    def __init__(self, node: PDNode):
+    def __init__(self, node: PDNode, timeout: float = 30.0):
         self.node = node
+        self.timeout = timeout
         self.intake = Intake(node)
         self.transport = None
         self.head: rpc.KVFrame | None = None
-        self._expect(4, "length")
         self.done = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._expect(4, "hello length")
 
     def _expect(self, n: int, what: str) -> None:
         self.buf = bytearray(n)
@@ -127,6 +142,18 @@ class KVPort(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:  # fewer, larger reads: a layer is megabytes
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """Another `timeout` seconds for the next frame to complete."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self.timeout, self._expired)
+
+    def _expired(self) -> None:
+        if not self.done:
+            self._end(rpc.RPCError(status=408, message=f"no complete KV frame for {self.timeout:g} s "
+                                   f"(waiting for the {self.what})"))
 
     def get_buffer(self, sizehint: int):
         return self.view[self.have:]
@@ -136,26 +163,33 @@ class KVPort(asyncio.BufferedProtocol):
         try:
             while self.have == len(self.buf) and not self.done:
                 self._complete()
+                if not self.done:
+                    self._rearm()
         except Refused as e:
             self._end(rpc.RPCError(status=e.status, message=e.message))
         except rpc.BadRequest as e:
             self._end(rpc.RPCError(status=400, message=str(e)))
         except Exception as e:  # a bug: this push fails, the node stays up
-            log.exception("KV port failed")
+            log.exception("KV port failed (request %s)", self.intake.r.request_id if self.intake.r else "unknown")
             self._end(rpc.RPCError(status=500, message=f"internal error: {e!r}"))
 
     def _complete(self) -> None:
-        if self.what == "length":
+        if self.what in ("hello length", "length"):
             (n,) = rpc.LENGTH.unpack(self.buf)
-            if n > rpc.MAX_HEADER_BYTES:
-                raise rpc.BadRequest(f"a frame header of {n} bytes")
-            self._expect(n, "header")
+            limit = rpc.MAX_HELLO_BYTES if self.what == "hello length" else rpc.MAX_KV_HEADER_BYTES
+            if n > limit:  # refused before a byte of it is buffered
+                raise rpc.BadRequest(f"a KV port frame header of {n} bytes (limit {limit})")
+            self._expect(n, "hello" if self.what == "hello length" else "header")
+        elif self.what == "hello":
+            hello = rpc.decode(rpc.KVHello, self.buf)
+            self.intake.open(hello.request_id, hello.key)
+            self._expect(4, "length")
         elif self.what == "header":
             self.head = rpc.decode(rpc.KVFrame, self.buf)
             if self.head.layer == rpc.END and self.head.nbytes == 0:
                 self._end(self.intake.finish())
                 return
-            n = self.intake.header(self.head, key=self.head.key if self.intake.r is None else None)
+            n = self.intake.header(self.head)
             self._expect(n, "payload") if n else self._expect(4, "length")
         else:
             self.intake.payload(self.head, self.buf)
@@ -163,12 +197,17 @@ class KVPort(asyncio.BufferedProtocol):
 
     def _end(self, reply) -> None:
         self.done = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._expect(0, "nothing")  # no buffer held past the end
         if isinstance(reply, rpc.RPCError):
             self.intake.broken(reply.message)
         self.transport.write(rpc.frame(reply))
         self.transport.close()
 
     def connection_lost(self, exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if not self.done:
             self.done = True
             self.intake.broken(f"the KV connection dropped ({exc or 'closed'})")

@@ -19,6 +19,17 @@ once (and the lease returns them when nothing arrives at all); a broken decode s
 fails the client's request with 503; a client that leaves aborts on P and, through the
 abort RPC, on D.
 
+Aborts reach D in every interleaving. On P a closed relay is final: its clean-up runs however
+its task ends (cancelled before its first step included), and the relay checks `closed` after
+every wait, since a cancellation can be swallowed by a task it waits on (Python 3.11's
+wait_for returns a result that arrived with the cancellation). The abort RPC is retried. On D
+an abort is remembered for a while, so a reservation it overtook (the reserve still in flight)
+is dropped as it lands; a decode stream whose reader leaves (closed connection) aborts too.
+
+Authentication: with --rpc-token, the `x-rtp-rpc-token` header; else with --api-key, the API
+key as `Authorization: Bearer`; else none (a warning at start). It is checked before a body is
+read, and a body is bounded by its Content-Length at once and counted as it streams.
+
 This file is the node: its RPC routes and what it keeps per request. D's side of the
 KV hand-off (reservations, the KV port) is rtp/serve/kv_intake.py; P's relay through
 D is rtp/serve/relay.py.
@@ -30,6 +41,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 
 import httpx
 from starlette.requests import ClientDisconnect, Request
@@ -39,7 +51,7 @@ from starlette.routing import Route
 from rtp.engine.kv_transfer import KVLayout
 from rtp.sampling_params import SamplingParams
 from rtp.serve import rpc
-from rtp.serve.async_engine import AsyncEngine, EngineDead, Stream
+from rtp.serve.async_engine import AsyncEngine, EngineDead, Stream, Update
 from rtp.serve.kv_intake import Intake, KVPort, Refused, Reservation
 from rtp.serve.relay import PeerError, Relay
 from rtp.serve.streams import ClosingStream
@@ -47,6 +59,12 @@ from rtp.serve.streams import ClosingStream
 log = logging.getLogger("rtp.serve.pd")
 
 ROLES = ("collocated", "prefill", "decode")
+_ABORTS_REMEMBERED = 65536  # request ids whose abort a decode node keeps (for at least _ABORT_MEMORY seconds)
+_ABORT_MEMORY = 60.0
+
+
+class Aborted(Exception):
+    """The prefill node aborted a request this node was decoding for it."""
 
 
 class PDNode:
@@ -55,8 +73,12 @@ class PDNode:
     prefill node, the relay of OpenAI requests through a decode node."""
 
     def __init__(self, engine: AsyncEngine, metrics, *, role: str = "collocated", model_name: str,
-                 token: str | None = None, decode_peer: str | None = None, lease_seconds: float = 10.0,
-                 reserve_wait: float = 10.0, decode_read_timeout: float = 120.0):
+                 token: str | None = None, api_key: str | None = None, decode_peer: str | None = None,
+                 lease_seconds: float = 10.0, reserve_wait: float = 10.0, decode_read_timeout: float = 120.0,
+                 kv_timeout: float = 30.0):
+        """token: the RPC token (--rpc-token); api_key: the API key, which the RPC routes want instead
+        when there is no token. kv_timeout: seconds a KV port connection may go without completing
+        a frame (idle, or a frame that trickles) before it is closed."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.engine = engine
@@ -64,15 +86,19 @@ class PDNode:
         self.role = role
         self.model_name = model_name
         self.token = token
+        self.api_key = api_key
         self.decode_peer = decode_peer.rstrip("/") if decode_peer else None
         self.lease_seconds = lease_seconds
         self.reserve_wait = reserve_wait
         self.decode_read_timeout = decode_read_timeout
+        self.kv_timeout = kv_timeout
         self.layout: KVLayout = engine.engine.kv_layout()
         self.block_size = engine.engine.scheduler.block_size
         self._reservations: dict[str, Reservation] = {}  # decode: by request id
         self._decoding: dict[str, Stream] = {}             # decode: resumed requests, by request id
+        self._aborted: OrderedDict[str, float] = OrderedDict()  # decode: request id -> when its abort came
         self._relays: dict[str, Relay] = {}                # prefill: by request id
+        self._tasks: set[asyncio.Task] = set()             # background tasks (spawn), kept until done
         self._reaper: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
         self._kv_server: asyncio.Server | None = None
@@ -83,7 +109,7 @@ class PDNode:
         if self.role != "decode" or kv_port < 0:
             return
         loop = asyncio.get_running_loop()
-        self._kv_server = await loop.create_server(lambda: KVPort(self), host.strip("[]"), kv_port)
+        self._kv_server = await loop.create_server(lambda: KVPort(self, self.kv_timeout), host.strip("[]"), kv_port)
         self.kv_port = self._kv_server.sockets[0].getsockname()[1]
         log.info("KV port %d", self.kv_port)
 
@@ -102,21 +128,20 @@ class PDNode:
         ]
 
     def _rpc(self, handler, kind: type | None, decode_only: bool = False):
-        """Token, then the body (kind None: the handler reads a frame stream itself); every
+        """Credentials, then the body (kind None: the handler reads a frame stream itself); every
         failure becomes an RPCError with its status, never an exception out of the route."""
 
         async def endpoint(request: Request) -> Response:
             try:
-                if not rpc.authorized(self.token, request.headers.get(rpc.TOKEN_HEADER)):
-                    return _error(401, f"missing or wrong RPC token (send the {rpc.TOKEN_HEADER} header)")
+                if not self._authorized(request.headers):
+                    return _error(401, self._credentials_wanted())
                 if decode_only and self.role != "decode":
                     return _error(409, f"this node's role is {self.role}, not decode")
                 if kind is None:
                     return await handler(request)
-                body = await request.body()
-                if len(body) > rpc.MAX_HEADER_BYTES:
-                    return _error(413, f"an RPC body of {len(body)} bytes (limit {rpc.MAX_HEADER_BYTES})")
-                return await handler(request, rpc.decode(kind, body))
+                return await handler(request, rpc.decode(kind, await _body(request, rpc.MAX_HEADER_BYTES)))
+            except Refused as e:
+                return _error(e.status, e.message)
             except rpc.BadRequest as e:
                 return _error(400, str(e))
             except ClientDisconnect:
@@ -127,7 +152,29 @@ class PDNode:
 
         return endpoint
 
+    def _authorized(self, headers) -> bool:
+        if self.token is not None:
+            return rpc.authorized(self.token, headers.get(rpc.TOKEN_HEADER))
+        if self.api_key is not None:
+            return rpc.bearer_authorized(self.api_key, headers.get("authorization"))
+        return True
+
+    def _credentials_wanted(self) -> str:
+        if self.token is not None:
+            return f"missing or wrong RPC token (send the {rpc.TOKEN_HEADER} header)"
+        return "missing or wrong API key (send Authorization: Bearer <key>)"
+
+    def _credentials(self) -> dict[str, str]:
+        """What this node sends its peers: the same credentials its own routes want."""
+        if self.token is not None:
+            return {rpc.TOKEN_HEADER: self.token}
+        if self.api_key is not None:
+            return {"authorization": f"Bearer {self.api_key}"}
+        return {}
+
     async def rpc_stats(self, request: Request, body: rpc.StatsRequest) -> Response:
+        if self.engine.dead is not None:  # a router drops this worker
+            return _error(503, f"the engine failed: {self.engine.dead}")
         return _reply(self.worker_stats())
 
     def worker_stats(self) -> rpc.WorkerStats:
@@ -144,15 +191,31 @@ class PDNode:
 
     async def rpc_abort(self, request: Request, body: rpc.AbortRequest) -> Response:
         found = False
+        if self.role == "decode":
+            self._remember_abort(body.request_id)
         r = self._reservations.pop(body.request_id, None)
         if r is not None:
             found = True
             self._drop_reservation(r, "aborted by the prefill node")
-        for stream in (self._decoding.get(body.request_id), self._relays.get(body.request_id)):
-            if stream is not None:
-                found = True
-                stream.close()
+        stream = self._decoding.pop(body.request_id, None)
+        if stream is not None:
+            found = True
+            _end_decoding(stream)
+        relay = self._relays.get(body.request_id)
+        if relay is not None:
+            found = True
+            relay.close()
         return _reply(rpc.AbortResponse(found=found))
+
+    def _remember_abort(self, request_id: str) -> None:
+        """An abort may overtake the reserve it aborts (both in flight): remembered, the reservation
+        is dropped as it lands. Old entries go first; at most _ABORTS_REMEMBERED."""
+        now = time.monotonic()
+        aborted = self._aborted
+        aborted[request_id] = now
+        aborted.move_to_end(request_id)
+        while aborted and (len(aborted) > _ABORTS_REMEMBERED or next(iter(aborted.values())) < now - _ABORT_MEMORY):
+            aborted.popitem(last=False)
 
     # -- decode node -----------------------------------------------------------------------------
 
@@ -162,6 +225,8 @@ class PDNode:
             return _error(400, why)
         if body.request_id in self._reservations:
             return _error(409, f"request {body.request_id} is already reserved here")
+        if body.request_id in self._aborted:
+            return _error(409, f"request {body.request_id} was aborted by the prefill node")
         engine_id = _engine_id(body.request_id)
         try:
             blocks = await self.engine.reserve(engine_id, body.prompt_token_ids, body.params)
@@ -175,24 +240,27 @@ class PDNode:
         except asyncio.CancelledError:
             self.engine.drop(engine_id)  # reserved after the caller left: nobody will push
             raise
+        if body.request_id in self._aborted:  # the abort overtook this reserve while it waited for the blocks
+            self.engine.drop(engine_id)
+            return _error(409, f"request {body.request_id} was aborted by the prefill node")
         r = Reservation(body.request_id, engine_id, body.prompt_token_ids, body.params, blocks,
                          time.monotonic() + self.lease_seconds)
         self._reservations[body.request_id] = r
         if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.create_task(self._reap())
+            self._reaper = self.spawn(self._reap(), None, "the lease reaper")
         self.metrics.pd_event("reserved")
         return _reply(rpc.ReserveResponse(request_id=body.request_id, num_blocks=len(blocks),
                                           block_size=self.block_size, lease_seconds=self.lease_seconds,
-                                          kv_port=self.kv_port, kv_key=r.kv_key))
+                                          kv_port=self.kv_port, kv_key=r.kv_key, kv_timeout=self.kv_timeout))
 
     async def rpc_push_kv(self, request: Request) -> Response:
         """Frames of one request's KV over HTTP (the proxy-friendly path; the KV port is faster),
         written into its reserved blocks as each layer arrives."""
-        reader = rpc.FrameReader(request.stream())
+        reader = rpc.FrameReader(request.stream(), max_header=rpc.MAX_KV_HEADER_BYTES)
         intake = Intake(self)
         try:
             while (head := await reader.header(rpc.KVFrame)) is not None:
-                n = intake.header(head, key=None)  # the RPC token authenticated this one
+                n = intake.header(head)  # the route's credentials authenticated this one
                 if n:
                     intake.payload(head, await reader.read(n))
             return _reply(intake.finish())
@@ -223,8 +291,9 @@ class PDNode:
         self.metrics.pd_event("decoding")
         self._decoding[body.request_id] = stream
 
-        def closed() -> None:
-            self._decoding.pop(body.request_id, None)
+        def closed() -> None:  # however the response ends: done, the prefill node gone, cancelled
+            if self._decoding.get(body.request_id) is stream:
+                del self._decoding[body.request_id]
             stream.close()  # aborts it if it still runs: the prefill node (or its client) left
 
         return ClosingStream(self._deltas(stream), closed, rpc.CONTENT_TYPE)
@@ -235,7 +304,8 @@ class PDNode:
             for update in updates:
                 if update.error is not None:
                     e = update.error
-                    status = 400 if isinstance(e, (ValueError, KeyError)) else 503 if isinstance(e, EngineDead) else 500
+                    status = (499 if isinstance(e, Aborted) else 400 if isinstance(e, (ValueError, KeyError))
+                              else 503 if isinstance(e, EngineDead) else 500)
                     frames.append(rpc.frame(rpc.DecodeDelta(error=f"{type(e).__name__}: {e}", error_status=status)))
                     break
                 for c in update.choices:
@@ -285,7 +355,7 @@ class PDNode:
         if self._http is None:
             # generous pool: one connection per request in flight; timeouts per call below
             self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
-                                           headers={rpc.TOKEN_HEADER: self.token} if self.token else {})
+                                           headers=self._credentials())
         return self._http
 
     async def start(self, request_id: str, prompt: list[int], params: SamplingParams, peer: str) -> Relay:
@@ -301,16 +371,31 @@ class PDNode:
                     break
                 await asyncio.sleep(pause)  # full now: blocks come back as requests finish
                 pause = min(pause * 2, 0.2)
-        except asyncio.CancelledError:
-            asyncio.ensure_future(self._abort_peer(peer, request_id))
+        except asyncio.CancelledError:  # the reserve may land after this: the decode node remembers the abort
+            self.spawn(self._abort_peer(peer, request_id), request_id, "the abort on the decode node")
             raise
         if status != 200:
             self.metrics.pd_event("reserve_refused")
             raise PeerError(f"the decode node {peer} refused the request ({status}): {reply.message}")
         relay = Relay(self, request_id, prompt, params, peer, reply)
         self._relays[request_id] = relay
-        relay.task = asyncio.create_task(relay.run())
+        relay.begin()
         return relay
+
+    def spawn(self, coro, request_id: str | None, what: str) -> asyncio.Task:
+        """Run coro in the background, kept alive until done; its failure is logged once, with the
+        request id it is for (never "Task exception was never retrieved")."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(task: asyncio.Task) -> None:
+            self._tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                e = task.exception()
+                log.error("%s failed%s: %r", what, f" (request {request_id})" if request_id else "", e, exc_info=e)
+
+        task.add_done_callback(done)
+        return task
 
     async def _call(self, peer: str, path: str, body: bytes, kind: type, timeout: float):
         """One unary RPC: (status, reply or RPCError); PeerError when the peer cannot be reached."""
@@ -327,20 +412,59 @@ class PDNode:
         except rpc.BadRequest as e:
             raise PeerError(f"the decode node {peer} answered {response.status_code} with an unreadable body: {e}")
 
-    async def _abort_peer(self, peer: str, request_id: str) -> None:
+    async def _abort_peer(self, peer: str, request_id: str, attempts: int = 3) -> None:
+        """The abort RPC, retried a few times when the decode node cannot be reached: a request it
+        decodes has no lease to end it (a reservation's lease returns its blocks anyway)."""
         body = rpc.encode(rpc.AbortRequest(version=rpc.RPC_VERSION, request_id=request_id))
-        try:
-            await self._call(peer, "/rpc/abort", body, rpc.AbortResponse, timeout=5.0)
-        except PeerError as e:  # its lease returns the blocks anyway
-            log.warning("abort of %s on %s failed: %s", request_id, peer, e)
+        for attempt in range(1, attempts + 1):
+            try:
+                status, reply = await self._call(peer, "/rpc/abort", body, rpc.AbortResponse, timeout=5.0)
+            except PeerError as e:
+                if attempt == attempts:
+                    log.warning("abort of %s on %s failed %d times: %s", request_id, peer, attempts, e)
+                    return
+                await asyncio.sleep(0.1 * 2 ** attempt)
+                continue
+            if status != 200:
+                log.warning("abort of %s on %s refused (%d): %s", request_id, peer, status, reply.message)
+            return
 
     async def close(self) -> None:
         for relay in list(self._relays.values()):
             relay.close()
+        if self._tasks:  # the aborts those closes sent, and any still under way: a moment to land
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        for task in list(self._tasks):
+            task.cancel()
         if self._kv_server is not None:
             self._kv_server.close()
         if self._http is not None:
             await self._http.aclose()
+
+
+def _end_decoding(stream: Stream) -> None:
+    """Abort a request decoding here for a prefill node, and end its response: the stream's reader
+    wakes to an error (a closed Stream alone would leave it waiting)."""
+    stream.close()
+    stream.put(Update(0, [], finished=True, error=Aborted("aborted by the prefill node")))
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body, at most `limit` bytes: a larger Content-Length is refused before reading,
+    and a body without one (chunked) is counted as it arrives."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.strip().isdigit():
+            raise rpc.BadRequest(f"Content-Length {length[:40]!r} is not a number")
+        if int(length) > limit:
+            raise Refused(413, f"an RPC body of {int(length)} bytes (limit {limit})")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise Refused(413, f"an RPC body of more than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _engine_id(request_id: str) -> str:

@@ -4,6 +4,11 @@ The request prefills here; each layer's KV streams to the decode node (its KV po
 HTTP push_kv) while later layers compute; the first token goes over with the decode
 RPC, and the decode node's deltas come back and are delivered to the client as a
 local Stream's would be. Any failure on the way ends the request with a PeerError.
+
+A client that leaves closes the relay: `closed` is final, and the relay checks it after
+each wait as well as being cancelled (a task it waits on may swallow the cancellation).
+Its clean-up -- the local abort, the abort RPC to the decode node, the metrics -- runs
+once however its task ends, even when it is cancelled before its first step.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
     from rtp.serve.pd import PDNode
 
 log = logging.getLogger("rtp.serve.pd")
+_MAX_REPLY_BYTES = 1 << 20  # the KV port's reply: a PushResponse or an RPCError
 
 
 class PeerError(Exception):
@@ -71,33 +77,55 @@ class Relay(Stream):
         self.peer = peer
         self.task: asyncio.Task | None = None
         self.decode_started = False
+        self._reported: BaseException | None = None  # the failure the client was given (logged once)
         node.engine.num_unstarted += 1  # as submit() counts a prompt until its first token
 
-    async def run(self) -> None:
-        node, engine = self.node, self.node.engine
-        outcome = "failed"
+    def begin(self) -> None:
+        """Start relaying; `_ended` cleans up however the task ends."""
+        self.task = asyncio.create_task(self._main())
+        self.task.add_done_callback(self._ended)
+
+    async def _main(self) -> str:
+        """The relay; its outcome: decoded (by the decode node), local (answered here), aborted or failed."""
         try:
-            outcome = await self._run()
-        except asyncio.CancelledError:
-            outcome = "aborted"
+            return await self._run()
         except Exception as e:
-            error = e if isinstance(e, PeerError) else PeerError(f"the disaggregated request failed: {e!r}")
-            if not isinstance(e, PeerError):
+            if isinstance(e, PeerError):
+                log.warning("relay %s: %s", self.request_id, e)
+                error = e
+            else:
                 log.exception("relay %s failed", self.request_id)
+                error = PeerError(f"the disaggregated request failed: {e!r}")
+            self._reported = e
             self._fail(error)
-        finally:
-            node._relays.pop(self.request_id, None)
-            node.metrics.pd_event(outcome)
-            if outcome != "decoded":
-                engine._commands.put(("abort", self.engine_ids()))  # a no-op once it left the engine
-                if outcome != "local":
-                    await asyncio.shield(node._abort_peer(self.peer, self.request_id))
-                else:
-                    asyncio.ensure_future(node._abort_peer(self.peer, self.request_id))
+            return "failed"
+
+    def _ended(self, task: asyncio.Task) -> None:
+        node = self.node
+        if task.cancelled():
+            outcome = "aborted"
+            if not self.closed:  # cancelled from outside (the server stopping): the client hears why
+                self._fail(PeerError("the request was cancelled on the prefill node"))
+        else:
+            outcome = task.result()
+        node._relays.pop(self.request_id, None)
+        node.metrics.pd_event(outcome)
+        if outcome != "decoded":
+            node.engine._commands.put(("abort", self.engine_ids()))  # a no-op once it left the engine
+            node.spawn(node._abort_peer(self.peer, self.request_id), self.request_id, "the abort on the decode node")
 
     def _fail(self, error: Exception) -> None:
         if not self.closed:
             self.engine._deliver([(self, Update(0, [], finished=True, error=error))], time.monotonic())
+
+    def _settle(self, task: asyncio.Task, what: str) -> None:
+        """A helper task's failure that the relay did not report already is logged, once."""
+
+        def done(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None and task.exception() is not self._reported:
+                log.info("relay %s: %s ended: %s", self.request_id, what, task.exception())
+
+        task.add_done_callback(done)
 
     async def _run(self) -> str:
         engine = self.node.engine
@@ -110,19 +138,25 @@ class Relay(Stream):
             local.close()  # aborts the prefill if it still runs
             if not push.done():
                 push.cancel()  # closes the push connection: the decode node drops the reservation
+            self._settle(push, "the KV push")
 
     async def _relay(self, local: Stream, sink: Sink, push: asyncio.Task) -> str:
         node = self.node
         collect = asyncio.ensure_future(drain(local))
+        self._settle(collect, "the local prefill")
         try:
-            # a push that fails (the decode node gone or refusing) ends the prefill too
+            # a push that fails (the decode node gone or refusing) ends the prefill too; never
+            # `await task` here: a cancellation of this one would go to that task, which may swallow it
             await asyncio.wait((collect, push), return_when=asyncio.FIRST_COMPLETED)
             if push.done() and push.exception() is not None and not collect.done():
                 raise push.exception()
-            updates = await collect
+            await asyncio.wait((collect,))
         finally:
             if not collect.done():
                 collect.cancel()
+        if self.closed:
+            return "aborted"
+        updates = collect.result()
         last = updates[-1] if updates else None
         remote = (last is not None and last.error is None and last.choices
                   and last.choices[-1].finish_reason == "remote" and sink.first is not None)
@@ -133,7 +167,10 @@ class Relay(Stream):
                     return "failed"
                 self.engine._deliver([(self, update)], time.monotonic())
             return "local"
-        pushed = await push
+        await asyncio.wait((push,))
+        if self.closed:
+            return "aborted"
+        pushed = push.result()
         token, logprobs, cached = sink.first
         body = rpc.encode(rpc.DecodeRequest(version=rpc.RPC_VERSION, request_id=self.request_id, first_token=token,
                                             logprobs=logprobs, num_cached_tokens=cached))
@@ -147,7 +184,7 @@ class Relay(Stream):
                     raise PeerError(f"the decode node {self.peer} refused to decode ({response.status_code}): "
                                     f"{reply.message}")
                 reader = rpc.FrameReader(response.aiter_bytes())
-                while (delta := await reader.header(rpc.DecodeDelta)) is not None:
+                while not self.closed and (delta := await reader.header(rpc.DecodeDelta)) is not None:
                     if delta.error is not None:
                         raise PeerError(f"the decode node {self.peer} failed the request: {delta.error}")
                     choice = ChoiceDelta(0, delta.text, delta.num_tokens, delta.logprobs, delta.finish_reason,
@@ -159,23 +196,26 @@ class Relay(Stream):
                         return "decoded"
         except (httpx.HTTPError, EOFError, rpc.BadRequest) as e:
             raise PeerError(f"the decode node {self.peer} broke off the stream: {type(e).__name__}: {e}") from None
+        if self.closed:  # leaving the block above closed the stream: the decode node aborts it too
+            return "aborted"
         raise PeerError(f"the decode node {self.peer} ended the stream before the request finished")
 
-    async def _kv_frames(self, sink: Sink, sent: dict, key: str = ""):
-        """The KV stream's frames, as (bytes, end of a frame group): a heartbeat first (carrying the
-        KV port's key) and again whenever no layer comes for a third of the lease, so the decode
-        node's lease runs on heartbeats while the prompt waits for its turn and prefills here;
-        then each layer's header and raw bytes as the engine hands the layer over. Counts the
-        bytes and the first layer's time into `sent`."""
+    async def _kv_frames(self, sink: Sink, sent: dict):
+        """The KV stream's frames, as (bytes, end of a frame group): a heartbeat first and again
+        whenever no layer comes for a third of the lease (or of the KV port's timeout, if shorter),
+        so the decode node's lease runs on heartbeats while the prompt waits for its turn and
+        prefills here; then each layer's header and raw bytes as the engine hands the layer over.
+        Counts the bytes and the first layer's time into `sent`."""
 
-        def heartbeat(key: str = "") -> bytes:
+        def heartbeat() -> bytes:
             return rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id,
-                                         layer=rpc.HEARTBEAT, num_tokens=0, nbytes=0, key=key))
+                                         layer=rpc.HEARTBEAT, num_tokens=0, nbytes=0))
 
-        yield heartbeat(key), True
+        quiet = min(self.lease_seconds, self.reservation.kv_timeout or self.lease_seconds) / 3
+        yield heartbeat(), True
         while True:
             try:
-                item = await asyncio.wait_for(sink.queue.get(), self.lease_seconds / 3)
+                item = await asyncio.wait_for(sink.queue.get(), quiet)
             except asyncio.TimeoutError:
                 yield heartbeat(), True
                 continue
@@ -207,13 +247,17 @@ class Relay(Stream):
         writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         writer.transport.set_write_buffer_limits(high=8 << 20)  # a layer in flight without waiting
         try:
-            async for chunk, group_end in self._kv_frames(sink, sent, key):
+            # the key first, in a frame of its own: the decode node reads nothing else before it
+            writer.write(rpc.frame(rpc.KVHello(version=rpc.RPC_VERSION, request_id=self.request_id, key=key)))
+            async for chunk, group_end in self._kv_frames(sink, sent):
                 writer.write(chunk)
                 if group_end:
                     await writer.drain()  # back-pressure: one layer in flight in the socket buffers at most
             writer.write(rpc.frame(rpc.KVFrame(version=rpc.RPC_VERSION, request_id=self.request_id,
                                                layer=rpc.END, num_tokens=0, nbytes=0)))
             (n,) = rpc.LENGTH.unpack(await asyncio.wait_for(reader.readexactly(4), 60.0))
+            if n > _MAX_REPLY_BYTES:
+                raise PeerError(f"the decode node {self.peer} answered the KV with a frame of {n} bytes")
             data = await asyncio.wait_for(reader.readexactly(n), 60.0)
         except (OSError, EOFError, asyncio.TimeoutError) as e:
             raise PeerError(f"the KV transfer to {host}:{port} failed: {e!r}") from None
@@ -249,7 +293,8 @@ class Relay(Stream):
         return self._sent(sink, sent)
 
     def close(self) -> None:
-        """The client left (or the request ended): abort wherever the request is now."""
+        """The client left (or the request ended): abort wherever the request is now. Final: the
+        relay stops at its next step even if the cancellation does not reach it."""
         if self.closed:
             return
         super().close()

@@ -3,8 +3,10 @@
 Every node serves these routes on its own Starlette app, next to the OpenAI API, so any
 HTTP proxy or load balancer carries them. Bodies are `application/msgpack`; each Struct
 carries `version` and a node answers a version it does not speak, or a body that does not
-decode, with 400 and an `RPCError` saying why. With `--rpc-token` every route needs the
-header `x-rtp-rpc-token` (401 without it).
+decode (nested too deeply included), with 400 and an `RPCError` saying why. With
+`--rpc-token` every route needs the header `x-rtp-rpc-token`; without it but with
+`--api-key`, `Authorization: Bearer <key>`; 401 without them, before any body is read.
+A body is at most MAX_HEADER_BYTES (413, refused by its Content-Length before reading).
 
     POST /rpc/stats     StatsRequest   -> WorkerStats            (any role; the FlexLB master polls it)
     POST /rpc/reserve   ReserveRequest -> ReserveResponse        (decode: blocks held under a lease)
@@ -16,6 +18,13 @@ header `x-rtp-rpc-token` (401 without it).
 A streamed body is a sequence of frames: a 4-byte big-endian length, that many bytes of
 MessagePack header, then the `nbytes` raw bytes the header announces (KV only). Raw bytes
 keep the KV out of the MessagePack encoder: a layer's tensor goes to the socket as it is.
+
+The decode node's KV port (rtp/serve/kv_intake.py) carries the same KV frames on a bare TCP
+connection, after a first frame of its own:
+
+    KVHello (request id, the reservation's kv_key; at most MAX_HELLO_BYTES)
+    KVFrame (at most MAX_KV_HEADER_BYTES) [+ nbytes raw]  ...  KVFrame layer=END
+    <- one frame: PushResponse or RPCError
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ PEER_HEADER = "x-rtp-decode-peer"
 _encoder = msgspec.msgpack.Encoder()
 LENGTH = struct.Struct(">I")
 MAX_HEADER_BYTES = 16 << 20  # a reserve carries a whole prompt; nothing else comes near
+MAX_KV_HEADER_BYTES = 4096  # a KVFrame header: a request id and a few integers
+MAX_HELLO_BYTES = 1024      # the KV port's first frame, read before the peer is authenticated
 
 
 class RPCError(Struct, kw_only=True):
@@ -89,7 +100,16 @@ class ReserveResponse(Struct, kw_only=True):
     block_size: int
     lease_seconds: float          # renewed by every KV frame; expired, the blocks return to the pool
     kv_port: int = 0              # the decode node's KV port (0: none, push over HTTP)
-    kv_key: str = ""              # what the first frame on the KV port must carry
+    kv_key: str = ""              # what the KVHello on the KV port must carry
+    kv_timeout: float = 0.0       # the KV port closes a connection that completes no frame this long (0: unsaid)
+
+
+class KVHello(Struct, kw_only=True):
+    """The first frame on the KV port: which reservation, and its key (checked before anything else)."""
+
+    version: int
+    request_id: str
+    key: str
 
 
 class KVFrame(Struct, kw_only=True):
@@ -100,7 +120,9 @@ class KVFrame(Struct, kw_only=True):
     layer: int
     num_tokens: int
     nbytes: int
-    key: str = ""                 # on the KV port, the first frame's: the reservation's kv_key
+    # read by no one now: the key travels in the KVHello. An older sender's first frame (a heartbeat
+    # carrying the key) still reads as a KVHello, so it is kept for them (and tools/bench_pd.py)
+    key: str = ""
 
 
 HEARTBEAT = -1  # a KVFrame of this layer (no bytes) only renews the lease: the prompt is still queued or prefilling
@@ -159,16 +181,17 @@ def encode(message: Struct) -> bytes:
 
 def decode(kind: type, data: bytes | bytearray | memoryview):
     """Decode a body as `kind`, checking its version first; BadRequest says what is wrong."""
+    # msgspec bounds its own recursion: a body nested too deeply raises RecursionError, cleanly
     try:
         version = msgspec.msgpack.decode(data, type=_Versioned).version
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
         raise BadRequest(f"not a versioned rtp RPC message ({kind.__name__}): {e}") from None
     if version not in SUPPORTED_VERSIONS:
         raise BadRequest(f"RPC version {version} is not supported (this node speaks "
                          f"{', '.join(map(str, sorted(SUPPORTED_VERSIONS)))})")
     try:
         return msgspec.msgpack.decode(data, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
         raise BadRequest(f"malformed {kind.__name__}: {e}") from None
 
 
@@ -182,13 +205,20 @@ def authorized(token: str | None, given: str | None) -> bool:
     return token is None or (given is not None and hmac.compare_digest(given.encode(), token.encode()))
 
 
+def bearer_authorized(key: str, authorization: str | None) -> bool:
+    """Whether an Authorization header is `Bearer <key>`."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
 class FrameReader:
     """Frames out of a stream of byte chunks of any size (what an HTTP body arrives as)."""
 
-    def __init__(self, chunks: AsyncIterator[bytes]):
+    def __init__(self, chunks: AsyncIterator[bytes], max_header: int = MAX_HEADER_BYTES):
         self._chunks = chunks.__aiter__()
         self._buf = bytearray()
         self._eof = False
+        self.max_header = max_header
 
     async def _more(self) -> bool:
         if self._eof:
@@ -209,8 +239,8 @@ class FrameReader:
                     raise EOFError("the stream ended inside a frame's length")
                 return None
         (n,) = LENGTH.unpack_from(self._buf)
-        if n > MAX_HEADER_BYTES:
-            raise BadRequest(f"a frame header of {n} bytes (more than {MAX_HEADER_BYTES})")
+        if n > self.max_header:
+            raise BadRequest(f"a frame header of {n} bytes (more than {self.max_header})")
         data = await self.read(4 + n)
         return decode(kind, memoryview(data)[4:])
 
