@@ -45,7 +45,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rtp.serve import rpc
-from rtp.serve.protocol import ErrorInfo, ErrorResponse, encoder
+from rtp.serve.protocol import error_body
 from rtp.serve.routing import Router, WorkerReport, WorkerView
 from rtp.serve.streams import ClosingStream
 
@@ -88,15 +88,6 @@ def retry_rule(status: int | None = None, headers=None, error: BaseException | N
     if status == 503 and headers is not None and any(k.lower() == "retry-after" for k in headers):
         return RETRY
     return FINAL
-
-
-# the OpenAI error types, for the statuses the master answers itself (openai_api uses the same names)
-_ERROR_TYPES = {400: "invalid_request_error", 500: "server_error", 502: "upstream_error",
-                503: "service_unavailable", 504: "upstream_error"}
-
-
-def error_body(status: int, message: str) -> bytes:
-    return encoder.encode(ErrorResponse(ErrorInfo(message, _ERROR_TYPES.get(status, "error"), None, status)))
 
 
 def _error(status: int, message: str, retry_after: bool = False) -> Response:

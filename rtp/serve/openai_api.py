@@ -43,23 +43,19 @@ from rtp.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     asks_for,
     encoder,
+    error_body,
 )
 from rtp.serve.render import ChatRender, CompletionRender
 from rtp.serve.streams import EventStream
 
 log = logging.getLogger("rtp.serve")
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-                500: "server_error", 503: "service_unavailable"}
 _OFF_LOOP_CHARS = 16 << 10  # prompts this long or longer are tokenized off the event loop
 _ignored_fields: set[str] = set()
 
@@ -80,8 +76,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
     def body(self) -> bytes:
-        return encoder.encode(ErrorResponse(ErrorInfo(self.message, _ERROR_TYPES.get(self.status, "error"),
-                                                      self.param, self.status)))
+        return error_body(self.status, self.message, self.param)
 
     def response(self) -> Response:
         return Response(self.body(), self.status, self.headers, media_type="application/json")

@@ -291,4 +291,15 @@ class ErrorResponse(Struct):
     error: ErrorInfo
 
 
+# OpenAI's error types by status, for every error body rtp writes (server and router alike)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+               500: "server_error", 502: "upstream_error", 503: "service_unavailable", 504: "upstream_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """`{"error": {"message", "type", "param", "code"}}`, as the OpenAI API answers an error."""
+    return encoder.encode(ErrorResponse(ErrorInfo(message, ERROR_TYPES.get(status, "error"), param, status)))
+
+
 encoder = msgspec.json.Encoder()
