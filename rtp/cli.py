@@ -184,7 +184,7 @@ def _route_tokenizer(model: str | None):
     from rtp.engine.tokenizer import Tokenizer
 
     if model is None:
-        from rtp.engine.default_model import default_model_path
+        from rtp.checkpoint.default_model import default_model_path
 
         return Tokenizer.from_pretrained(default_model_path())
     return Tokenizer.from_pretrained(Path(model).expanduser())
@@ -196,8 +196,8 @@ def _convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    from rtp.engine.convert import DTYPES, convert
-    from rtp.engine.loader import LoadOptions
+    from rtp.checkpoint.convert import DTYPES, convert
+    from rtp.checkpoint.loader import LoadOptions
 
     try:
         summary = convert(Path(args.src).expanduser(), Path(args.dst).expanduser(), DTYPES.get(args.dtype),

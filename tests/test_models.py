@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from rtp._runtime import BlockAllocator, RadixCache, Scheduler
-from rtp.engine.loader import CheckpointError, load_model
+from rtp.checkpoint.loader import CheckpointError, load_model
 from rtp.engine.runner import ModelRunner
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2,

@@ -24,8 +24,8 @@ from test_models import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rtp.engine.checkpoint import CheckpointError
-from rtp.engine.loader import load_model
+from rtp.checkpoint import CheckpointError
+from rtp.checkpoint.loader import load_model
 from rtp.models.moe import (
     REPRODUCIBLE_GROUP_ROWS,
     FusedMoE,

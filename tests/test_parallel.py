@@ -26,7 +26,7 @@ from test_models import (
 )
 
 import rtp.distributed as dist
-from rtp.engine.loader import LoadOptions, load_model
+from rtp.checkpoint.loader import LoadOptions, load_model
 from rtp.engine.tensor_parallel import threads_per_rank
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rtp.engine.gguf import GGUFError
+from rtp.checkpoint.gguf import GGUFError
 from rtp.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = [

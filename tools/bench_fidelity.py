@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     import transformers
 
     from rtp import LLM, SamplingParams
-    from rtp.engine.default_model import default_model_path
+    from rtp.checkpoint.default_model import default_model_path
 
     start = time.perf_counter()
     path = default_model_path()

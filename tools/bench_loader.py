@@ -131,7 +131,7 @@ def evict(files: list[Path]) -> None:
 
 
 def tensor_bytes(files: list[Path]) -> int:
-    from rtp.engine.safetensors_format import read_header
+    from rtp.checkpoint.safetensors_format import read_header
 
     return sum(r.nbytes for f in files for r in read_header(f))
 
@@ -165,7 +165,7 @@ def touch(model: torch.nn.Module) -> None:
 
 def rtp_load(directory: Path, direct: bool | None, chunk_bytes: int | None) -> dict:
     """load_model, timed to ready and, without its final oneDNN prepacking, to the weights in place."""
-    from rtp.engine import loader
+    from rtp.checkpoint import loader
 
     pack = loader._pack_cpu_weights
     pack_s = []

@@ -85,7 +85,7 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from rtp.engine.default_model import default_model_path, rtp_home
+from rtp.checkpoint.default_model import default_model_path, rtp_home
 
 TARGET_VS_TRANSFORMERS = 3.0     # rtp bf16 generated tok/s / transformers generate (best B, useful tok/s)
 TARGET_VS_VLLM = 1.2             # rtp bf16 generated tok/s / vLLM generated tok/s

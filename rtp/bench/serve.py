@@ -330,7 +330,7 @@ def main(args: argparse.Namespace) -> int:
     if args.tokenizer:
         tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     else:
-        from rtp.engine.default_model import default_model_path
+        from rtp.checkpoint.default_model import default_model_path
 
         tokenizer = Tokenizer.from_pretrained(default_model_path())
     try:

@@ -29,11 +29,11 @@ from rtp.distributed import (
     world_rank,
     world_size,
 )
-from rtp.engine.checkpoint import open_checkpoint
+from rtp.checkpoint import open_checkpoint
 from rtp.engine.expert_balancer import ExpertBalancer, lendable_kv_blocks, spare_slots_for
 from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks, release_blocks
 from rtp.engine.kv_transfer import KVLayout, KVSink, LayerTaps, layout_of, scatter, token_slots
-from rtp.engine.loader import load_model
+from rtp.checkpoint.loader import load_model
 from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from rtp.engine.tensor_parallel import PlanChannel, spawn_followers, threads_per_rank
@@ -112,7 +112,7 @@ def _cpu_has_native_bf16() -> bool:
 def _use_rtp_compile_cache() -> None:
     """Keep Inductor's cache under rtp's home, so restarts compile from a warm cache."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from rtp.engine.default_model import rtp_home
+        from rtp.checkpoint.default_model import rtp_home
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(rtp_home() / "inductor")
 
@@ -685,6 +685,6 @@ class LLMEngine:
 
 
 def _default_model() -> Path:
-    from rtp.engine.default_model import default_model_path
+    from rtp.checkpoint.default_model import default_model_path
 
     return default_model_path()

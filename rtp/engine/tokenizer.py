@@ -136,7 +136,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
-        from rtp.engine.gguf import GGUFFile
+        from rtp.checkpoint.gguf import GGUFFile
 
         meta = GGUFFile(path).tokenizer_metadata
         tokens = meta.get("tokens")

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from rtp.config import ModelConfig
-from rtp.engine.checkpoint import Checkpoint, TensorRecord, open_checkpoint
-from rtp.engine.loader import LoadOptions, ProgressBar, check_against_model, checkpoint_tensors
-from rtp.engine.safetensors_format import SafetensorsWriter, write_index
+from rtp.checkpoint import Checkpoint, TensorRecord, open_checkpoint
+from rtp.checkpoint.loader import LoadOptions, ProgressBar, check_against_model, checkpoint_tensors
+from rtp.checkpoint.safetensors_format import SafetensorsWriter, write_index
 from rtp.models import model_class
 
 log = logging.getLogger("rtp.convert")

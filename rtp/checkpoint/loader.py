@@ -1,13 +1,13 @@
 """Checkpoints in, a ready model out.
 
 A checkpoint (a Hugging Face safetensors directory or a GGUF file) is first
-described without reading its weights (rtp/engine/checkpoint.py: config and one
+described without reading its weights (rtp/checkpoint/formats.py: config and one
 record per tensor, every header validated), then checked against the model: the
 model's own weight loaders run once over placeholder tensors on the meta device,
 so a missing tensor, one with no place, or one whose shape disagrees with the
 config is a CheckpointError naming the file and tensor before a byte of data is
 read. Only then are the weights streamed in file order (one reader thread, two
-buffers, rtp/engine/sequential_reader.py) and copied into the parameters by the
+buffers, rtp/checkpoint/reader.py) and copied into the parameters by the
 same per-parameter weight loaders, so this file knows no architecture.
 
 The model's parameters are created uninitialised in their final dtype and on
@@ -15,7 +15,7 @@ their device; each tensor is copied from the reader's buffer into its parameter
 (converting dtype on the way), so loading holds no second copy of the model in
 host memory: two chunk buffers, and one staging buffer for tensors longer than a
 chunk. On the CPU a second thread faults the parameters' pages in ahead of the
-copies (rtp/engine/prefault.py). An error anywhere raises: `load_model` never
+copies (rtp/checkpoint/prefault.py). An error anywhere raises: `load_model` never
 returns a half-loaded model.
 """
 
@@ -35,14 +35,14 @@ import torch
 
 from rtp.config import ModelConfig
 from rtp.distributed import world_rank, world_size
-from rtp.engine.checkpoint import CheckpointError, TensorRecord, open_checkpoint, stream_tensors
-from rtp.engine.prefault import Prefault
+from rtp.checkpoint import CheckpointError, TensorRecord, open_checkpoint, stream_tensors
+from rtp.checkpoint.prefault import Prefault
 from rtp.models import model_class
 
 __all__ = ["CheckpointError", "LoadOptions", "check_against_model", "checkpoint_tensors", "load_model"]
 
 if TYPE_CHECKING:
-    from rtp.engine.gguf import GGUFCheckpoint
+    from rtp.checkpoint.gguf import GGUFCheckpoint
 
 log = logging.getLogger("rtp.loader")
 

@@ -7,12 +7,12 @@ the way a Hugging Face checkpoint looks:
 
     ckpt = GGUFCheckpoint("model.gguf")
     ckpt.config                   # config.json-style dict
-    ckpt.records()                # where each tensor lies, how it dequantizes (rtp/engine/checkpoint.py)
+    ckpt.records()                # where each tensor lies, how it dequantizes (rtp/checkpoint/formats.py)
     for name, tensor in ckpt.tensors():   # file order, fp32, HF names and shapes
         ...
 
 Tensor data is not read through the memory map but streamed in file order by
-rtp's loader (rtp/engine/sequential_reader.py) and dequantized tensor by tensor.
+rtp's loader (rtp/checkpoint/reader.py) and dequantized tensor by tensor.
 
 Three things llama.cpp's converter did are undone here:
   names    token_embd -> model.embed_tokens, blk.N.attn_q -> model.layers.N.self_attn.q_proj, ...
@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rtp.checkpoint.records import CheckpointError, TensorRecord
+
 if TYPE_CHECKING:
-    from rtp.engine.checkpoint import TensorRecord
+    from rtp.models.quant import BlockQuantized
 
 log = logging.getLogger("rtp.gguf")
 
@@ -297,8 +299,6 @@ class GGUFCheckpoint(GGUFFile):
         Every tensor's name, type and extent is checked here, so a bad file fails before
         anything is read, not half-way through loading.
         """
-        from rtp.engine.checkpoint import CheckpointError, TensorRecord
-
         size = self.path.stat().st_size
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
@@ -317,14 +317,14 @@ class GGUFCheckpoint(GGUFFile):
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             proj = name.rsplit(".", 2)[-2] if permute else None
             decode = partial(_decode, qtype=t.tensor_type, shape=shape, name=t.name,
-                                       unpermute_heads=heads.get(proj))
+                             unpermute_heads=heads.get(proj))
             records.append(TensorRecord(name, self.path, begin, end, shape, torch.float32, decode))
         return records
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 tensor in HF shape) for every model tensor, in file order, each a
         tensor of its own; read the way the loader reads them (`records`)."""
-        from rtp.engine.checkpoint import stream_tensors
+        from rtp.checkpoint.reader import stream_tensors
 
         for record, tensor in stream_tensors(self.records()):
             yield record.name, tensor

@@ -35,6 +35,8 @@ from typing import Protocol, Self
 
 import torch
 
+from rtp.checkpoint.records import CheckpointError, TensorRecord
+
 log = logging.getLogger("rtp.reader")
 
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the logical block size
@@ -300,3 +302,25 @@ class SequentialReader:
                 self._give_back(item)
         finally:
             self.close()
+
+
+def stream_tensors(records: Sequence[TensorRecord], *, chunk_bytes: int | None = None,
+                   direct: bool | None = None, device: torch.device | None = None,
+                   progress: Callable[[int], None] | None = None) -> Iterator[tuple[TensorRecord, torch.Tensor]]:
+    """(record, decoded CPU tensor) for every record, read in file order.
+
+    A tensor may alias a reader buffer: it is valid until the next one is taken, so
+    copy out of it. A read that fails raises CheckpointError naming the file and the
+    tensor. `device` only pins the buffers and fences their reuse (CUDA); the
+    tensors stay on the CPU. Other options: SequentialReader.
+    """
+    reader = SequentialReader(records, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, direct=direct,
+                              device=device, progress=progress)
+    with reader:
+        try:
+            for index, raw in reader:
+                record = records[index]
+                yield record, record.decode(raw)
+        except ReadFailed as e:
+            record = records[e.index]
+            raise CheckpointError(f"{record.path}: cannot read tensor {record.name}: {e}") from e

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rtp.engine.checkpoint import CheckpointError, TensorRecord
+from rtp.checkpoint.records import CheckpointError, TensorRecord
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit

