@@ -5,7 +5,13 @@ prefill_attention.c and kernel_calls.c).
 Everything else about the package lives in pyproject.toml. Set RTP_ANNOTATE=1 to
 write Cython's annotated HTML (rtp/_runtime.html) and check that the hot paths
 stay free of Python interaction (no yellow lines).
+
+RTP_SANITIZE=address,undefined (any -fsanitize= list) builds both extensions with
+the sanitizers, frame pointers, debug info and -O1. Python is not sanitized, so such a
+build runs only with the runtime preloaded: tools/sanitize.sh builds one in a copy of
+the tree (never over the checkout's own extensions) and runs the kernel tests under it.
 """
+import glob
 import os
 import platform
 
@@ -13,11 +19,18 @@ import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
+SANITIZE = os.environ.get("RTP_SANITIZE", "")
+# -O1: reports with readable stacks, tests at a bearable speed. The kernels' target attributes
+# and OpenMP still apply, so the same code paths run as in the -O3 build.
+SANITIZE_COMPILE = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-g", "-O1"] if SANITIZE else []
+SANITIZE_LINK = [f"-fsanitize={SANITIZE}"] if SANITIZE else []
+
 runtime = Extension(
     "rtp._runtime",
     sources=["rtp/_runtime.pyx"],
     include_dirs=[np.get_include()],
-    extra_compile_args=["-O3"],
+    extra_compile_args=["-O3"] + SANITIZE_COMPILE,
+    extra_link_args=SANITIZE_LINK,
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
 )
 
@@ -29,8 +42,9 @@ cpu_kernels = Extension(
     sources=["rtp/_cpu_kernels.pyx", "rtp/csrc/cpu_kernels.c", "rtp/csrc/amx_linear.c",
              "rtp/csrc/prefill_attention.c", "rtp/csrc/kernel_calls.c"],
     include_dirs=["rtp/csrc"],
-    extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
-    extra_link_args=["-fopenmp"],
+    depends=sorted(glob.glob("rtp/csrc/*.h")),
+    extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"] + SANITIZE_COMPILE,
+    extra_link_args=["-fopenmp"] + SANITIZE_LINK,
 )
 extensions = [runtime] + ([cpu_kernels] if platform.machine() in ("x86_64", "AMD64") else [])
 

@@ -62,8 +62,20 @@ cdef int _run(int64_t *c, int used) except -1:
     with nogil:
         ok = rtp_run_call(c)
     if not ok:
-        raise MemoryError(f"rtp kernel {c[0]}: no scratch memory")
+        raise _failure(c, 0)
     return 0
+
+
+cdef object _failure(const int64_t *c, int64_t rows):
+    """The exception for a call that returned 0 (run over `rows` rows; 0: as recorded)."""
+    cdef int w = rtp_call_rows_word(c[0])
+    name = OP_NAMES.get(c[0], f"op {c[0]}")
+    if rows > 0 and w and rows > c[w]:
+        return ValueError(f"kernel call {name} was recorded over {c[w]} rows, cannot run over {rows}")
+    if c[0] == RTP_OP_ROPE_STORE_KV:
+        return IndexError(f"rope_store_kv: a slot outside the KV cache's {c[15]} slots "
+                          f"(those tokens' K/V were not written)")
+    return MemoryError(f"kernel {name}: no scratch memory")
 
 
 def supported() -> bool:
@@ -103,13 +115,14 @@ def rows_word(int64_t op) -> int:
 
 def run_calls(intptr_t calls, int64_t n, int64_t rows, intptr_t ns=0) -> None:
     """Run n recorded calls (int64 [n, CALL_WORDS] at address `calls`) in order, each over
-    `rows` rows (0: as recorded); ns, when not 0, the address of int64 [n] that receives each
-    call's wall time in nanoseconds."""
+    `rows` rows (0: as recorded; never more than a call was recorded with); ns, when not 0, the
+    address of int64 [n] that receives each call's wall time in nanoseconds."""
     cdef int64_t done
     with nogil:
         done = rtp_run_calls(<const int64_t *>calls, n, rows, <int64_t *>ns)
     if done != n:
-        raise MemoryError(f"replayed kernel call {done}: no scratch memory")
+        e = _failure(<const int64_t *>calls + done * RTP_CALL_WORDS, rows)
+        raise type(e)(f"replayed call {done}: {e}")
 
 
 def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, intptr_t bias,
@@ -161,12 +174,13 @@ def add_rms_norm(intptr_t residual, int64_t ldr, intptr_t delta, bint delta_bf16
 
 def rope_store_kv(intptr_t qkv, int64_t ldq, intptr_t positions, intptr_t cos_sin, int64_t rot,
                   intptr_t q_out, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride,
-                  intptr_t slots, int64_t t, int64_t h, int64_t hkv, int64_t d) -> None:
-    """Rotate q, k of a fused qkv output; q to q_out, k and v into the cache at slots."""
+                  intptr_t slots, int64_t t, int64_t h, int64_t hkv, int64_t d, int64_t num_slots) -> None:
+    """Rotate q, k of a fused qkv output; q to q_out, k and v into the cache (num_slots slots) at
+    slots. IndexError, after the call, when a slot lies outside the cache (nothing written there)."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:15] = [RTP_OP_ROPE_STORE_KV, qkv, ldq, positions, cos_sin, rot, q_out, k_cache, v_cache, tok_stride,
-              slots, t, h, hkv, d]
-    _run(c, 15)
+    c[:16] = [RTP_OP_ROPE_STORE_KV, qkv, ldq, positions, cos_sin, rot, q_out, k_cache, v_cache, tok_stride,
+              slots, t, h, hkv, d, num_slots]
+    _run(c, 16)
 
 
 def embed_rows(intptr_t table, bint table_bf16, int64_t ldt, intptr_t ids, intptr_t out, int64_t ldo,

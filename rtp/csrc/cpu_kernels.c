@@ -134,14 +134,15 @@ TARGET static inline __attribute__((always_inline)) void q4_1_tile(
     }
 }
 
-TARGET void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
-                            const float *mn, const float *bias, void *out, int64_t ldo,
-                            int out_bf16, int64_t M, int64_t N, int64_t K) {
+/* Returns 0, computing nothing, when the sums of a large batch could not be allocated. */
+TARGET int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
+                           const float *mn, const float *bias, void *out, int64_t ldo,
+                           int out_bf16, int64_t M, int64_t N, int64_t K) {
     int64_t nb = K / QK;
     /* per-block sums of each activation row, on the stack up to 64 KiB */
     float stack[16384];
     float *xsum = M * nb <= 16384 ? stack : (float *)malloc((size_t)(M * nb) * sizeof(float));
-    if (!xsum) return;
+    if (!xsum) return 0;
     for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < nb; b++) {
             __m512 lo = bf16x16_to_f32(x + i * ldx + b * QK), hi = bf16x16_to_f32(x + i * ldx + b * QK + 16);
@@ -161,6 +162,7 @@ TARGET void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, c
         }
     }
     if (xsum != stack) free(xsum);
+    return 1;
 }
 
 TARGET static inline __attribute__((always_inline)) void q8_0_tile(
@@ -497,8 +499,11 @@ TARGET void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, in
  * dims of each head, in fp32), write q out and k, v into the paged cache at slot_mapping.
  *   qkv bf16 [T, (H + 2 Hkv) * D] row stride ldq; positions int32 [T];
  *   cos_sin fp32 [max_position, rot] (cos in the first half of a row, sin in the second);
- *   q_out bf16 [T, H, D]; k_cache / v_cache bf16, token stride tok_stride, head stride D.
- * rot / 2 is a multiple of 16.
+ *   q_out bf16 [T, H, D]; k_cache / v_cache bf16, token stride tok_stride, head stride D,
+ *   num_slots slots each.
+ * rot / 2 is a multiple of 16. The only kernel that stores at addresses taken from data: a slot
+ * outside [0, num_slots) would land in whatever memory lies near the cache (weights, another
+ * layer's blocks), so its K and V are not written and the call returns 0 (else 1).
  * ------------------------------------------------------------------------------------------- */
 TARGET static inline void rope_head(const uint16_t *x, const float *cs, int64_t rot, int64_t D,
                                     uint16_t *dst) {
@@ -515,19 +520,26 @@ TARGET static inline void rope_head(const uint16_t *x, const float *cs, int64_t 
     if (rot < D) memcpy(dst + rot, x + rot, (size_t)(D - rot) * sizeof(uint16_t));
 }
 
-TARGET void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions,
-                              const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
-                              uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
-                              int64_t T, int64_t H, int64_t Hkv, int64_t D) {
-#pragma omp parallel for schedule(static) if (T >= 16)
+TARGET int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions,
+                             const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
+                             uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
+                             int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t num_slots) {
+    int bad = 0;
+#pragma omp parallel for schedule(static) if (T >= 16) reduction(| : bad)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *row = qkv + t * ldq;
         const float *cs = cos_sin + (int64_t)positions[t] * rot;
         for (int64_t h = 0; h < H; h++) rope_head(row + h * D, cs, rot, D, q_out + (t * H + h) * D);
-        uint16_t *kd = k_cache + slots[t] * tok_stride, *vd = v_cache + slots[t] * tok_stride;
+        int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) {
+            bad = 1;
+            continue;
+        }
+        uint16_t *kd = k_cache + slot * tok_stride, *vd = v_cache + slot * tok_stride;
         for (int64_t h = 0; h < Hkv; h++) rope_head(row + (H + h) * D, cs, rot, D, kd + h * D);
         memcpy(vd, row + (H + Hkv) * D, (size_t)(Hkv * D) * sizeof(uint16_t));
     }
+    return !bad;
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -7,19 +7,19 @@ void rtp_paged_decode_attention_bf16(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
     const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window);
-void rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
-                     const float *mn, const float *bias, void *out, int64_t ldo,
-                     int out_bf16, int64_t M, int64_t N, int64_t K);
+int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
+                    const float *mn, const float *bias, void *out, int64_t ldo,
+                    int out_bf16, int64_t M, int64_t N, int64_t K);
 void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
                      const float *bias, void *out, int64_t ldo, int out_bf16,
                      int64_t M, int64_t N, int64_t K);
 void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, int delta_bf16, int64_t ldd,
                       const void *weight, int weight_bf16, float eps, void *out, int out_bf16, int64_t ldo,
                       int64_t T, int64_t H);
-void rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions,
-                       const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
-                       uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
-                       int64_t T, int64_t H, int64_t Hkv, int64_t D);
+int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions,
+                      const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
+                      uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
+                      int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t num_slots);
 int rtp_amx_supported(void);
 int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                    const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K,

@@ -23,8 +23,7 @@ static inline float arg_float(int64_t word) {
 int rtp_run_call(const int64_t *c) {
     switch (c[0]) {
     case RTP_OP_LINEAR_Q4_1:
-        rtp_linear_q4_1(P(1), c[2], P(3), P(4), P(5), P(6), P(7), c[8], (int)c[9], c[10], c[11], c[12]);
-        return 1;
+        return rtp_linear_q4_1(P(1), c[2], P(3), P(4), P(5), P(6), P(7), c[8], (int)c[9], c[10], c[11], c[12]);
     case RTP_OP_LINEAR_Q8_0:
         rtp_linear_q8_0(P(1), c[2], P(3), P(4), P(5), P(6), c[7], (int)c[8], c[9], c[10], c[11]);
         return 1;
@@ -36,8 +35,8 @@ int rtp_run_call(const int64_t *c) {
                          c[11], c[12], c[13]);
         return 1;
     case RTP_OP_ROPE_STORE_KV:
-        rtp_rope_store_kv(P(1), c[2], P(3), P(4), c[5], P(6), P(7), P(8), c[9], P(10), c[11], c[12], c[13], c[14]);
-        return 1;
+        return rtp_rope_store_kv(P(1), c[2], P(3), P(4), c[5], P(6), P(7), P(8), c[9], P(10), c[11], c[12], c[13],
+                                 c[14], c[15]);
     case RTP_OP_DECODE_ATTENTION:
         rtp_paged_decode_attention_bf16(P(1), P(2), P(3), c[4], P(5), c[6], P(7), P(8), c[9], c[10], c[11], c[12],
                                         c[13], arg_float(c[14]), c[15]);
@@ -74,16 +73,20 @@ int rtp_call_rows_word(int64_t op) {
 
 /* Runs n calls in order, each over `rows` rows (rows <= 0: as recorded). A step's rows are
  * independent in every kernel here, so calls captured over R rows serve any batch of up to R
- * rows whose inputs sit in the first rows of the same buffers. ns, when not NULL, receives
- * each call's wall time in nanoseconds (tools/bench_decode_step.py). Returns n, or the index
- * of the call that failed. */
+ * rows whose inputs sit in the first rows of the same buffers. More rows than a call was
+ * recorded with fail that call before it runs: its buffers (a graph's arena) hold only R rows,
+ * and the kernel would write past them. ns, when not NULL, receives each call's wall time in
+ * nanoseconds (tools/bench_decode_step.py). Returns n, or the index of the call that failed. */
 int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns) {
     int64_t c[RTP_CALL_WORDS];
     struct timespec start, end;
     for (int64_t i = 0; i < n; i++) {
         memcpy(c, calls + i * RTP_CALL_WORDS, sizeof c);
         int w = rtp_call_rows_word(c[0]);
-        if (rows > 0 && w) c[w] = rows;
+        if (rows > 0 && w) {
+            if (rows > c[w]) return i;
+            c[w] = rows;
+        }
         if (ns) clock_gettime(CLOCK_MONOTONIC, &start);
         if (!rtp_run_call(c)) return i;
         if (ns) {

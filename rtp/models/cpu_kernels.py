@@ -219,15 +219,20 @@ def rope_supported(qkv: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Ten
 def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
     """Rotate the q and k parts of qkv [T, (H + 2 Hkv) D] bf16; returns q [T, H, D]; writes k and v
-    into kv_cache [2, blocks, block_size, Hkv, D] at slot_mapping (int64)."""
+    into kv_cache [2, blocks, block_size, Hkv, D] at slot_mapping (int64). The kernel reads T
+    slots and T positions as they lie in memory (a shorter or int32 slot_mapping would send K/V
+    to wrong addresses), and writes no slot outside the cache (IndexError)."""
     t = qkv.shape[0]
     d = kv_cache.shape[-1]
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] < t or positions.shape[0] < t:
+        raise ValueError(f"rope_store_kv: {t} tokens need int64 slot_mapping and positions of {t}, got "
+                         f"{slot_mapping.dtype} [{slot_mapping.shape[0]}] and [{positions.shape[0]}]")
     q = torch.empty(t, heads, d, dtype=qkv.dtype)
     slots = slot_mapping.contiguous()
     pos = positions.contiguous()
     _k.rope_store_kv(qkv.data_ptr(), qkv.stride(0), pos.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[1],
                      q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_heads * d,
-                     slots.data_ptr(), t, heads, kv_heads, d)
+                     slots.data_ptr(), t, heads, kv_heads, d, kv_cache.shape[1] * kv_cache.shape[2])
     return q
 
 
