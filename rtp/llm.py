@@ -6,7 +6,8 @@ import sys
 from collections.abc import Sequence
 
 from rtp.config import EngineConfig
-from rtp.engine.engine import LLMEngine, RequestOutput
+from rtp.engine.engine import LLMEngine
+from rtp.engine.output import RequestOutput
 from rtp.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -42,16 +43,19 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         for p in params:
             p.validate()  # every prompt checked before any is queued
-        ids = []
+        results: dict[str, RequestOutput] = {}
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self._next_id())
-                self.engine.add_request(ids[-1], prompt, p)
+                request_id = self._next_id()
+                text = prompt if isinstance(prompt, str) else None
+                ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+                self.engine.add_request(request_id, ids, p)
+                results[request_id] = RequestOutput.start(request_id, text, ids, p)
         except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
+            for request_id in results:
+                self.engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(results, use_tqdm)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -66,24 +70,27 @@ class LLM:
         self._counter += 1
         return f"offline-{self._counter}"
 
-    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def _run(self, results: dict[str, RequestOutput], use_tqdm: bool | None) -> list[RequestOutput]:
+        """Step until every request finished, adding each step's deltas to its output."""
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         bar = None
         if show:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generating", unit="req", file=sys.stderr)
-        pending = set(ids)
+            bar = tqdm(total=len(results), desc="generating", unit="req", file=sys.stderr)
+        pending = len(results)
         while pending:
-            for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    results[out.request_id] = out
-                    pending.discard(out.request_id)
+            for delta in self.engine.step():
+                out = results.get(delta.request_id)
+                if out is None or out.finished:
+                    continue
+                out.add(delta)
+                if out.finished:
+                    pending -= 1
                     if bar is not None:
                         bar.update(1)
             if pending and not self.engine.has_unfinished_requests():
-                raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
+                raise RuntimeError(f"engine stopped with {pending} requests unfinished")
         if bar is not None:
             bar.close()
-        return [results[i] for i in ids]
+        return list(results.values())

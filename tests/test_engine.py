@@ -113,7 +113,7 @@ def test_bad_input_gets_clear_errors(llm_fp32, tmp_path):
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0)):
         with pytest.raises(ValueError):
             llm_fp32.generate("hi", SamplingParams(**bad))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 512"):
         llm_fp32.generate([1] * 600)
     with pytest.raises(FileNotFoundError):
         LLM(model=str(tmp_path / "nope"))

@@ -103,6 +103,7 @@ def test_replicas_are_dropped_under_kv_pressure_and_return(mixtral, caplog):
     kv = {"kv_cache_memory": 12 * block, "block_size": 16}
     short, long = prompts_of((6, 7), seed=5), prompts_of((72, 72), seed=6)
     from rtp import LLM, SamplingParams
+    from rtp.engine.output import RequestOutput
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ref = LLM(model=mixtral, **KW, **kv)
@@ -113,13 +114,14 @@ def test_replicas_are_dropped_under_kv_pressure_and_return(mixtral, caplog):
     got = [[o.outputs[0].token_ids for o in llm.generate(short, params, use_tqdm=False)]]
     assert (b.replicas() == 4).all()
     with caplog.at_level(logging.INFO, logger="rtp.eplb"):
+        outs = {}
         for i, p in enumerate(long):
             engine.add_request(f"long{i}", p, params)
+            outs[f"long{i}"] = RequestOutput.start(f"long{i}", None, p, params)
         usage, replicas = [], []
-        outs = {}
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                outs[out.request_id] = out
+            for delta in engine.step():
+                outs[delta.request_id].add(delta)
             usage.append(engine.allocator.num_used / 11)
             replicas.append(int(b.replicas().max()))
     got.append([outs[f"long{i}"].outputs[0].token_ids for i in range(2)])

@@ -37,7 +37,7 @@ def greedy(**kw) -> SamplingParams:
 
 def assert_idle(llm):
     engine = llm.engine
-    assert not engine.has_unfinished_requests() and not engine._seqs
+    assert not engine.has_unfinished_requests() and not engine._rows
     engine.scheduler.check_integrity()
     assert engine.allocator.num_used == 0
 

@@ -15,7 +15,7 @@ import pytest
 from starlette.applications import Starlette
 
 from rtp.engine.kv_transfer import KVLayout
-from rtp.serve import rpc
+from rtp.serve.pd import rpc
 from rtp.serve.flexlb import Master, RouteOptions
 
 A, B = "http://a", "http://b"

@@ -51,13 +51,13 @@ def _prefill(engine: LLMEngine, request_id: str, prompt: list[int], others=()):
         engine.add_request(f"{request_id}-other-{i}", other, GREEDY)
     caches = engine.runner.kv_caches
     seen = {}
-    arm = engine._taps.arm
+    arm = engine.handoff._taps.arm
 
     def recording_arm(taps):
         seen["slots"] = [slots for slots, s in taps if s is sink]
         arm(taps)
 
-    engine._taps.arm = recording_arm
+    engine.handoff._taps.arm = recording_arm
     try:
         while sink.first is None:
             engine.step()
@@ -67,7 +67,7 @@ def _prefill(engine: LLMEngine, request_id: str, prompt: list[int], others=()):
         (slots,) = seen["slots"]
         held = [gather(cache, slots) for cache in caches]
     finally:
-        del engine._taps.arm
+        del engine.handoff._taps.arm
     while engine.has_unfinished_requests():
         engine.step()
     return sink, held, shape

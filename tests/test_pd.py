@@ -27,7 +27,7 @@ from test_serve import MODEL, Server, _free_port, metrics
 
 from rtp.engine.kv_transfer import gather, layout_of, raw_view, scatter, token_slots
 from rtp.sampling_params import SamplingParams
-from rtp.serve import rpc
+from rtp.serve.pd import rpc
 
 TOKEN = "pd-test-secret"
 COMMON = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "96MiB", "--max-num-seqs", "16")

@@ -19,7 +19,7 @@ import pytest
 from test_pd import call, pd_events
 from test_serve import MODEL, Server, metrics
 
-from rtp.serve import rpc
+from rtp.serve.pd import rpc
 
 KEY = "pd-defaults-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -15,9 +15,7 @@ from starlette.testclient import TestClient
 
 from rtp.engine.kv_transfer import KVLayout
 from rtp.sampling_params import SamplingParams
-from rtp.serve import rpc
-from rtp.serve.kv_intake import KVPort, Reservation
-from rtp.serve.pd import PDNode
+from rtp.serve.pd import KVPort, PDNode, Reservation, rpc
 
 LAYOUT = KVLayout("float32", [[2, 1, 4]] * 2)  # two layers of 32 bytes per token
 
@@ -101,7 +99,7 @@ def test_an_unauthenticated_length_prefix_allocates_nothing_big():
     async def run():
         node = _node()
         _reserve(node)
-        port = KVPort(node, timeout=5.0)
+        port = KVPort(node.ctx, timeout=5.0)
         transport = FakeTransport()
         port.connection_made(transport)
         _feed(port, rpc.LENGTH.pack((16 << 20) - 1))  # "a 16 MiB header follows"
@@ -111,14 +109,14 @@ def test_an_unauthenticated_length_prefix_allocates_nothing_big():
         assert node._reservations["r-1"].state == "reserved"  # a stranger cannot end a reservation
 
         # the right request id with the wrong key: refused, and the reservation stays
-        port, transport = KVPort(node, timeout=5.0), FakeTransport()
+        port, transport = KVPort(node.ctx, timeout=5.0), FakeTransport()
         port.connection_made(transport)
         _feed(port, rpc.frame(rpc.KVHello(version=1, request_id="r-1", key="wrong")))
         assert transport.closed and _reply(bytes(transport.written))["status"] == 401
         assert node._reservations["r-1"].state == "reserved" and not node.engine.dropped
 
         # the right key: then a KV frame header may be up to MAX_KV_HEADER_BYTES, no more
-        port, transport = KVPort(node, timeout=5.0), FakeTransport()
+        port, transport = KVPort(node.ctx, timeout=5.0), FakeTransport()
         port.connection_made(transport)
         _feed(port, rpc.frame(rpc.KVHello(version=1, request_id="r-1", key=node._reservations["r-1"].kv_key)))
         assert not port.done and node._reservations["r-1"].state == "receiving"
@@ -133,7 +131,7 @@ def test_a_complete_push_on_the_kv_port_is_accepted():
     async def run():
         node = _node()
         r = _reserve(node, tokens=3)
-        port, transport = KVPort(node, timeout=5.0), FakeTransport()
+        port, transport = KVPort(node.ctx, timeout=5.0), FakeTransport()
         port.connection_made(transport)
         data = rpc.frame(rpc.KVHello(version=1, request_id="r-1", key=r.kv_key))
         data += rpc.frame(rpc.KVFrame(version=1, request_id="r-1", layer=rpc.HEARTBEAT, num_tokens=0, nbytes=0))

@@ -494,10 +494,8 @@ class StubEngine:
         return bool(self.requests)
 
     def add_request(self, request_id, prompt, params):
-        from rtp.engine.engine import CompletionOutput, RequestOutput
-
         self.calls.append(f"add {request_id}")
-        self.requests[request_id] = RequestOutput(request_id, None, prompt, [CompletionOutput(0)])
+        self.requests[request_id] = prompt
 
     def abort_request(self, request_id):
         self.calls.append(f"abort {request_id}")
@@ -508,10 +506,10 @@ class StubEngine:
         time.sleep(0.01)
         if self.fail_step:
             raise RuntimeError("the device fell over")
-        for out in self.requests.values():
-            out.outputs[0].token_ids.append(7)
-            out.outputs[0].text += "x"
-        return list(self.requests.values())
+        from rtp.engine.output import ChoiceDelta, RequestDelta
+
+        return [RequestDelta(request_id, [ChoiceDelta(0, "x", 1, None, token_ids=[7])])
+                for request_id in self.requests]
 
 
 def test_async_engine_aborts_before_the_next_step_and_idles_blocked():

@@ -35,7 +35,7 @@ import torch
 
 from rtp.config import ModelConfig
 from rtp.distributed import world_rank, world_size
-from rtp.checkpoint import CheckpointError, TensorRecord, open_checkpoint, stream_tensors
+from rtp.checkpoint import Checkpoint, CheckpointError, TensorRecord, open_checkpoint, stream_tensors
 from rtp.checkpoint.prefault import Prefault
 from rtp.models import model_class
 
@@ -183,12 +183,14 @@ def _fill_order(model: torch.nn.Module, records: Sequence[TensorRecord]) -> list
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, options: LoadOptions | None = None,
-               *, redundant_experts: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
+               *, redundant_experts: int = 0, checkpoint: Checkpoint | None = None
+               ) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model named by the checkpoint's config and load its weights; MoE layers get
-    `redundant_experts` spare slots for EPLB's replicas (empty until FusedMoE.place)."""
+    `redundant_experts` spare slots for EPLB's replicas (empty until FusedMoE.place).
+    `checkpoint`: `path` already opened (its headers parsed once, by the caller)."""
     options = options or LoadOptions()
     start = time.perf_counter()
-    checkpoint = open_checkpoint(path)
+    checkpoint = checkpoint or open_checkpoint(path)
     records = checkpoint.records
     config = ModelConfig.from_hf(checkpoint.config)
     if redundant_experts:

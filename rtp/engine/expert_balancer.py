@@ -52,6 +52,7 @@ graphs (CUDA graphs, Inductor without freezing) stay valid across a rebalance.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rtp.distributed import world_size
 from rtp.engine.eplb import Placement, eplb_placement, imbalance, replica_slots
+from rtp.engine.kv_cache import release_blocks
 
 log = logging.getLogger("rtp.eplb")
 
@@ -165,6 +168,43 @@ class ExpertBalancer:
 
     def _counters(self) -> torch.Tensor:
         return torch.stack([m.expert_load for m in self.layers])
+
+    # -- the engine's hooks: after a step (rank 0), on a rebalance rank 0 sent (the others) ---------
+
+    def between_steps(self, allocator, kv_caches, channel=None) -> None:
+        """Rank 0, after each step: a due plan, made here and applied on every rank before the
+        next step (channel: the tensor-parallel plan channel, or None alone).
+
+        The KV pool is resized around the move: lent blocks go back (shrink) before replicas
+        take their memory again, and are lent (grow) only after the replicas have left it. A plan
+        whose shrink is refused (lent blocks still hold KV) is not applied. Pressure is judged
+        against the pool as built, the one the replicas leave: a pool grown into their memory
+        would otherwise look relieved and call them back at once."""
+        decision = self.after_step(allocator.num_used / max(1, allocator.base - 1))
+        if decision is None:
+            return
+        old, limit = allocator.num_blocks, self.kv_limit_after(decision.slots)
+        if limit < old and not allocator.shrink(limit):
+            self.wait_for_kv(decision, old - limit)
+            return
+        if channel is not None:
+            channel.send_rebalance(decision.slots, limit)
+        self._move(decision.slots, old, limit, allocator, kv_caches, decision)
+
+    def follow(self, slots: np.ndarray, limit: int, allocator, kv_caches) -> None:
+        """A follower rank: rank 0's rebalance, with the KV limit rank 0 moves to (this rank's
+        allocator holds no blocks, so it mirrors the limit without refusal)."""
+        old = allocator.num_blocks
+        if limit < old:
+            allocator.shrink(limit)
+        self._move(slots, old, limit, allocator, kv_caches)
+
+    def _move(self, slots: np.ndarray, old: int, limit: int, allocator, kv_caches, decision=None) -> None:
+        if limit < old:  # blocks handed back: their KV pages go before the replicas' come
+            release_blocks(kv_caches, limit, old)
+        self.apply(slots, decision, kv_limit=limit)
+        if limit > old:
+            allocator.grow(limit)
 
     def replicas(self) -> np.ndarray:
         """[layers]: slots holding a second (or later) copy of an expert."""
@@ -409,4 +449,23 @@ def spare_slots_for(config, model_config, checkpoint_bytes: int, dtype: torch.dt
                             memory_cap=config.eplb_memory_cap)
     log.info("EPLB: %d spare expert slots per MoE layer (%d layers, %.1f MiB in all) over %d ranks",
              spare, moe_layers, spare * slot_bytes / 2**20, ranks)
+    return ranks, spare
+
+
+def eplb_slots(config, path, model_config, dtype: torch.dtype, device: torch.device, compiled: bool
+               ) -> tuple[int, int]:
+    """(planner ranks, spare expert slots per layer) for --enable-eplb; (0, 0) for a dense model.
+    Every rank agrees on the spare slots (each measured its own free memory)."""
+    if compiled and os.environ.get("RTP_FREEZE") == "1":  # frozen weights would not see the moves
+        raise ValueError("--enable-eplb moves expert weights in place: not with RTP_FREEZE=1 graphs")
+    if not model_config.num_experts:
+        log.warning("--enable-eplb: %s has no experts; EPLB stays off", model_config.architecture)
+        return 0, 0
+    files = [path] if path.is_file() else list(path.glob("*.safetensors")) + list(path.glob("*.bin"))
+    ranks, spare = spare_slots_for(config, model_config, sum(f.stat().st_size for f in files), dtype, device,
+                                   config.expert_parallel_size)
+    if world_size() > 1:
+        agreed = torch.tensor([spare])
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        spare = int(agreed)
     return ranks, spare

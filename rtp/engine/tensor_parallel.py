@@ -18,7 +18,7 @@ import socket
 
 import torch
 
-from rtp.distributed import init_parallel
+from rtp.distributed import destroy_parallel, init_parallel
 
 log = logging.getLogger("rtp.tp")
 
@@ -95,7 +95,57 @@ def threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", size)))
 
 
-def spawn_followers(config, size: int) -> tuple[str, list]:
+def start_ranks(config, checkpoint_config, device: torch.device, follower) -> tuple[list, torch.device]:
+    """Rank 0 of a tensor- or expert-parallel engine: check that the model splits (before any
+    rank starts, so only one process reports it), share the cores out, start ranks 1..N-1 on
+    this host (under torchrun they exist already) and join their group. `follower(config)` is
+    what each started rank runs once in the group (a module-level function: spawn pickles it
+    by name). Returns the follower processes and this rank's device. A single-rank engine
+    only gets its threads set."""
+    from rtp.distributed import ep_size, local_rank, tp_size, world_size
+
+    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+    ranks = max(tp, ep)  # config.validate() checked each is 1 or this
+    followers: list = []
+    if ranks > 1 and world_size() == 1:
+        if ep > 1 and not checkpoint_config.num_experts:  # each rank would only repeat the same dense model
+            raise ValueError(f"expert_parallel_size {ep}: {checkpoint_config.architecture} has no experts to split")
+        if tp > 1:
+            checkpoint_config.check_tensor_parallel(tp)
+    threads = threads_per_rank(ranks)  # a bad RTP_NUM_THREADS fails before any rank starts
+    if ranks > 1 and world_size() == 1:
+        init, followers = _spawn_followers(follower, config, ranks)
+        init_parallel(tp, ep, 0, init_method=init)
+    if ranks > 1 or os.environ.get("RTP_NUM_THREADS"):  # one rank keeps torch's default unless told
+        torch.set_num_threads(threads)
+    if ranks > 1 and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank())  # each rank of a host its own GPU
+    if (tp_size(), ep_size()) != (tp, ep):
+        raise ValueError(f"tensor_parallel_size {tp} and expert_parallel_size {ep}, but the process group "
+                         f"has tp {tp_size()} and ep {ep_size()}")
+    return followers, device
+
+
+def follow(channel: PlanChannel, forward, on_rebalance=None) -> None:
+    """A rank other than 0: run rank 0's steps (forward() once each) until it stops."""
+    try:
+        while channel.receive(on_rebalance):
+            forward()
+    finally:
+        destroy_parallel()
+
+
+def stop_followers(channel: PlanChannel, followers: list) -> None:
+    """Rank 0: tell the other ranks to stop, and wait for the ones it started."""
+    try:
+        channel.send_stop()
+    finally:
+        for proc in followers:
+            proc.join(timeout=30)
+        destroy_parallel()
+
+
+def _spawn_followers(follower, config, size: int) -> tuple[str, list]:
     """Start ranks 1..size-1 of `config` on this host; returns the rendezvous address rank 0
     joins with init_parallel(tp, ep, 0, init_method=...), and the processes."""
     import torch.multiprocessing as mp
@@ -107,7 +157,7 @@ def spawn_followers(config, size: int) -> tuple[str, list]:
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, size):
-        proc = ctx.Process(target=_follower_main, args=(config, rank, size, init), name=f"rtp-tp{rank}",
+        proc = ctx.Process(target=_follower_main, args=(follower, config, rank, size, init), name=f"rtp-tp{rank}",
                            daemon=True)
         proc.start()
         procs.append(proc)
@@ -115,17 +165,14 @@ def spawn_followers(config, size: int) -> tuple[str, list]:
     return init, procs
 
 
-def _follower_main(config, rank: int, size: int, init: str) -> None:
-    from rtp.engine.engine import LLMEngine
-
+def _follower_main(follower, config, rank: int, size: int, init: str) -> None:
     try:
         torch.set_num_threads(threads_per_rank(size))
         init_parallel(config.tensor_parallel_size, config.expert_parallel_size, rank, init_method=init)
-        LLMEngine(config).follow()
+        follower(config)
     except Exception as e:
         # rank 0 meets the same error (the same load, or the collective this rank left) and
         # reports it; a second traceback from here would only bury that one line
         log.error("tensor-parallel rank %d stopped: %s", rank, e)
         log.debug("rank %d", rank, exc_info=e)
         raise SystemExit(1) from None
-

@@ -12,8 +12,8 @@ nothing is running the thread blocks on the command queue, so an idle server
 burns no CPU. Commands are taken between steps, so an abort takes effect before
 the next step and its KV blocks are free again at once.
 
-The engine's outputs are cumulative; the thread turns them into deltas (it owns
-the offsets), so what crosses to the loop is small and immutable.
+The engine's outputs are already per-step deltas (rtp/engine/output.py); the thread
+only labels each with the prompt of its stream it belongs to.
 """
 
 from __future__ import annotations
@@ -26,21 +26,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rtp.engine.engine import LLMEngine, RequestOutput
+from rtp.engine.engine import LLMEngine
+from rtp.engine.output import ChoiceDelta, RequestDelta
 from rtp.sampling_params import SamplingParams
 
 _MIN_PREFILL_MEASURED = 128  # prompt tokens a step needs to count toward the prefill speed
 log = logging.getLogger("rtp.serve")
-
-
-@dataclass(slots=True)
-class ChoiceDelta:
-    index: int                                # choice index within its prompt
-    text: str                                 # text added since the last delta
-    num_tokens: int                           # tokens added since the last delta
-    logprobs: list[dict[int, float]] | None   # their {token id: logprob} entries, sampled token first
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -132,7 +123,7 @@ class AsyncEngine:
         # failed: the server exits non-zero then, for its supervisor to restart it
         self.on_dead: Callable[[BaseException], None] | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}  # engine thread only
+        self._live: dict[str, _Live] = {}  # engine request id -> its stream and prompt; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._go = _go or threading.Event()  # set by start() (or stop()): the thread may run the loop
         self._thread = _thread or threading.Thread(target=self._run, name="rtp-engine", daemon=True)
@@ -347,11 +338,10 @@ class AsyncEngine:
             self.engine.abort_request(request_id)  # a reservation it left behind goes back to the pool
             self._post([(stream, Update(0, [], finished=True, error=e))], time.monotonic())
             return
-        live = _Live(stream, 0, params)
-        self._live[request_id] = live
+        live = _Live(stream, 0)
         update = live.update(out)  # the first token now, not after the next step
-        if update.finished:
-            del self._live[request_id]
+        if not update.finished:
+            self._live[request_id] = live
         self._post([(stream, update)], time.monotonic())
 
     def _add(self, stream: Stream, prompt: int, engine_id: str, ids: list[int],
@@ -368,7 +358,7 @@ class AsyncEngine:
         except Exception as e:  # ValueError: the input; anything else: ours. Either way this request alone.
             self._post([(stream, Update(prompt, [], finished=True, error=e))], time.monotonic())
             return
-        self._live[engine_id] = _Live(stream, prompt, params)
+        self._live[engine_id] = _Live(stream, prompt)
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -381,19 +371,14 @@ class AsyncEngine:
             self._die(e)
             return
         batch = []
-        for out in outputs:
-            live = self._live.get(out.request_id)
+        for delta in outputs:
+            live = self._live.get(delta.request_id)
             if live is None:
                 continue
-            try:
-                update = live.update(out)
-            except Exception as e:  # turning this output into a delta failed: end this request only
-                log.exception("request %s failed", out.request_id)
-                self.engine.abort_request(out.request_id)
-                update = Update(live.prompt, [], finished=True, error=e)
+            update = live.update(delta)
             batch.append((live.stream, update))
             if update.finished:
-                del self._live[out.request_id]
+                del self._live[delta.request_id]
         if batch:
             self._post(batch, started)
 
@@ -429,36 +414,13 @@ class AsyncEngine:
 
 
 class _Live:
-    """Per running engine request, in the engine thread: how much of its output was sent."""
+    """A running engine request, in the engine thread: the stream and prompt its deltas go to."""
 
-    __slots__ = ("done", "prompt", "sent_text", "sent_tokens", "stop_token_ids", "stream")
+    __slots__ = ("prompt", "stream")
 
-    def __init__(self, stream: Stream, prompt: int, params: SamplingParams):
+    def __init__(self, stream: Stream, prompt: int):
         self.stream = stream
         self.prompt = prompt
-        self.stop_token_ids = params.stop_token_ids
-        self.sent_text = [0] * params.n
-        self.sent_tokens = [0] * params.n
-        self.done = [False] * params.n
 
-    def update(self, out: RequestOutput) -> Update:
-        if out.error is not None:
-            return Update(self.prompt, [], finished=True, error=out.error)
-        choices = []
-        for o in out.outputs:
-            i = o.index
-            if self.done[i]:
-                continue
-            start, end = self.sent_tokens[i], len(o.token_ids)
-            if end == start and o.finish_reason is None:
-                continue
-            text = o.text[self.sent_text[i]:]
-            self.sent_text[i] = len(o.text)
-            self.sent_tokens[i] = end
-            self.done[i] = o.finish_reason is not None
-            logprobs = o.logprobs[start:end] if o.logprobs is not None else None
-            stop = o.stop_reason
-            if isinstance(stop, int) and stop not in self.stop_token_ids:
-                stop = None  # as vLLM: eos is no stop reason, only a stop string or a requested stop id
-            choices.append(ChoiceDelta(i, text, end - start, logprobs, o.finish_reason, stop))
-        return Update(self.prompt, choices, out.num_cached_tokens, out.finished)
+    def update(self, delta: RequestDelta) -> Update:
+        return Update(self.prompt, delta.choices, delta.num_cached_tokens, delta.finished, delta.error)

@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rtp.serve import rpc
+from rtp.serve.pd import rpc
 from rtp.serve.protocol import error_body
 from rtp.serve.routing import Router, WorkerReport, WorkerView
 from rtp.serve.streams import ClosingStream
@@ -77,7 +77,7 @@ def retry_rule(status: int | None = None, headers=None, error: BaseException | N
     - 4xx: the input is bad;
     - 500: the request failed inside an engine;
     - 503 without Retry-After: an engine failure reached this request after it was admitted --
-      the engine died (perhaps of it) or a decode node failed it mid-decode (relay.PeerError);
+      the engine died (perhaps of it) or a decode node failed it mid-decode (pd.PeerError);
     - 502 and 504: rtp serve never sends them; a proxy in front of a worker does, and it cannot
       say whether the worker had started on the request (a 504 usually means it had, a 502 may be
       a worker that died mid-request), so they pass on as the worker's answer;

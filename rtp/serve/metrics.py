@@ -50,7 +50,7 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._success_by_reason = {reason: self._success.labels(model_name, reason)
                                    for reason in ("stop", "length", "abort", "error")}
-        # prefill/decode disaggregation (rtp/serve/pd.py)
+        # prefill/decode disaggregation (rtp/serve/pd/)
         self._pd_events = Counter("rtp:pd_events", "Disaggregation events: reserved, reserve_full, "
                                   "reserve_refused, peer_unreachable, push_broken, lease_expired, decoding "
                                   "(decode side); decoded, local, failed, aborted (prefill side, per request).",

@@ -336,7 +336,7 @@ class OpenAIServing:
             raise APIError(400, str(e), e.param) from None
 
     async def _start(self, request: Request, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
-        """Run the request here, or on a prefill node through its decode node (rtp/serve/pd.py)."""
+        """Run the request here, or on a prefill node through its decode node (rtp/serve/pd/)."""
         if self.pd is None or not self.pd.relays(len(prompts), params):
             return self._submit(kind, prompts, params)
         self._admit(1)

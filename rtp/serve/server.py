@@ -38,7 +38,7 @@ class ServeOptions:
     max_body_bytes: int = 8 << 20
     max_queue: int = 512
     grace_period: float = 30.0
-    # prefill/decode disaggregation (rtp/serve/pd.py)
+    # prefill/decode disaggregation (rtp/serve/pd/)
     role: str = "collocated"          # collocated | prefill | decode
     decode_peer: str | None = None    # prefill: the decode node to hand requests to
     rpc_token: str | None = None      # shared secret of the /rpc routes

@@ -1,9 +1,10 @@
-"""A decode node's side of a KV hand-off: reservations, and the pushes that fill them.
+"""A decode node's side of a KV hand-off: the pushes that fill its reservations.
 
-A prefill node reserves blocks for a prompt (rtp/serve/pd.py, `rpc_reserve`); its KV
-then arrives as frames -- over HTTP push_kv or on the bare TCP KV port -- and each
-layer is written into the reserved blocks the moment its bytes are in. Every frame
-renews the reservation's lease; a push that breaks returns the blocks at once.
+A prefill node reserves blocks for a prompt (node.py, `rpc_reserve`; the Reservation and
+the table of them are the PDContext's, context.py); its KV then arrives as frames -- over
+HTTP push_kv or on the bare TCP KV port -- and each layer is written into the reserved
+blocks the moment its bytes are in. Every frame renews the reservation's lease; a push
+that breaks returns the blocks at once.
 
 The KV port is open to anyone who can reach it, so it authenticates before it allocates:
 the first frame is a small KVHello (at most MAX_HELLO_BYTES) with the reservation's KV key,
@@ -17,19 +18,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import secrets
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-from rtp.sampling_params import SamplingParams
-from rtp.serve import rpc
-
-if TYPE_CHECKING:
-    from rtp.serve.pd import PDNode
+from rtp.serve.pd import rpc
+from rtp.serve.pd.context import PDContext, Reservation
 
 log = logging.getLogger("rtp.serve.pd")
 
@@ -47,28 +40,28 @@ class Intake:
     (HTTP push_kv or the KV port). Every frame renews the lease; a layer is written into the
     reserved blocks the moment its bytes are in."""
 
-    def __init__(self, node: PDNode):
-        self.node = node
+    def __init__(self, ctx: PDContext):
+        self.ctx = ctx
         self.r: Reservation | None = None
         self.nbytes = 0
 
     def open(self, request_id: str, key: str | None) -> None:
         """Take the push's reservation (Refused says why not). key: the reservation's KV key,
         required on the KV port (None: the push was authenticated otherwise)."""
-        r = self.node._reservations.get(request_id)
+        r = self.ctx.reservations.get(request_id)
         if r is None or r.state != "reserved":
             raise Refused(404, f"request {request_id} has no reservation here (never made, expired, aborted "
                           f"or already being pushed)")
         if key is not None and not hmac.compare_digest(key.encode(), r.kv_key.encode()):
             raise Refused(401, f"wrong KV key for request {request_id}")
         r.state = "receiving"
-        r.deadline = time.monotonic() + self.node.lease_seconds
+        r.deadline = time.monotonic() + self.ctx.lease_seconds
         self.r = r
 
     def header(self, head: rpc.KVFrame) -> int:
         """Check a frame header; the payload bytes to read next (0 for a heartbeat). Refused says why not.
         The first frame of a push not opened yet opens it (HTTP push_kv: the route authenticated it)."""
-        node = self.node
+        ctx = self.ctx
         if self.r is None:
             self.open(head.request_id, None)
         elif head.request_id != self.r.request_id:
@@ -76,11 +69,11 @@ class Intake:
         r = self.r
         if r.state != "receiving":  # expired or aborted meanwhile: the blocks are no longer ours
             raise Refused(410, f"request {r.request_id}'s reservation ended during the transfer")
-        r.deadline = time.monotonic() + node.lease_seconds
+        r.deadline = time.monotonic() + ctx.lease_seconds
         if head.layer == rpc.HEARTBEAT and head.nbytes == 0:
             return 0
-        layers = node.layout.layers
-        expected = len(r.prompt) * node.layout.token_bytes(head.layer) if 0 <= head.layer < len(layers) else -1
+        layers = ctx.layout.layers
+        expected = len(r.prompt) * ctx.layout.token_bytes(head.layer) if 0 <= head.layer < len(layers) else -1
         if head.num_tokens != len(r.prompt) or head.nbytes != expected:
             raise Refused(400, f"layer {head.layer}: {head.num_tokens} tokens in {head.nbytes} bytes; expected "
                            f"{len(r.prompt)} tokens in {expected} bytes")
@@ -90,28 +83,28 @@ class Intake:
         r = self.r
         if r.state != "receiving":
             raise Refused(410, f"request {r.request_id}'s reservation ended during the transfer")
-        self.node.engine.engine.write_kv(head.layer, r.blocks, head.num_tokens, data)
+        self.ctx.engine.engine.write_kv(head.layer, r.blocks, head.num_tokens, data)
         r.layers.add(head.layer)
-        r.deadline = time.monotonic() + self.node.lease_seconds
+        r.deadline = time.monotonic() + self.ctx.lease_seconds
         self.nbytes += head.nbytes
 
     def finish(self) -> rpc.PushResponse:
-        r, layers = self.r, len(self.node.layout.layers)
+        r, layers = self.r, len(self.ctx.layout.layers)
         if r is None:
             raise Refused(400, "the push carried no KV frame")
         if len(r.layers) != layers:
             raise Refused(400, f"request {r.request_id}: {layers - len(r.layers)} of {layers} layers of KV missing")
         r.state = "ready"
-        self.node.metrics.on_kv_received(self.nbytes)
+        self.ctx.metrics.on_kv_received(self.nbytes)
         return rpc.PushResponse(request_id=r.request_id, layers=layers)
 
     def broken(self, why: str) -> None:
         """The push failed: unless all its KV is in, the reservation's blocks go back now."""
-        r, node = self.r, self.node
-        if r is not None and r.state == "receiving" and node._reservations.get(r.request_id) is r:
-            del node._reservations[r.request_id]
-            node.metrics.pd_event("push_broken")
-            node._drop_reservation(r, why)
+        r, ctx = self.r, self.ctx
+        if r is not None and r.state == "receiving" and ctx.reservations.get(r.request_id) is r:
+            del ctx.reservations[r.request_id]
+            ctx.metrics.pd_event("push_broken")
+            ctx.drop_reservation(r, why)
 
 
 class KVPort(asyncio.BufferedProtocol):
@@ -121,10 +114,10 @@ class KVPort(asyncio.BufferedProtocol):
     PushResponse or an RPCError) ends the connection, as does `timeout` seconds without a
     complete frame."""
 
-    def __init__(self, node: PDNode, timeout: float = 30.0):
-        self.node = node
+    def __init__(self, ctx: PDContext, timeout: float = 30.0):
+        self.ctx = ctx
         self.timeout = timeout
-        self.intake = Intake(node)
+        self.intake = Intake(ctx)
         self.transport = None
         self.head: rpc.KVFrame | None = None
         self.done = False
@@ -211,16 +204,3 @@ class KVPort(asyncio.BufferedProtocol):
         if not self.done:
             self.done = True
             self.intake.broken(f"the KV connection dropped ({exc or 'closed'})")
-
-
-@dataclass
-class Reservation:
-    request_id: str
-    engine_id: str
-    prompt: list[int]
-    params: SamplingParams
-    blocks: np.ndarray
-    deadline: float
-    kv_key: str = field(default_factory=lambda: secrets.token_hex(16))
-    state: str = "reserved"  # reserved -> receiving -> ready (decode takes it); dropped
-    layers: set[int] = field(default_factory=set)

@@ -31,8 +31,9 @@ key as `Authorization: Bearer`; else none (a warning at start). It is checked be
 read, and a body is bounded by its Content-Length at once and counted as it streams.
 
 This file is the node: its RPC routes and what it keeps per request. D's side of the
-KV hand-off (reservations, the KV port) is rtp/serve/kv_intake.py; P's relay through
-D is rtp/serve/relay.py.
+KV hand-off (the pushes that fill reservations, the KV port) is kv_intake.py; P's relay
+through D is relay.py; what they share with the node (the reservations, the relays, the
+client to the peers) is the PDContext of context.py.
 """
 
 from __future__ import annotations
@@ -43,17 +44,17 @@ import time
 import uuid
 from collections import OrderedDict
 
-import httpx
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from rtp.engine.kv_transfer import KVLayout
 from rtp.sampling_params import SamplingParams
-from rtp.serve import rpc
 from rtp.serve.async_engine import AsyncEngine, EngineDead, Stream, Update
-from rtp.serve.kv_intake import Intake, KVPort, Refused, Reservation
-from rtp.serve.relay import PeerError, Relay
+from rtp.serve.pd import rpc
+from rtp.serve.pd.context import PDContext, PeerError, Reservation
+from rtp.serve.pd.kv_intake import Intake, KVPort, Refused
+from rtp.serve.pd.relay import Relay
 from rtp.serve.streams import ClosingStream
 
 log = logging.getLogger("rtp.serve.pd")
@@ -94,13 +95,12 @@ class PDNode:
         self.kv_timeout = kv_timeout
         self.layout: KVLayout = engine.engine.kv_layout()
         self.block_size = engine.engine.scheduler.block_size
-        self._reservations: dict[str, Reservation] = {}  # decode: by request id
+        self.ctx = PDContext(engine, metrics, self.layout, lease_seconds, decode_read_timeout, self._credentials())
+        self._reservations: dict[str, Reservation] = self.ctx.reservations  # decode: by request id
+        self._relays: dict[str, Relay] = self.ctx.relays                     # prefill: by request id
         self._decoding: dict[str, Stream] = {}             # decode: resumed requests, by request id
         self._aborted: OrderedDict[str, float] = OrderedDict()  # decode: request id -> when its abort came
-        self._relays: dict[str, Relay] = {}                # prefill: by request id
-        self._tasks: set[asyncio.Task] = set()             # background tasks (spawn), kept until done
         self._reaper: asyncio.Task | None = None
-        self._http: httpx.AsyncClient | None = None
         self._kv_server: asyncio.Server | None = None
         self.kv_port = 0  # decode: the bound KV port (0: none)
 
@@ -109,7 +109,7 @@ class PDNode:
         if self.role != "decode" or kv_port < 0:
             return
         loop = asyncio.get_running_loop()
-        self._kv_server = await loop.create_server(lambda: KVPort(self, self.kv_timeout), host.strip("[]"), kv_port)
+        self._kv_server = await loop.create_server(lambda: KVPort(self.ctx, self.kv_timeout), host.strip("[]"), kv_port)
         self.kv_port = self._kv_server.sockets[0].getsockname()[1]
         log.info("KV port %d", self.kv_port)
 
@@ -196,7 +196,7 @@ class PDNode:
         r = self._reservations.pop(body.request_id, None)
         if r is not None:
             found = True
-            self._drop_reservation(r, "aborted by the prefill node")
+            self.ctx.drop_reservation(r, "aborted by the prefill node")
         stream = self._decoding.pop(body.request_id, None)
         if stream is not None:
             found = True
@@ -247,7 +247,7 @@ class PDNode:
                          time.monotonic() + self.lease_seconds)
         self._reservations[body.request_id] = r
         if self._reaper is None or self._reaper.done():
-            self._reaper = self.spawn(self._reap(), None, "the lease reaper")
+            self._reaper = self.ctx.spawn(self._reap(), None, "the lease reaper")
         self.metrics.pd_event("reserved")
         return _reply(rpc.ReserveResponse(request_id=body.request_id, num_blocks=len(blocks),
                                           block_size=self.block_size, lease_seconds=self.lease_seconds,
@@ -257,7 +257,7 @@ class PDNode:
         """Frames of one request's KV over HTTP (the proxy-friendly path; the KV port is faster),
         written into its reserved blocks as each layer arrives."""
         reader = rpc.FrameReader(request.stream(), max_header=rpc.MAX_KV_HEADER_BYTES)
-        intake = Intake(self)
+        intake = Intake(self.ctx)
         try:
             while (head := await reader.header(rpc.KVFrame)) is not None:
                 n = intake.header(head)  # the route's credentials authenticated this one
@@ -315,11 +315,6 @@ class PDNode:
             if frames:
                 yield b"".join(frames)
 
-    def _drop_reservation(self, r: Reservation, why: str) -> None:
-        r.state = "dropped"
-        self.engine.drop(r.engine_id)
-        log.info("reservation %s dropped: %s (%d blocks back to the pool)", r.request_id, why, len(r.blocks))
-
     async def _reap(self) -> None:
         """Expire leases: a reservation nothing renewed for lease_seconds returns its blocks."""
         while self._reservations:
@@ -328,8 +323,8 @@ class PDNode:
             for r in [r for r in self._reservations.values() if r.deadline < now]:
                 del self._reservations[r.request_id]
                 self.metrics.pd_event("lease_expired")
-                self._drop_reservation(r, f"its lease of {self.lease_seconds:g} s expired "
-                                       f"({len(r.layers)} of {len(self.layout.layers)} layers arrived)")
+                self.ctx.drop_reservation(r, f"its lease of {self.lease_seconds:g} s expired "
+                                          f"({len(r.layers)} of {len(self.layout.layers)} layers arrived)")
 
     # -- prefill node ----------------------------------------------------------------------------
 
@@ -351,13 +346,6 @@ class PDNode:
                             "(start it with --decode-peer URL, or route through the master)")
         return self.decode_peer
 
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
-            # generous pool: one connection per request in flight; timeouts per call below
-            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
-                                           headers=self._credentials())
-        return self._http
-
     async def start(self, request_id: str, prompt: list[int], params: SamplingParams, peer: str) -> Relay:
         """Reserve on the decode node (PeerError when it cannot), then run the request through it."""
         body = rpc.encode(rpc.ReserveRequest(version=rpc.RPC_VERSION, request_id=request_id,
@@ -366,80 +354,29 @@ class PDNode:
         pause = 0.02
         try:
             while True:
-                status, reply = await self._call(peer, "/rpc/reserve", body, rpc.ReserveResponse, timeout=10.0)
+                status, reply = await self.ctx.call(peer, "/rpc/reserve", body, rpc.ReserveResponse, timeout=10.0)
                 if status != 503 or "KV cache full" not in reply.message or time.monotonic() + pause > deadline:
                     break
                 await asyncio.sleep(pause)  # full now: blocks come back as requests finish
                 pause = min(pause * 2, 0.2)
         except asyncio.CancelledError:  # the reserve may land after this: the decode node remembers the abort
-            self.spawn(self._abort_peer(peer, request_id), request_id, "the abort on the decode node")
+            self.ctx.spawn(self.ctx.abort_peer(peer, request_id), request_id, "the abort on the decode node")
             raise
         if status != 200:
             self.metrics.pd_event("reserve_refused")
             raise PeerError(f"the decode node {peer} refused the request ({status}): {reply.message}")
-        relay = Relay(self, request_id, prompt, params, peer, reply)
+        relay = Relay(self.ctx, request_id, prompt, params, peer, reply)
         self._relays[request_id] = relay
         relay.begin()
         return relay
 
-    def spawn(self, coro, request_id: str | None, what: str) -> asyncio.Task:
-        """Run coro in the background, kept alive until done; its failure is logged once, with the
-        request id it is for (never "Task exception was never retrieved")."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-
-        def done(task: asyncio.Task) -> None:
-            self._tasks.discard(task)
-            if not task.cancelled() and task.exception() is not None:
-                e = task.exception()
-                log.error("%s failed%s: %r", what, f" (request {request_id})" if request_id else "", e, exc_info=e)
-
-        task.add_done_callback(done)
-        return task
-
-    async def _call(self, peer: str, path: str, body: bytes, kind: type, timeout: float):
-        """One unary RPC: (status, reply or RPCError); PeerError when the peer cannot be reached."""
-        try:
-            response = await self._client().post(peer + path, content=body, timeout=timeout,
-                                                 headers={"content-type": rpc.CONTENT_TYPE})
-        except httpx.HTTPError as e:
-            self.metrics.pd_event("peer_unreachable")
-            raise PeerError(f"the decode node {peer} is unreachable: {type(e).__name__}: {e}") from None
-        try:
-            if response.status_code == 200:
-                return 200, rpc.decode(kind, response.content)
-            return response.status_code, rpc.decode(rpc.RPCError, response.content)
-        except rpc.BadRequest as e:
-            raise PeerError(f"the decode node {peer} answered {response.status_code} with an unreadable body: {e}")
-
-    async def _abort_peer(self, peer: str, request_id: str, attempts: int = 3) -> None:
-        """The abort RPC, retried a few times when the decode node cannot be reached: a request it
-        decodes has no lease to end it (a reservation's lease returns its blocks anyway)."""
-        body = rpc.encode(rpc.AbortRequest(version=rpc.RPC_VERSION, request_id=request_id))
-        for attempt in range(1, attempts + 1):
-            try:
-                status, reply = await self._call(peer, "/rpc/abort", body, rpc.AbortResponse, timeout=5.0)
-            except PeerError as e:
-                if attempt == attempts:
-                    log.warning("abort of %s on %s failed %d times: %s", request_id, peer, attempts, e)
-                    return
-                await asyncio.sleep(0.1 * 2 ** attempt)
-                continue
-            if status != 200:
-                log.warning("abort of %s on %s refused (%d): %s", request_id, peer, status, reply.message)
-            return
-
     async def close(self) -> None:
         for relay in list(self._relays.values()):
             relay.close()
-        if self._tasks:  # the aborts those closes sent, and any still under way: a moment to land
-            await asyncio.wait(list(self._tasks), timeout=2.0)
-        for task in list(self._tasks):
-            task.cancel()
+        await self.ctx.settle(2.0)  # the aborts those closes sent, and any still under way: a moment to land
         if self._kv_server is not None:
             self._kv_server.close()
-        if self._http is not None:
-            await self._http.aclose()
+        await self.ctx.close()
 
 
 def _end_decoding(stream: Stream) -> None:

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
@@ -25,18 +24,12 @@ import numpy as np
 
 from rtp.engine.kv_transfer import raw_view
 from rtp.sampling_params import SamplingParams
-from rtp.serve import rpc
 from rtp.serve.async_engine import ChoiceDelta, Stream, Update
-
-if TYPE_CHECKING:
-    from rtp.serve.pd import PDNode
+from rtp.serve.pd import rpc
+from rtp.serve.pd.context import PDContext, PeerError
 
 log = logging.getLogger("rtp.serve.pd")
 _MAX_REPLY_BYTES = 1 << 20  # the KV port's reply: a PushResponse or an RPCError
-
-
-class PeerError(Exception):
-    """The decode node cannot take or finish this request; the client gets 503 (the master retries)."""
 
 
 async def drain(stream: Stream) -> list[Update]:
@@ -67,10 +60,10 @@ class Relay(Stream):
     reads it as it reads a local Stream. Its updates come from the decode node (or from the local
     engine when the first token already ends the request)."""
 
-    def __init__(self, node: PDNode, request_id: str, prompt: list[int], params: SamplingParams, peer: str,
+    def __init__(self, ctx: PDContext, request_id: str, prompt: list[int], params: SamplingParams, peer: str,
                  reservation: rpc.ReserveResponse):
-        super().__init__(node.engine, request_id, [prompt])
-        self.node = node
+        super().__init__(ctx.engine, request_id, [prompt])
+        self.ctx = ctx
         self.reservation = reservation
         self.lease_seconds = reservation.lease_seconds
         self.params = params
@@ -78,7 +71,7 @@ class Relay(Stream):
         self.task: asyncio.Task | None = None
         self.decode_started = False
         self._reported: BaseException | None = None  # the failure the client was given (logged once)
-        node.engine.num_unstarted += 1  # as submit() counts a prompt until its first token
+        ctx.engine.num_unstarted += 1  # as submit() counts a prompt until its first token
 
     def begin(self) -> None:
         """Start relaying; `_ended` cleans up however the task ends."""
@@ -101,18 +94,18 @@ class Relay(Stream):
             return "failed"
 
     def _ended(self, task: asyncio.Task) -> None:
-        node = self.node
+        ctx = self.ctx
         if task.cancelled():
             outcome = "aborted"
             if not self.closed:  # cancelled from outside (the server stopping): the client hears why
                 self._fail(PeerError("the request was cancelled on the prefill node"))
         else:
             outcome = task.result()
-        node._relays.pop(self.request_id, None)
-        node.metrics.pd_event(outcome)
+        ctx.relays.pop(self.request_id, None)
+        ctx.metrics.pd_event(outcome)
         if outcome != "decoded":
-            node.engine._commands.put(("abort", self.engine_ids()))  # a no-op once it left the engine
-            node.spawn(node._abort_peer(self.peer, self.request_id), self.request_id, "the abort on the decode node")
+            ctx.engine._commands.put(("abort", self.engine_ids()))  # a no-op once it left the engine
+            ctx.spawn(ctx.abort_peer(self.peer, self.request_id), self.request_id, "the abort on the decode node")
 
     def _fail(self, error: Exception) -> None:
         if not self.closed:
@@ -128,7 +121,7 @@ class Relay(Stream):
         task.add_done_callback(done)
 
     async def _run(self) -> str:
-        engine = self.node.engine
+        engine = self.ctx.engine
         sink = Sink(asyncio.get_running_loop())
         local = engine.submit(self.request_id, self.prompts, self.params, kv_sink=sink)
         push = asyncio.create_task(self._push_tcp(sink) if self.reservation.kv_port else self._push(sink))
@@ -141,7 +134,7 @@ class Relay(Stream):
             self._settle(push, "the KV push")
 
     async def _relay(self, local: Stream, sink: Sink, push: asyncio.Task) -> str:
-        node = self.node
+        ctx = self.ctx
         collect = asyncio.ensure_future(drain(local))
         self._settle(collect, "the local prefill")
         try:
@@ -175,10 +168,10 @@ class Relay(Stream):
         body = rpc.encode(rpc.DecodeRequest(version=rpc.RPC_VERSION, request_id=self.request_id, first_token=token,
                                             logprobs=logprobs, num_cached_tokens=cached))
         self.decode_started = True
-        timeout = httpx.Timeout(10.0, read=node.decode_read_timeout)
+        timeout = httpx.Timeout(10.0, read=ctx.decode_read_timeout)
         try:
-            async with node._client().stream("POST", self.peer + "/rpc/decode", content=body, timeout=timeout,
-                                             headers={"content-type": rpc.CONTENT_TYPE}) as response:
+            async with ctx.client().stream("POST", self.peer + "/rpc/decode", content=body, timeout=timeout,
+                                           headers={"content-type": rpc.CONTENT_TYPE}) as response:
                 if response.status_code != 200:
                     reply = rpc.decode(rpc.RPCError, await response.aread())
                     raise PeerError(f"the decode node {self.peer} refused to decode ({response.status_code}): "
@@ -231,7 +224,7 @@ class Relay(Stream):
 
     def _sent(self, sink: Sink, sent: dict) -> int:
         now = time.monotonic()
-        self.node.metrics.on_kv_sent(sent["bytes"], now - (sent["started"] or now), now - (sink.sampled_at or now))
+        self.ctx.metrics.on_kv_sent(sent["bytes"], now - (sent["started"] or now), now - (sink.sampled_at or now))
         return sent["bytes"]
 
     async def _push_tcp(self, sink: Sink) -> int:
@@ -280,8 +273,8 @@ class Relay(Stream):
         frames = (chunk async for chunk, _ in self._kv_frames(sink, sent))
         timeout = httpx.Timeout(30.0, read=60.0)
         try:
-            response = await self.node._client().post(self.peer + "/rpc/push_kv", content=frames, timeout=timeout,
-                                                       headers={"content-type": rpc.CONTENT_TYPE})
+            response = await self.ctx.client().post(self.peer + "/rpc/push_kv", content=frames, timeout=timeout,
+                                                    headers={"content-type": rpc.CONTENT_TYPE})
         except httpx.HTTPError as e:
             raise PeerError(f"the KV transfer to {self.peer} failed: {type(e).__name__}: {e}") from None
         if response.status_code != 200:

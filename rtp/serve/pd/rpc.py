@@ -19,7 +19,7 @@ A streamed body is a sequence of frames: a 4-byte big-endian length, that many b
 MessagePack header, then the `nbytes` raw bytes the header announces (KV only). Raw bytes
 keep the KV out of the MessagePack encoder: a layer's tensor goes to the socket as it is.
 
-The decode node's KV port (rtp/serve/kv_intake.py) carries the same KV frames on a bare TCP
+The decode node's KV port (kv_intake.py) carries the same KV frames on a bare TCP
 connection, after a first frame of its own:
 
     KVHello (request id, the reservation's kv_key; at most MAX_HELLO_BYTES)

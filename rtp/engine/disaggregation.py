@@ -1,0 +1,94 @@
+"""Prefill/decode disaggregation, the engine's side: a request's KV leaves one engine for another.
+
+Prefill node: a request added with a KV sink is prefill-only. In the step that computes
+its last prompt chunk the runner hands each layer's KV to the sink (LayerTaps, armed by
+`arm`); the request then samples its first token, the runtime finishes it with reason
+"remote", and `hand_off` frees its blocks (the prompt stays in the prefix cache) and gives
+the sink the token.
+
+Decode node: `reserve` holds blocks for a prompt another node prefills, `write` puts each
+layer's KV into them (from another thread, while steps run: no step touches a reserved
+request's blocks), and `resume` continues the request from the first token sampled there.
+
+The engine calls these at named points of a request's life and of its step; the wire
+protocol (RPC, the KV port, relaying) lives in rtp/serve/pd/.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rtp.engine.kv_transfer import KVLayout, KVSink, LayerTaps, layout_of, scatter, token_slots
+
+
+class KVHandoff:
+    def __init__(self, scheduler, runner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sinks: dict[int, KVSink] = {}     # runtime id -> where a prefill-only request's KV goes
+        self.reserved: dict[str, int] = {}     # request id -> runtime id, KV on its way from a prefill node
+        self._taps: LayerTaps | None = None    # installed with the first prefill-only request
+
+    def layout(self) -> KVLayout:
+        return layout_of(self.runner.kv_caches)
+
+    # -- prefill node --------------------------------------------------------------------------
+
+    def add_sink(self, rid: int, sink: KVSink) -> None:
+        if self._taps is None:
+            self._taps = LayerTaps(self.runner.model.attention_layers(), self.runner.kv_caches)
+            self.runner.taps = self._taps  # the runner hands them every layer, whichever path runs the step
+        self.sinks[rid] = sink
+
+    def arm(self, rids: list[int]) -> None:
+        """Before a forward: the prefill-only requests sampling in it have all their earlier
+        chunks' KV in place, so each layer's tap can take all of it."""
+        if self._taps is None:
+            return
+        taps = []
+        for rid in rids:
+            sink = self.sinks.get(rid)
+            if sink is not None:
+                state = self.scheduler.request_state(rid)
+                taps.append((token_slots(state["block_ids"], self.scheduler.block_size, state["num_tokens"]), sink))
+        self._taps.arm(taps)
+
+    def disarm(self) -> None:
+        if self._taps is not None:
+            self._taps.disarm()
+
+    def hand_off(self, rid: int, token: int, logprobs: dict[int, float] | None, num_cached_tokens: int) -> None:
+        """A prefill-only request sampled its first token: every layer's KV went to its sink during
+        the step, so its blocks are free at once."""
+        sink = self.sinks.pop(rid)
+        self.scheduler.release(rid)
+        sink.finish(token, logprobs, num_cached_tokens)
+
+    def forget(self, rid: int) -> None:
+        self.sinks.pop(rid, None)
+
+    # -- decode node ---------------------------------------------------------------------------
+
+    def reserve(self, request_id: str, rid: int, prompt: np.ndarray, *, max_tokens: int, min_tokens: int,
+                stop_token_ids, ignore_eos: bool) -> np.ndarray:
+        """Blocks for a prompt whose KV another node computes (MemoryError when too few are free
+        now); their ids, in token order."""
+        blocks = self.scheduler.reserve(rid, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
+                                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        self.reserved[request_id] = rid
+        return blocks
+
+    def write(self, layer: int, blocks: np.ndarray, num_tokens: int, kv: torch.Tensor | bytes) -> None:
+        """Token-major KV of a reserved request's first num_tokens prompt tokens, into its blocks."""
+        scatter(self.runner.kv_caches[layer], token_slots(blocks, self.scheduler.block_size, num_tokens), kv)
+
+    def resume(self, request_id: str, first_token: int) -> int:
+        """The reserved request joins the batch from its first token (KeyError: not reserved here;
+        ValueError, nothing changed: the token would end it). Its runtime id."""
+        rid = self.reserved.get(request_id)
+        if rid is None:
+            raise KeyError(f"request {request_id!r} is not reserved here")
+        self.scheduler.resume(rid, first_token)
+        del self.reserved[request_id]
+        return rid
