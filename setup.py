@@ -1,12 +1,12 @@
-"""Builds the compiled parts: the runtime (rtp/_runtime.pyx) and the CPU decode
+"""Builds the compiled parts: the runtime (rtp/runtime/*.pyx) and the CPU decode
 kernels (rtp/_cpu_kernels.pyx over rtp/csrc/: cpu_kernels.c, amx_linear.c,
 prefill_attention.c and kernel_calls.c).
 
 Everything else about the package lives in pyproject.toml. Set RTP_ANNOTATE=1 to
-write Cython's annotated HTML (rtp/_runtime.html) and check that the hot paths
+write Cython's annotated HTML (rtp/runtime/*.html) and check that the hot paths
 stay free of Python interaction (no yellow lines).
 
-RTP_SANITIZE=address,undefined (any -fsanitize= list) builds both extensions with
+RTP_SANITIZE=address,undefined (any -fsanitize= list) builds every extension with
 the sanitizers, frame pointers, debug info and -O1. Python is not sanitized, so such a
 build runs only with the runtime preloaded: tools/sanitize.sh builds one in a copy of
 the tree (never over the checkout's own extensions) and runs the kernel tests under it.
@@ -25,14 +25,20 @@ SANITIZE = os.environ.get("RTP_SANITIZE", "")
 SANITIZE_COMPILE = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-g", "-O1"] if SANITIZE else []
 SANITIZE_LINK = [f"-fsanitize={SANITIZE}"] if SANITIZE else []
 
-runtime = Extension(
-    "rtp._runtime",
-    sources=["rtp/_runtime.pyx"],
-    include_dirs=[np.get_include()],
-    extra_compile_args=["-O3"] + SANITIZE_COMPILE,
-    extra_link_args=SANITIZE_LINK,
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-)
+# The runtime: one extension per structure, cimporting each other through their .pxd files
+# (rtp/runtime/*.pxd), so every cross-module call on the hot path is a C call.
+RUNTIME_MODULES = ("common", "block_allocator", "radix_cache", "step_plan", "scheduler")
+runtime = [
+    Extension(
+        f"rtp.runtime.{name}",
+        sources=[f"rtp/runtime/{name}.pyx"],
+        include_dirs=[np.get_include()],
+        extra_compile_args=["-O3"] + SANITIZE_COMPILE,
+        extra_link_args=SANITIZE_LINK,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+    for name in RUNTIME_MODULES
+]
 
 # The kernels carry their own target attributes (AVX-512 BF16) and are only called
 # when the CPU reports the feature, so the module builds and imports anywhere x86.
@@ -46,7 +52,7 @@ cpu_kernels = Extension(
     extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"] + SANITIZE_COMPILE,
     extra_link_args=["-fopenmp"] + SANITIZE_LINK,
 )
-extensions = [runtime] + ([cpu_kernels] if platform.machine() in ("x86_64", "AMD64") else [])
+extensions = runtime + ([cpu_kernels] if platform.machine() in ("x86_64", "AMD64") else [])
 
 setup(
     ext_modules=cythonize(

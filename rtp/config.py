@@ -1,16 +1,18 @@
 """One config object, built and validated once, passed down.
 
 `ModelConfig` is what rtp reads from a checkpoint's config.json (or a GGUF's
-metadata, turned into the same dict); `CacheConfig`, `SchedulerConfig` and
-`EngineConfig` are the engine's own knobs. Runtime facts (block counts, eos ids
-the tokenizer adds) live in their own objects, never written back here.
+metadata, turned into the same dict). `EngineConfig` is the engine's own knobs,
+composed of one sub-config per component (load, cache, scheduler, parallel, EPLB),
+each handed to the component it configures. Runtime facts (block counts, eos ids
+the tokenizer adds) live in their own objects, never written back here. This
+module imports nothing of rtp: everything else builds on it.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -52,12 +54,12 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict."""
-        from rtp.models import model_class
-
-        archs = hf.get("architectures") or []
-        model_class(archs)  # raises a clear error for unsupported architectures
-        arch = next(a for a in archs if a)
+        """Build from a Hugging Face config.json dict. Whether rtp has a model of this
+        architecture is the model registry's to say (rtp.models.model_class), not this file's."""
+        archs = [a for a in hf.get("architectures") or [] if a]
+        if not archs:
+            raise ValueError("config.json names no architecture (its \"architectures\" list is empty)")
+        arch = archs[0]
         heads = _required(hf, "num_attention_heads")
         hidden = _required(hf, "hidden_size")
         head_dim = hf.get("head_dim") or hidden // heads
@@ -157,79 +159,225 @@ def _required(hf: dict[str, Any], key: str) -> Any:
     return hf[key]
 
 
-class EngineConfig(msgspec.Struct, kw_only=True):
-    """Everything the engine is built from; validated once by `validate()`."""
+# -- the engine's own knobs -----------------------------------------------------------------------------
+#
+# Each component takes its own sub-config; EngineConfig composes them. Every field carries its help
+# text (msgspec Meta description) and, where a field's flag is not its name, the flag in Meta.extra:
+# the command line (rtp/cli_options.py) is generated from these fields, so `rtp generate`, `rtp serve`
+# and the offline API `LLM(**flat)` take the same names and defaults and cannot drift.
 
-    model: str | None = None          # HF checkpoint directory or .gguf file; None: the default model
-    dtype: str = "auto"               # auto | bfloat16 | float16 | float32
-    device: str = "auto"              # auto | cpu | cuda
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for the KV cache; None: a default for the device
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # prompt tokens a step may take while decodes run: each such step stalls every decode for
-    # as long as its chunks take (0: up to max_num_batched_tokens). Offline, throughput is all
-    # that counts: no cap; `rtp serve` caps at 512 by default, for inter-token latency (as vLLM
-    # sizes its token budget by usage context)
-    max_prefill_tokens_with_decodes: int = 0
-    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"   # fcfs | lpm
-    # torch.compile the decode buckets. None (auto): on CUDA (CUDA graphs) but not on a CPU,
-    # where Inductor's graphs do not yet beat eager here (see README, "Performance")
-    compile: bool | None = None
-    seed: int = 0
-    # ranks the model is sharded over (rtp/engine/tensor_parallel.py): rank 0 runs here and
-    # spawns the others on this host, unless torchrun started them
-    tensor_parallel_size: int = 1
-    # ranks the MoE layers' expert slots are split over (rtp/models/expert_parallel.py): the same
-    # ranks as tensor parallelism (each size is 1 or the number of ranks); with tp 1 every rank
-    # runs attention on the same tokens and only the experts are split
-    expert_parallel_size: int = 1
-    # EPLB while serving (rtp/engine/expert_balancer.py), named as vLLM names them: every
-    # eplb_step_interval engine steps, the experts' loads over the last eplb_window_size steps
-    # make a new placement and the weights move between steps
-    enable_eplb: bool = False
-    eplb_window_size: int = 1000
-    eplb_step_interval: int = 3000
-    # spare slots per MoE layer for replicas; None: eplb_replica_share of the experts (rounded up
-    # to a multiple of the ranks), as many as eplb_memory_cap of the free memory pays for
-    num_redundant_experts: int | None = None
-    eplb_replica_share: float = 0.05
-    eplb_memory_cap: float = 0.15
-    # KV cache usage above which the next plan has no replicas (replicas are dropped first)
-    eplb_kv_pressure: float = 0.85
-    # ranks the planner balances over in one process (logical ranks; with --ep N: N). 0: the
-    # largest of 8, 4, 2 that leaves each rank two experts or more
-    eplb_num_ranks: int = 0
+
+def _field(type_, description: str, **extra):
+    """A field's type with its help text; extra: flag (its command-line spelling), aliases, parse."""
+    return Annotated[type_, msgspec.Meta(description=description, extra=extra or None)]
+
+
+class LoadConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Which model, and how it is loaded and run."""
+
+    model: _field(str | None, "Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct, "
+                              "fetched once into $RTP_HOME)") = None
+    dtype: _field(str, "auto: bfloat16 where the hardware computes it natively, else float32",
+                  choices=["auto", "bfloat16", "float16", "float32"]) = "auto"
+    device: _field(str, "auto, cpu, cuda or cuda:N") = "auto"
+    compile: _field(bool | None, "torch.compile the decode graphs (default: on CUDA only, where they are CUDA "
+                                 "graphs; on a CPU, Inductor's graphs do not beat rtp's CPU graphs, "
+                                 "docs/benchmarks.md)", negatable=True) = None
+    seed: _field(int, "seed of the generator requests without a seed of their own share") = 0
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "expert_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        ranks = max(self.tensor_parallel_size, self.expert_parallel_size)
-        if {self.tensor_parallel_size, self.expert_parallel_size} - {1, ranks}:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} and expert_parallel_size "
-                             f"{self.expert_parallel_size}: each must be 1 or the number of ranks ({ranks})")
+
+
+class CacheConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """The paged KV cache and the prefix cache over it."""
+
+    block_size: _field(int, "tokens per KV block") = 16
+    kv_cache_memory: _field(int | None, "memory for the KV cache, e.g. 2GiB (default: 1GiB on a CPU, 80% of "
+                                        "the free memory on CUDA)", parse="bytes", metavar="BYTES") = None
+    enable_prefix_caching: _field(bool, "reuse the KV blocks of prompts' common prefixes (radix cache)",
+                                  negatable=True) = True
+
+    def validate(self) -> None:
+        _positive(self, "block_size")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """What one step may hold, and in what order requests run."""
+
+    max_num_seqs: _field(int, "most sequences in one batch") = 64
+    max_num_batched_tokens: _field(int, "token budget of one step; longer prompts are prefilled in chunks") = 2048
+    max_prefill_tokens_with_decodes: _field(
+        int, "prompt tokens a step may take while other requests decode: each such step stalls every decode "
+             "for as long as its chunks take. Smaller keeps inter-token latency low, larger prefills faster "
+             "(0: up to --max-num-batched-tokens; offline, throughput is all that counts: 0; rtp serve: 512, "
+             "as vLLM sizes its token budget by usage)") = 0
+    max_model_len: _field(int | None, "context length, prompt plus completion (default: the model's, at most "
+                                      "8192)") = None
+    scheduling_policy: _field(str, "fcfs, or lpm: longest prefix match first (aged, so cold requests do not "
+                                   "starve)", choices=["fcfs", "lpm"]) = "fcfs"
+
+    def validate(self) -> None:
+        _positive(self, "max_num_seqs", "max_num_batched_tokens")
         if self.max_prefill_tokens_with_decodes < 0:
             raise ValueError(f"max_prefill_tokens_with_decodes must be 0 (no limit) or positive, "
                              f"got {self.max_prefill_tokens_with_decodes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        for name in ("eplb_window_size", "eplb_step_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("eplb_replica_share", "eplb_memory_cap", "eplb_kv_pressure"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be between 0 and 1, got {getattr(self, name)}")
-        if (self.num_redundant_experts or 0) < 0 or self.eplb_num_ranks < 0:
-            raise ValueError("num_redundant_experts and eplb_num_ranks must not be negative")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be fcfs or lpm, got {self.scheduling_policy!r}")
+
+
+class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """The ranks a model is split over (rtp/engine/tensor_parallel.py): rank 0 runs here and starts
+    the others on this host, unless torchrun started them."""
+
+    tensor_parallel_size: _field(int, "shard the model over this many processes on this host (heads and "
+                                      "vocabulary must split evenly)", flag="--tp",
+                                 aliases=["--tensor-parallel-size"]) = 1
+    expert_parallel_size: _field(int, "split each MoE layer's experts over this many processes: 1 or the --tp "
+                                      "size, or with --tp 1 attention runs replicated on every rank",
+                                 flag="--ep", aliases=["--expert-parallel-size"]) = 1
+
+    def validate(self) -> None:
+        _positive(self, "tensor_parallel_size", "expert_parallel_size")
+        ranks = max(self.tensor_parallel_size, self.expert_parallel_size)
+        if {self.tensor_parallel_size, self.expert_parallel_size} - {1, ranks}:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} and expert_parallel_size "
+                             f"{self.expert_parallel_size}: each must be 1 or the number of ranks ({ranks})")
+
+    @property
+    def ranks(self) -> int:
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+
+class EPLBConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """EPLB while serving (rtp/engine/expert_balancer.py), named as vLLM names it: every step_interval
+    engine steps, the experts' loads over the last window_size steps make a new placement, and the
+    weights move between steps. Flat names (flags, LLM keywords): eplb_<field>, enable_eplb."""
+
+    enable: _field(bool, "MoE models: replicate and rebalance experts from their measured load while serving",
+                   flat="enable_eplb") = False
+    window_size: _field(int, "engine steps whose expert load a plan is made from", metavar="STEPS") = 1000
+    step_interval: _field(int, "engine steps between rebalances", metavar="STEPS") = 3000
+    num_redundant_experts: _field(int | None, "spare expert slots per MoE layer for replicas (default: "
+                                              "--eplb-replica-share of the experts), capped by --eplb-memory-cap",
+                                  flat="num_redundant_experts", metavar="N") = None
+    replica_share: _field(float, "experts to replicate, as a share of all (0.05: the top 5%)",
+                          metavar="FRACTION") = 0.05
+    memory_cap: _field(float, "most replica memory, as a share of the memory free beside the weights",
+                       metavar="FRACTION") = 0.15
+    kv_pressure: _field(float, "KV cache usage above which replicas are dropped (they go first)",
+                        metavar="FRACTION") = 0.85
+    num_ranks: _field(int, "ranks to balance over in one process (with --ep: the EP ranks; 0: the largest of "
+                           "8, 4, 2 that leaves each rank two experts or more)", metavar="N") = 0
+
+    def validate(self) -> None:
+        _positive(self, "window_size", "step_interval")
+        for name in ("replica_share", "memory_cap", "kv_pressure"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"eplb_{name} must be between 0 and 1, got {getattr(self, name)}")
+        if (self.num_redundant_experts or 0) < 0 or self.num_ranks < 0:
+            raise ValueError("num_redundant_experts and eplb_num_ranks must not be negative")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Everything the engine is built from, one sub-config per component; validated once."""
+
+    load: LoadConfig = msgspec.field(default_factory=LoadConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    eplb: EPLBConfig = msgspec.field(default_factory=EPLBConfig)
+
+    @classmethod
+    def from_flat(cls, **flat) -> "EngineConfig":
+        """From flat keyword names (the offline API's and the command line's: model, dtype,
+        max_num_seqs, enable_eplb, eplb_window_size, ...); an unknown name is a TypeError."""
+        parts: dict[str, dict] = {name: {} for name in cls.__struct_fields__}
+        names = flat_names()
+        for key, value in flat.items():
+            if key not in names:
+                raise TypeError(f"unknown engine option {key!r}; the options are: {', '.join(sorted(names))}")
+            part, field = names[key]
+            parts[part][field] = value
+        config = cls(**{part: SUB_CONFIGS[part](**values) for part, values in parts.items()})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        for part in self.__struct_fields__:
+            getattr(self, part).validate()
+
+
+class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """`rtp serve`'s own options: the HTTP server, admission, and its role in prefill/decode
+    disaggregation (rtp/serve/pd/)."""
+
+    host: _field(str, "address to listen on (0.0.0.0 for all)") = "127.0.0.1"
+    port: _field(int, "port to listen on") = 8000
+    served_model_names: _field(list[str] | None, "the model name(s) clients send in \"model\" (default: --model "
+                                                 "as given, or SmolLM2-135M-Instruct); the first is the one "
+                                                 "reported", flag="--served-model-name", nargs="+",
+                                                 metavar="NAME") = None
+    api_key: _field(str | None, "require `Authorization: Bearer KEY` on every route but /health and /metrics "
+                                "(and on /rpc/* when no --rpc-token is given)") = None
+    max_body_bytes: _field(int, "largest request body accepted; larger ones get 413", parse="bytes",
+                           metavar="BYTES") = 8 << 20
+    max_queue: _field(int, "sequences (prompts x n) allowed to wait for their first token; past it a request "
+                           "gets 503 with Retry-After") = 512
+    grace_period: _field(float, "on SIGTERM, how long in-flight requests may take to finish",
+                         metavar="SECONDS") = 30.0
+    role: _field(str, "prefill/decode disaggregation: a prefill node runs prompts and hands their KV to a decode "
+                      "node, which generates (collocated: both here)",
+                 choices=["collocated", "prefill", "decode"]) = "collocated"
+    decode_peer: _field(str | None, "prefill node: the decode node (e.g. http://10.0.0.2:8001) its requests are "
+                                    "decoded on, the stream relayed back; the FlexLB master can name another "
+                                    "per request", metavar="URL") = None
+    rpc_token: _field(str | None, "shared secret of the internal /rpc routes (header x-rtp-rpc-token)",
+                      metavar="SECRET") = None
+    kv_lease: _field(float, "decode node: how long reserved KV blocks wait for the next piece of their KV "
+                            "before returning to the pool", metavar="SECONDS") = 10.0
+    kv_port: _field(int, "decode node: the TCP port prefill nodes stream KV to, announced in each reservation "
+                         "(0: any free port; -1: none, KV goes over HTTP, which any proxy carries)",
+                    metavar="PORT") = 0
+
+    def validate(self) -> None:
+        if self.role not in ("collocated", "prefill", "decode"):
+            raise ValueError(f"--role must be collocated, prefill or decode, got {self.role!r}")
+        if self.decode_peer and self.role != "prefill":
+            raise ValueError("--decode-peer is for --role prefill")
+        _positive(self, "max_body_bytes", "max_queue")
+
+
+SUB_CONFIGS: dict[str, type] = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                                "parallel": ParallelConfig, "eplb": EPLBConfig}
+
+
+def field_meta(cls: type, field: str) -> msgspec.Meta | None:
+    """The Meta (help text, flag) a config field was declared with."""
+    info = next(f for f in msgspec.structs.fields(cls) if f.name == field)
+    return next((m for m in getattr(info.type, "__metadata__", ()) if isinstance(m, msgspec.Meta)), None)
+
+
+def flat_names() -> dict[str, tuple[str, str]]:
+    """Flat option name -> (sub-config, field): the field's name, or its Meta's `flat`, or for EPLB
+    eplb_<field>."""
+    names = {}
+    for part, cls in SUB_CONFIGS.items():
+        for field in cls.__struct_fields__:
+            meta = field_meta(cls, field)
+            flat = (meta.extra or {}).get("flat") if meta is not None else None
+            names[flat or (f"eplb_{field}" if part == "eplb" else field)] = (part, field)
+    return names
+
+
+def _positive(config, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be positive, got {getattr(config, name)}")

@@ -24,7 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **config):
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **config))
+        self.engine = LLMEngine(EngineConfig.from_flat(model=model, dtype=dtype, **config))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

@@ -1,4 +1,4 @@
-"""A stand-in for the model runner, for exercising rtp._runtime without torch.
+"""A stand-in for the model runner, for exercising rtp.runtime without torch.
 
 It does what the real runner does with a step plan — writes each new token's KV
 into the slot the plan names, then reads every row's whole context back through
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rtp._runtime import BlockAllocator, RadixCache, Scheduler, StepPlan
+from rtp.runtime import BlockAllocator, RadixCache, Scheduler, StepPlan
 
 _WEIGHTS = np.random.default_rng(1234).integers(1, 1 << 20, size=1 << 16, dtype=np.int64)
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rtp._runtime import BlockAllocator, RadixCache
+from rtp.runtime import BlockAllocator, RadixCache
 
 
 def test_null_block_is_never_handed_out():

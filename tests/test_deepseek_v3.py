@@ -23,11 +23,11 @@ from test_models import (
     write_word_tokenizer,
 )
 
-from rtp._runtime import BlockAllocator, RadixCache, Scheduler
 from rtp.engine.kv_cache import bytes_per_block
 from rtp.checkpoint.loader import load_model
 from rtp.engine.runner import ModelRunner
 from rtp.models.moe import FusedMoE
+from rtp.runtime import BlockAllocator, RadixCache, Scheduler
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}

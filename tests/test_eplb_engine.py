@@ -334,19 +334,19 @@ def test_two_ranks_rebalance_at_the_same_step(mixtral, tp, ep):
 
 
 def test_cli_flags_reach_the_engine_config():
-    from rtp.cli import _eplb_config, build_parser
+    from rtp.cli import build_parser
+    from rtp.cli_options import engine_config
     from rtp.config import EngineConfig
 
     for command in (["serve"], ["generate", "--prompt", "x"]):
         args = build_parser().parse_args([*command, "--enable-eplb", "--eplb-step-interval", "50",
                                           "--eplb-window-size", "20", "--num-redundant-experts", "16",
                                           "--eplb-kv-pressure", "0.9"])
-        config = EngineConfig(**_eplb_config(args))
-        config.validate()
-        assert (config.enable_eplb, config.eplb_step_interval, config.eplb_window_size) == (True, 50, 20)
-        assert (config.num_redundant_experts, config.eplb_kv_pressure, config.eplb_memory_cap) == (16, 0.9, 0.15)
+        eplb = engine_config(args).eplb
+        assert (eplb.enable, eplb.step_interval, eplb.window_size) == (True, 50, 20)
+        assert (eplb.num_redundant_experts, eplb.kv_pressure, eplb.memory_cap) == (16, 0.9, 0.15)
     with pytest.raises(ValueError, match="eplb_kv_pressure"):
-        EngineConfig(eplb_kv_pressure=1.5).validate()
+        EngineConfig.from_flat(eplb_kv_pressure=1.5)
 
 
 def test_a_plan_moves_as_few_weights_as_it_can():

@@ -17,12 +17,12 @@ from test_moe import SMALL, make_checkpoint, random_experts, routed
 from test_parallel import run_ranks
 
 import rtp.distributed as dist
-from rtp._runtime import BlockAllocator, Scheduler
 from rtp.engine.eplb import eplb_placement
 from rtp.checkpoint.loader import load_model
 from rtp.engine.runner import ModelRunner
 from rtp.models.expert_parallel import AllToAllExchange
 from rtp.models.moe import FusedMoE
+from rtp.runtime import BlockAllocator, Scheduler
 
 # -- one layer ---------------------------------------------------------------------------
 

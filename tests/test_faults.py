@@ -37,7 +37,7 @@ def greedy(**kw) -> SamplingParams:
 
 def assert_idle(llm):
     engine = llm.engine
-    assert not engine.has_unfinished_requests() and not engine._rows
+    assert not engine.has_unfinished_requests() and not engine.outputs._requests
     engine.scheduler.check_integrity()
     assert engine.allocator.num_used == 0
 
@@ -61,14 +61,15 @@ def check_isolated(llm, outs, faulty: int, message: str):
 
 
 def test_a_sampler_that_raises_for_one_request_fails_it_alone(llm, monkeypatch):
-    build = sampler_module.SamplingBatch.build.__func__
+    gather = sampler_module.SamplingBatch.gather.__func__
 
-    def faulty_build(cls, params, output_ids, *args, **kw):
-        if any(p.presence_penalty == MARK and len(o) >= AFTER for p, o in zip(params, output_ids)):
+    def faulty_gather(cls, settings, slots, tokens, **kw):
+        marked = settings.presence[slots] == MARK
+        if marked.any() and (tokens.output_lengths(slots)[marked] >= AFTER).any():
             raise RuntimeError("injected sampler failure")
-        return build(cls, params, output_ids, *args, **kw)
+        return gather(cls, settings, slots, tokens, **kw)
 
-    monkeypatch.setattr(sampler_module.SamplingBatch, "build", classmethod(faulty_build))
+    monkeypatch.setattr(sampler_module.SamplingBatch, "gather", classmethod(faulty_gather))
     outs = run_with_one_faulty(llm, faulty=2)
     assert len(outs[2].outputs[0].token_ids) == AFTER  # it had streamed tokens before the fault
     monkeypatch.undo()
@@ -98,10 +99,12 @@ def test_a_detokenizer_that_raises_for_one_request_fails_it_alone(llm, monkeypat
     def faulty_init(self, tok, prompt_ids=(), **kw):
         init(self, tok, prompt_ids, **kw)
         self.faulty = list(prompt_ids) == marked
+        self.added = 0
 
     def faulty_add(self, token_id):
-        if self.faulty and len(self.ids) - len(marked) >= AFTER:
+        if self.faulty and self.added >= AFTER:
             raise RuntimeError("injected detokenizer failure")
+        self.added += 1
         return add(self, token_id)
 
     monkeypatch.setattr(tokenizer_module.IncrementalDetokenizer, "__init__", faulty_init)

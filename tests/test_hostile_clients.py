@@ -9,7 +9,7 @@ Two servers of the default model on loopback:
   the way a runtime bug would show: the process must say so everywhere and exit non-zero
   at once, for its supervisor to restart it.
 
-RTP_FUZZ_EXAMPLES sets the number of generated bodies (default 150).
+RTP_FUZZ_EXAMPLES sets the number of generated bodies (default 300).
 """
 
 from __future__ import annotations
@@ -27,24 +27,24 @@ from hypothesis import strategies as st
 from test_serve import Server, chat
 
 VOCAB = 49152
-MARK = "FATAL_INJECTION"
+MARK = 1.25  # the presence_penalty of the request whose fault is followed by the failing check
 
 # The engine's integrity check fails after the marked request's sampling faults: a fatal fault.
 DOOMED_SERVE = f"""
 import sys
 from rtp.engine import engine, sampler
 
-build = sampler.SamplingBatch.build.__func__
+gather = sampler.SamplingBatch.gather.__func__
 
-def faulty_build(cls, params, *args, **kw):
-    if any(p.stop == [{MARK!r}] for p in params):
+def faulty_gather(cls, settings, slots, *args, **kw):
+    if (settings.presence[slots] == {MARK}).any():
         raise RuntimeError("injected sampler failure")
-    return build(cls, params, *args, **kw)
+    return gather(cls, settings, slots, *args, **kw)
 
 def corrupt(self):
     raise engine.EngineFatal("the runtime's integrity check failed after a request fault: injected")
 
-sampler.SamplingBatch.build = classmethod(faulty_build)
+sampler.SamplingBatch.gather = classmethod(faulty_gather)
 engine.LLMEngine._check_integrity = corrupt
 from rtp.cli import main
 raise SystemExit(main(sys.argv[1:]))
@@ -288,7 +288,7 @@ def check_response(r: httpx.Response, streamed: bool) -> None:
             assert payload["error"]["message"].startswith("the request failed"), payload
 
 
-@settings(max_examples=int(os.environ.get("RTP_FUZZ_EXAMPLES", "150")), deadline=None,
+@settings(max_examples=int(os.environ.get("RTP_FUZZ_EXAMPLES", "300")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
 @given(kind=st.sampled_from(["completions", "chat/completions"]), data=st.data())
@@ -305,7 +305,7 @@ def test_fuzzed_bodies_never_take_the_server_down(server, idle_free_blocks, kind
 def test_a_fatal_fault_exits_non_zero_at_once_and_says_so_until_then(servers):
     doomed = servers["doomed"].wait_ready()
     assert metrics(doomed.url)["rtp:engine_healthy"] == 1
-    r = post(doomed.url, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop": [MARK]})
+    r = post(doomed.url, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "presence_penalty": MARK})
     failed_at = time.monotonic()
     assert r.status_code in (500, 503), r.text
     answers = []

@@ -38,7 +38,8 @@ class Sink:
 
 @pytest.fixture(scope="module")
 def engine(default_gguf):
-    return LLMEngine(EngineConfig(model=str(default_gguf), compile=False, max_model_len=512, max_num_seqs=8))
+    return LLMEngine(EngineConfig.from_flat(model=str(default_gguf), compile=False, max_model_len=512,
+                                            max_num_seqs=8))
 
 
 def _prefill(engine: LLMEngine, request_id: str, prompt: list[int], others=()):

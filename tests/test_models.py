@@ -15,9 +15,9 @@ import pytest
 import torch
 import transformers
 
-from rtp._runtime import BlockAllocator, RadixCache, Scheduler
 from rtp.checkpoint.loader import CheckpointError, load_model
 from rtp.engine.runner import ModelRunner
+from rtp.runtime import BlockAllocator, RadixCache, Scheduler
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

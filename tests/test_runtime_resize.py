@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from runtime_sim import ToyRunner, make_scheduler, oracle, run_to_completion
 
-from rtp._runtime import BlockAllocator, RadixCache
+from rtp.runtime import BlockAllocator, RadixCache
 
 
 def test_blocks_above_the_limit_are_never_handed_out():

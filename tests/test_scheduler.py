@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rtp._runtime import FINISH_LENGTH, FINISH_NONE, FINISH_REMOTE, FINISH_STOP, StepPlan, Scheduler
+from rtp.runtime import FINISH_LENGTH, FINISH_NONE, FINISH_REMOTE, FINISH_STOP, StepPlan, Scheduler
 from runtime_sim import ToyRunner, make_scheduler, oracle, run_to_completion
 
 VOCAB = 50
@@ -85,7 +85,7 @@ def test_block_table_width_at_max_model_len():
     assert s.event_tokens[0] == expected(prompt, 5, 30)[0]
     s.check_integrity()
     # a plan one column short is refused up front
-    from rtp._runtime import BlockAllocator
+    from rtp.runtime import BlockAllocator
     with pytest.raises(ValueError, match="wide"):
         Scheduler(BlockAllocator(40, 4), StepPlan(32, 8, 7), max_model_len=30, max_num_seqs=8,
                   max_num_batched_tokens=32)
@@ -396,7 +396,7 @@ def test_bad_requests_are_refused_and_change_nothing():
 
 
 def test_constructor_checks():
-    from rtp._runtime import BlockAllocator, RadixCache
+    from rtp.runtime import BlockAllocator, RadixCache
     a = BlockAllocator(16, 4)
     plan = StepPlan(32, 4, 16)
     with pytest.raises(ValueError):
@@ -416,6 +416,26 @@ def test_constructor_checks():
     p = StepPlan(32, 4, 16, input_ids=ids)
     assert p.input_ids is ids  # caller-owned buffers are written in place
 
+
+
+def test_step_plan_arrays_come_from_plan_arrays():
+    # the runner and the tensor-parallel ranks build their buffers from the same schema
+    from rtp.runtime import PLAN_ARRAYS, plan_array_shapes
+    shapes = plan_array_shapes(32, 4, 16)
+    assert list(shapes) == list(PLAN_ARRAYS)
+    assert shapes["block_tables"] == ((4, 16), np.dtype(np.int32))
+    assert shapes["query_start_loc"][0] == (5,)
+    plan = StepPlan(32, 4, 16)
+    for name, (shape, dtype) in shapes.items():
+        array = getattr(plan, name)
+        assert array.shape == shape and array.dtype == dtype, name
+    given = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
+    plan = StepPlan(32, 4, 16, **given)
+    assert all(getattr(plan, name) is array for name, array in given.items())
+    with pytest.raises(ValueError, match="block_tables"):
+        StepPlan(32, 4, 16, block_tables=np.zeros((4, 15), np.int32))
+    with pytest.raises(TypeError, match="unknown"):
+        StepPlan(32, 4, 16, logits=np.zeros(4, np.int32))
 
 def test_concurrent_identical_prompts_share_blocks_after_prefill():
     s = make_scheduler(max_num_batched_tokens=64)

@@ -45,7 +45,7 @@ init, add = tokenizer.IncrementalDetokenizer.__init__, tokenizer.IncrementalDeto
 
 def faulty_init(self, tok, prompt_ids=(), **kw):
     init(self, tok, prompt_ids, **kw)
-    self.faulty = {FAULT_MARK!r} in tok.decode(self.ids)
+    self.faulty = {FAULT_MARK!r} in tok.decode(list(prompt_ids))
 
 def faulty_add(self, token_id):
     if self.faulty:

@@ -121,7 +121,7 @@ def _stream(tok, ids, **kwargs):
 def test_incremental_pieces_concatenate_to_decode(tok, text, skip):
     ids = tok.encode(text)
     pieces, detok = _stream(tok, ids, skip_special_tokens=skip)
-    assert "".join(pieces) == detok.text == tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
     assert not any("\ufffd" in p for p in pieces)
 
 
@@ -140,7 +140,7 @@ def test_incremental_after_prompt(tok):
     completion = tok.encode("Sure — here's 🍕 for you.\nBye!")
     pieces, detok = _stream(tok, completion, prompt_ids=prompt)
     assert "".join(pieces) == tok.decode(completion)
-    assert detok.ids == prompt + completion
+    assert len(detok.ids) <= 8  # a window, not the whole sequence again (the runtime holds that)
 
 
 def test_incremental_window_stays_short(tok):

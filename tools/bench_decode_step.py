@@ -79,7 +79,7 @@ def fill_batch(llm, rows: int, context: int, seed: int) -> None:
     engine = llm.engine
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(seed)
-    sp = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # up to the context length
     for r in range(rows):
         engine.add_request(f"bench-step-{r}", rng.integers(100, vocab - 100, context).tolist(), sp)
     plan = engine.scheduler.plan

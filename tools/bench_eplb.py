@@ -104,11 +104,11 @@ def real_run(args) -> dict:
     import msgspec
     import torch
 
-    from rtp._runtime import BlockAllocator, Scheduler
     from rtp.config import ModelConfig
     from rtp.engine.runner import ModelRunner
     from rtp.models import model_class
     from rtp.models.moe import FusedMoE
+    from rtp.runtime import BlockAllocator, Scheduler
 
     ranks, experts, vocab = args.real_run_ranks, 64, 512
     hf = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": vocab, "hidden_size": 256,

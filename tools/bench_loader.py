@@ -60,7 +60,7 @@ except ImportError:
 import torch
 from bench_offline import CpuWatch, cpu_description, error_text, note
 
-from rtp.cli import _byte_size
+from rtp.cli_options import byte_size
 
 TARGET_VS_BASELINE = 2.0
 TARGET_VS_RAW = 0.8
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=10, help="decoder layers (default 10: 1.14 GB)")
     p.add_argument("--shards", type=int, default=2, help="safetensors shards (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of all measurements; the best counts")
-    p.add_argument("--chunk-size", type=_byte_size, default=None, help="rtp's read size (default 32MiB)")
+    p.add_argument("--chunk-size", type=byte_size, default=None, help="rtp's read size (default 32MiB)")
     args = p.parse_args(argv)
 
     files = write_checkpoint(args.dir, args.layers, args.shards)

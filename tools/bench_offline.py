@@ -391,8 +391,8 @@ def bench_single(llm, ids: np.ndarray, args: argparse.Namespace) -> dict:
             now = time.perf_counter()
             if first is not None:
                 step_times.append(now - t)
-            for o in outs:
-                produced = len(o.outputs[0].token_ids)
+            for delta in outs:  # per-request deltas (rtp/engine/output.py)
+                produced += sum(c.num_tokens for c in delta.choices)
                 if first is None and produced:
                     first = now
         end = time.perf_counter()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Micro-benchmarks for rtp._runtime, the compiled scheduler / KV allocator / radix cache.
+"""Micro-benchmarks for rtp.runtime, the compiled scheduler / KV allocator / radix cache.
 
 Three questions, one function each:
 
@@ -38,11 +38,11 @@ import time
 import numpy as np
 
 try:
-    from rtp._runtime import BlockAllocator, RadixCache, Scheduler, StepPlan
+    from rtp.runtime import BlockAllocator, RadixCache, Scheduler, StepPlan
 except ImportError:
     # Not installed: running this file puts tools/ on sys.path, not the repository root.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from rtp._runtime import BlockAllocator, RadixCache, Scheduler, StepPlan
+    from rtp.runtime import BlockAllocator, RadixCache, Scheduler, StepPlan
 
 BLOCK_SIZE = 16
 VOCAB = 32000
@@ -544,7 +544,7 @@ def _yes(flag: bool) -> str:
 
 def print_report(results: dict, args: argparse.Namespace) -> None:
     """The human-readable table (stdout)."""
-    print(f"rtp._runtime benchmarks  (seed {args.seed}{', quick' if args.quick else ''}; "
+    print(f"rtp.runtime benchmarks  (seed {args.seed}{', quick' if args.quick else ''}; "
           f"module {_runtime_path()})")
     sched = results.get("scheduler_step_us")
     if sched:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Runs rtp's compiled code (rtp/csrc/*.c through rtp/_cpu_kernels.pyx, and rtp/_runtime.pyx)
+# Runs rtp's compiled code (rtp/csrc/*.c through rtp/_cpu_kernels.pyx, and rtp/runtime/*.pyx)
 # under AddressSanitizer and UndefinedBehaviorSanitizer.
 #
 # What it does:
 #   1. copies the working tree (no .git, no .venv, no built extensions) to a scratch directory,
 #      so the checkout's own rtp/*.so, which everyone's tests import, are never replaced;
-#   2. builds both extensions there with RTP_SANITIZE (setup.py: -fsanitize=..., -g, -O1,
+#   2. builds the extensions there with RTP_SANITIZE (setup.py: -fsanitize=..., -g, -O1,
 #      frame pointers), fetching Cython into the scratch directory if the venv lacks it;
 #   3. runs the tests that drive the kernels, CPU graphs, the runtime and the engine against
 #      that build, with the sanitizer runtimes preloaded (Python itself is not sanitized),
@@ -72,8 +72,10 @@ run() {
         PYTHONPATH="$TREE" "$PYTHON" "$@"
 }
 # the editable install in the venv points at the checkout: make sure the copy is what runs
-run -c "import rtp._runtime as r, rtp._cpu_kernels as k, sys
-sys.exit(not (r.__file__.startswith('$TREE') and k.__file__.startswith('$TREE')))" \
+run -c "import rtp._cpu_kernels as k, sys
+from rtp.runtime import block_allocator, common, radix_cache, scheduler, step_plan
+mods = (k, block_allocator, common, radix_cache, scheduler, step_plan)
+sys.exit(not all(m.__file__.startswith('$TREE') for m in mods))" \
     || { echo "== the sanitized extensions are not the ones imported" >&2; exit 1; }
 
 start=$(date +%s)

@@ -4,10 +4,10 @@ A step is five calls (`_step`): the scheduler plans it, the runner runs the mode
 sampler turns logits into tokens, the scheduler applies them, and the output processor
 turns what happened into per-request deltas:
 
-    plan = scheduler.schedule()       rtp/_runtime.pyx   (admission, chunked prefill, preemption)
+    plan = scheduler.schedule()       rtp/runtime/scheduler.pyx  (admission, chunked prefill, preemption)
     logits = runner.forward()         rtp/engine/runner.py
     tokens = sampler.sample(...)      rtp/engine/sampler.py  (a request's fault fails it alone)
-    events = scheduler.update(tokens) rtp/_runtime.pyx   (append, stop ids, length, free, cache)
+    events = scheduler.update(tokens) rtp/runtime/scheduler.pyx  (append, stop ids, length, free, cache)
     deltas = outputs.emit(events)     rtp/engine/output.py   (text, stop strings, logprobs)
 
 The runtime owns every request's tokens, blocks and stop conditions in C; the output
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rtp._runtime import BlockAllocator, RadixCache, Scheduler
+from rtp.runtime import BlockAllocator, RadixCache, Scheduler
 from rtp.checkpoint import open_checkpoint
 from rtp.checkpoint.loader import load_model
 from rtp.config import EngineConfig, ModelConfig
@@ -38,62 +38,52 @@ from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks
 from rtp.engine.kv_transfer import KVLayout, KVSink
 from rtp.engine.output import Logprobs, OutputProcessor, RequestDelta
 from rtp.engine.runner import ModelRunner
-from rtp.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from rtp.engine.sampler import Sampler, SamplerOutput, SlotSettings
 from rtp.engine.tensor_parallel import PlanChannel, follow, start_ranks, stop_followers
 from rtp.engine.tokenizer import Tokenizer
 from rtp.errors import EngineFatal, EngineFull, InvalidRequest
+from rtp.models import model_class
 from rtp.models.moe import FusedMoE
 from rtp.sampling_params import SamplingParams
 
 log = logging.getLogger("rtp.engine")
 
 
-class _Row:
-    """What sampling needs of one runtime request: its settings, its prompt and its tokens so far."""
-
-    __slots__ = ("out_ids", "params", "prompt_ids", "seed")
-
-    def __init__(self, params: SamplingParams, prompt_ids: np.ndarray, index: int):
-        self.params = params
-        self.prompt_ids = prompt_ids
-        self.out_ids: list[int] = []
-        # choice i of a seeded request draws from seed + i, so n > 1 choices differ
-        self.seed = None if params.seed is None else params.seed + index
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        device = resolve_device(config.device)
-        self.compile = config.compile if config.compile is not None else device.type == "cuda"
+        load, cache, sched, eplb = config.load, config.cache, config.scheduler, config.eplb
+        device = resolve_device(load.device)
+        self.compile = load.compile if load.compile is not None else device.type == "cuda"
         # the expert exchange reads its counts on the host between collectives: nothing to capture
-        self.compile = self.compile and config.expert_parallel_size == 1
+        self.compile = self.compile and config.parallel.expert_parallel_size == 1
         if self.compile:
             _use_rtp_compile_cache()
-        self.dtype = resolve_dtype(config.dtype, device)
-        path = Path(config.model).expanduser() if config.model else _default_model()
+        self.dtype = resolve_dtype(load.dtype, device)
+        path = Path(load.model).expanduser() if load.model else _default_model()
         if not path.exists():
             raise FileNotFoundError(f"model path {path} does not exist")
         self.model_path = path
         checkpoint = open_checkpoint(path)  # headers only, parsed once for everything below
-        self._followers, self.device = start_ranks(config, ModelConfig.from_hf(checkpoint.config), device,
-                                                   run_follower)
-        eplb_ranks, spare = (eplb_slots(config, path, ModelConfig.from_hf(checkpoint.config), self.dtype,
-                                        self.device, self.compile) if config.enable_eplb else (0, 0))
+        declared = ModelConfig.from_hf(checkpoint.config)
+        model_class([declared.architecture])  # an architecture rtp has no model for fails here, first
+        self._followers, self.device = start_ranks(config, declared, device, run_follower)
+        eplb_ranks, spare = (eplb_slots(eplb, config.parallel, path, declared, self.dtype, self.device,
+                                        self.compile) if eplb.enable else (0, 0))
         self.model, self.model_config = load_model(path, self.dtype, self.device, redundant_experts=spare,
                                                    checkpoint=checkpoint)
         self.tokenizer = Tokenizer.from_pretrained(path)
         mc: ModelConfig = self.model_config
-        self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 8192),
+        self.max_model_len = min(sched.max_model_len or min(mc.max_position_embeddings, 8192),
                                  mc.max_position_embeddings)
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids))
         specs = [layer.kv_cache_spec for layer in self.model.attention_layers()]
-        num_blocks = num_kv_blocks(specs, block_size=config.block_size, dtype=self.dtype,
-                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-                                   budget_bytes=config.kv_cache_memory, device=self.device)
+        num_blocks = num_kv_blocks(specs, block_size=cache.block_size, dtype=self.dtype,
+                                   max_model_len=self.max_model_len, max_num_seqs=sched.max_num_seqs,
+                                   budget_bytes=cache.kv_cache_memory, device=self.device)
         moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)] if eplb_ranks else []
-        block_bytes = bytes_per_block(specs, config.block_size, self.dtype)
+        block_bytes = bytes_per_block(specs, cache.block_size, self.dtype)
         # blocks the pool is lent while EPLB's replicas are dropped: the cache is allocated for
         # them too, committed only as they are used (rtp/engine/kv_cache.py)
         lendable = lendable_kv_blocks(moe_layers, block_bytes)
@@ -101,35 +91,35 @@ class LLMEngine:
             blocks = torch.tensor([num_blocks, lendable])
             torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
             num_blocks, lendable = blocks.tolist()
-        self.runner = ModelRunner(self.model, num_blocks=num_blocks + lendable, block_size=config.block_size,
-                                  max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
+        self.runner = ModelRunner(self.model, num_blocks=num_blocks + lendable, block_size=cache.block_size,
+                                  max_num_seqs=sched.max_num_seqs,
+                                  max_num_batched_tokens=sched.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, kv_dtype=self.dtype, device=self.device,
                                   compile=self.compile, committed_blocks=num_blocks)
-        self.allocator = BlockAllocator(num_blocks, config.block_size, num_blocks + lendable)
-        self.cache = RadixCache(self.allocator) if config.enable_prefix_caching else None
+        self.allocator = BlockAllocator(num_blocks, cache.block_size, num_blocks + lendable)
+        self.cache = RadixCache(self.allocator) if cache.enable_prefix_caching else None
         self.scheduler = Scheduler(self.allocator, self.runner.plan, cache=self.cache,
-                                   max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
+                                   max_num_seqs=sched.max_num_seqs,
+                                   max_num_batched_tokens=sched.max_num_batched_tokens,
+                                   max_prefill_tokens_with_decodes=sched.max_prefill_tokens_with_decodes,
                                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                                   vocab_size=mc.vocab_size, policy=config.scheduling_policy)
-        self.sampler = Sampler(seed=config.seed)
+                                   vocab_size=mc.vocab_size, policy=sched.scheduling_policy)
+        self.sampler = Sampler(seed=load.seed)
+        self.sampling = SlotSettings(self.scheduler.max_requests)  # each request's, by its runtime slot
         self.outputs = OutputProcessor(self.tokenizer)
         self.handoff = KVHandoff(self.scheduler, self.runner)
         self._channel = PlanChannel(self.runner.plan) if world_size() > 1 else None
         self.warmup_seconds = self.runner.warmup(progress=sys.stderr.isatty())
         self.balancer: ExpertBalancer | None = None
         if eplb_ranks:  # after warm-up: its dummy steps are no traffic
-            self.balancer = ExpertBalancer(moe_layers, num_ranks=eplb_ranks, window=config.eplb_window_size,
-                                           interval=config.eplb_step_interval, kv_pressure=config.eplb_kv_pressure,
+            self.balancer = ExpertBalancer(moe_layers, num_ranks=eplb_ranks, window=eplb.window_size,
+                                           interval=eplb.step_interval, kv_pressure=eplb.kv_pressure,
                                            kv_block_bytes=block_bytes, kv_base=num_blocks,
                                            kv_capacity=num_blocks + lendable)
-        self._rows: dict[int, _Row] = {}  # runtime id -> what sampling needs of it
         self._next_rid = itertools.count()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens%s, max_model_len %d",
                  mc.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks - 1,
-                 config.block_size, f" (+{lendable} lent while EPLB's replicas are dropped)" if lendable else "",
+                 cache.block_size, f" (+{lendable} lent while EPLB's replicas are dropped)" if lendable else "",
                  self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------
@@ -157,11 +147,12 @@ class LLMEngine:
                                            stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
                                            prefill_only=kv_sink is not None)
                 rids.append(rid)
-                self._rows[rid] = _Row(params, prompt_ids, index)
+                # choice i of a seeded request draws from seed + i, so n > 1 choices differ
+                self.sampling.set(self.scheduler.slot_of_request(rid), params,
+                                  None if params.seed is None else params.seed + index)
         except BaseException as e:
             for rid in rids:  # all choices or none
                 self.scheduler.abort(rid)
-                self._rows.pop(rid, None)
             if isinstance(e, OverflowError):  # every request slot of the runtime is taken
                 raise EngineFull(str(e)) from None
             if isinstance(e, ValueError) and not isinstance(e, InvalidRequest):  # e.g. needs more KV than exists
@@ -192,7 +183,6 @@ class LLMEngine:
             rids.append(reserved)
         for rid in rids:
             self.scheduler.abort(rid)
-            self._rows.pop(rid, None)
             self.handoff.forget(rid)
         return bool(rids)
 
@@ -226,37 +216,36 @@ class LLMEngine:
             return []
         if self._channel is not None:
             self._channel.send_step()
+        plan = self.scheduler.plan
         rids = self.runner.sample_req_ids().tolist()
         self.handoff.arm(rids)
         try:
             logits = self.runner.forward()
         finally:
             self.handoff.disarm()
-        tokens, sampled, failed = self._sample(logits, rids)
-        for k in failed:  # dropped by update(), which never appends their placeholder token
+        sampled = self.sampler.sample(logits, self.sampling, plan.sample_slots[:plan.num_samples], self.scheduler,
+                                      eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size)
+        for k in sampled.failed:  # dropped by update(), which never appends their placeholder token
             self.scheduler.abort(rids[k])
         for rid in rids:
-            row = self._rows.get(rid)
-            if row is not None and not row.out_ids and self.outputs.has(rid):
+            if self.scheduler.is_first_token(rid) and self.outputs.has(rid):
                 # read before update(): a request that finishes on its first token leaves the scheduler there
                 self.outputs.set_cached(rid, self.scheduler.cached_prompt_tokens(rid))
-        n = self.scheduler.update(tokens)
         s = self.scheduler
-        for i in range(n):
-            row = self._rows.get(int(s.event_req_ids[i]))
-            if row is not None:
-                row.out_ids.append(int(s.event_tokens[i]))
+        n = s.update(sampled.token_ids)
         deltas = self.outputs.emit(n, s.event_req_ids, s.event_tokens, s.event_finish,
-                                   {rid: k for k, rid in enumerate(rids)}, _host_logprobs(sampled))
+                                   {rid: k for k, rid in enumerate(rids)}, _host_logprobs(sampled.output))
         for rid in self.outputs.stopped:  # a stop string ended it: the runtime still runs it
-            self.scheduler.abort(rid)
-        for k, error in failed.items():
+            s.abort(rid)
+        for k, error in sampled.failed.items():
             request_id = self.outputs.request_of(rids[k])
             if request_id is not None:
                 deltas[request_id] = self.outputs.fail(request_id, error)
+        if sampled.failed:
+            log.warning("step: %d of %d sampling rows failed", len(sampled.failed), len(rids))
         for delta in deltas.values():
             self._after(delta)
-        if failed or any(d.error is not None for d in deltas.values()):
+        if sampled.failed or any(d.error is not None for d in deltas.values()):
             self._check_integrity()
         if self.balancer is not None:
             self.balancer.between_steps(self.allocator, self.runner.kv_caches, self._channel)
@@ -279,65 +268,7 @@ class LLMEngine:
             for rid in self.outputs.remove(delta.request_id):
                 if delta.error is not None:
                     self.scheduler.abort(rid)
-                self._rows.pop(rid, None)
                 self.handoff.forget(rid)
-
-    def _sample(self, logits: torch.Tensor, rids: list[int]
-                ) -> tuple[np.ndarray, SamplerOutput | None, dict[int, Exception]]:
-        """One token per sampling row, and the rows whose request faulted (a placeholder token 0
-        stands in for theirs). When sampling the batch raises, each row is sampled alone to find
-        the requests that caused it; the others are then sampled together, as they would have been."""
-        rows = [self._rows[rid] for rid in rids]
-        if not rows:
-            return np.zeros(0, dtype=np.int64), None, {}
-        failed: dict[int, Exception] = {}
-        try:
-            sampled = self.sampler(logits, self._batch(rows))
-        except Exception as batch_error:
-            for k, row in enumerate(rows):
-                try:
-                    self.sampler(logits[k:k + 1], self._batch([row]))
-                except Exception as e:
-                    failed[k] = e
-            if not failed:  # only together: every row is a suspect
-                failed = dict.fromkeys(range(len(rows)), batch_error)
-            sampled = self._sample_rows(logits, rows, failed)
-        tokens = np.zeros(len(rows), dtype=np.int64) if sampled is None else sampled.token_ids.cpu().numpy()
-        vocab = self.model_config.vocab_size
-        for k in np.flatnonzero((tokens < 0) | (tokens >= vocab)).tolist():
-            if k not in failed:  # NaN logits or a sampler bug under this request's settings
-                failed[k] = RuntimeError(f"sampling produced token id {int(tokens[k])}, outside the "
-                                         f"vocabulary of {vocab}")
-        if failed:
-            tokens = tokens.copy()
-            tokens[list(failed)] = 0
-            log.warning("step: %d of %d sampling rows failed", len(failed), len(rows))
-        return tokens, sampled, failed
-
-    def _sample_rows(self, logits: torch.Tensor, rows: list[_Row], failed: dict[int, Exception]
-                     ) -> SamplerOutput | None:
-        """The rows not in `failed`, sampled together and scattered back to full-batch rows."""
-        good = [k for k in range(len(rows)) if k not in failed]
-        if not good:
-            return None
-        try:
-            out = self.sampler(logits[good], self._batch([rows[k] for k in good]))
-        except Exception as e:
-            failed.update(dict.fromkeys(good, e))
-            return None
-        index = torch.tensor(good, device=out.token_ids.device)
-
-        def spread(t: torch.Tensor) -> torch.Tensor:
-            full = t.new_zeros((len(rows), *t.shape[1:]))
-            return full.index_copy_(0, index, t)
-
-        top = None if out.top_logprobs is None else (spread(out.top_logprobs[0]), spread(out.top_logprobs[1]))
-        return SamplerOutput(spread(out.token_ids), None if out.logprobs is None else spread(out.logprobs), top)
-
-    def _batch(self, rows: list[_Row]) -> SamplingBatch:
-        return SamplingBatch.build([r.params for r in rows], [r.out_ids for r in rows], [r.prompt_ids for r in rows],
-                                   eos_token_ids=self.eos_token_ids, seeds=[r.seed for r in rows],
-                                   device=self.device)
 
     def _check_integrity(self) -> None:
         """After a request failed mid-step: the runtime's shared state must still hold together."""
@@ -368,7 +299,7 @@ class LLMEngine:
         rid = next(self._next_rid)
         blocks = self.handoff.reserve(request_id, rid, prompt, max_tokens=max_tokens, min_tokens=params.min_tokens,
                                       stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
-        self._rows[rid] = _Row(params, prompt, 0)
+        self.sampling.set(self.scheduler.slot_of_request(rid), params, params.seed)
         self.outputs.add(request_id, prompt_ids, params, [rid])
         return blocks
 
@@ -384,7 +315,6 @@ class LLMEngine:
         joins the batch at the next step; the delta of that first token. KeyError for a request
         not reserved here; ValueError (nothing changed) for a token that would end it."""
         rid = self.handoff.resume(request_id, first_token)
-        self._rows[rid].out_ids.append(first_token)
         try:
             return self.outputs.resume(rid, first_token, logprobs, num_cached_tokens)
         except Exception as e:

@@ -431,28 +431,29 @@ def free_memory(device: torch.device) -> int:
     return 0
 
 
-def spare_slots_for(config, model_config, checkpoint_bytes: int, dtype: torch.dtype,
+def spare_slots_for(eplb, model_config, checkpoint_bytes: int, dtype: torch.dtype,
                     device: torch.device, ep: int) -> tuple[int, int]:
-    """(planner ranks, spare slots per MoE layer) for an engine about to load `model_config`.
+    """(planner ranks, spare slots per MoE layer) for an engine about to load `model_config`
+    (eplb: its EPLBConfig).
 
     The cap is taken against the memory free beside the weights: free memory now, less the
     checkpoint's bytes (this rank's share of them with expert parallelism on CUDA, where
     each rank has its own device and holds 1/ep of the replicas)."""
     mc = model_config
-    ranks = logical_ranks(mc.num_experts, ep, config.eplb_num_ranks)
+    ranks = logical_ranks(mc.num_experts, ep, eplb.num_ranks)
     moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
     slot_bytes = 3 * mc.hidden_size * mc.moe_intermediate_size * dtype.itemsize * moe_layers
     per_device = ep if device.type == "cuda" else 1
     free = max(0, free_memory(device) - checkpoint_bytes // per_device) * per_device
-    spare = redundant_slots(mc.num_experts, ranks, requested=config.num_redundant_experts,
-                            share=config.eplb_replica_share, slot_bytes=slot_bytes, free_bytes=free,
-                            memory_cap=config.eplb_memory_cap)
+    spare = redundant_slots(mc.num_experts, ranks, requested=eplb.num_redundant_experts,
+                            share=eplb.replica_share, slot_bytes=slot_bytes, free_bytes=free,
+                            memory_cap=eplb.memory_cap)
     log.info("EPLB: %d spare expert slots per MoE layer (%d layers, %.1f MiB in all) over %d ranks",
              spare, moe_layers, spare * slot_bytes / 2**20, ranks)
     return ranks, spare
 
 
-def eplb_slots(config, path, model_config, dtype: torch.dtype, device: torch.device, compiled: bool
+def eplb_slots(eplb, parallel, path, model_config, dtype: torch.dtype, device: torch.device, compiled: bool
                ) -> tuple[int, int]:
     """(planner ranks, spare expert slots per layer) for --enable-eplb; (0, 0) for a dense model.
     Every rank agrees on the spare slots (each measured its own free memory)."""
@@ -462,8 +463,8 @@ def eplb_slots(config, path, model_config, dtype: torch.dtype, device: torch.dev
         log.warning("--enable-eplb: %s has no experts; EPLB stays off", model_config.architecture)
         return 0, 0
     files = [path] if path.is_file() else list(path.glob("*.safetensors")) + list(path.glob("*.bin"))
-    ranks, spare = spare_slots_for(config, model_config, sum(f.stat().st_size for f in files), dtype, device,
-                                   config.expert_parallel_size)
+    ranks, spare = spare_slots_for(eplb, model_config, sum(f.stat().st_size for f in files), dtype, device,
+                                   parallel.expert_parallel_size)
     if world_size() > 1:
         agreed = torch.tensor([spare])
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)

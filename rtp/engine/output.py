@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rtp._runtime import FINISH_REASONS
+from rtp.runtime import FINISH_REASONS
 from rtp.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from rtp.sampling_params import SamplingParams
 

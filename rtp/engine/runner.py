@@ -38,29 +38,22 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from rtp._runtime import StepPlan
 from rtp.distributed import world_size
 from rtp.engine.cpu_graph import CaptureRefused, CPUGraph, capture
 from rtp.engine.kv_cache import allocate_kv_cache
 from rtp.engine.kv_transfer import LayerTaps
 from rtp.models import cpu_kernels
 from rtp.models.attention import AttentionMetadata, PrefillRow, forward_context
+from rtp.runtime import StepPlan, plan_array_shapes
 
 log = logging.getLogger("rtp.runner")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
-_PLAN_ARRAYS = {
-    "input_ids": torch.int32,
-    "positions": torch.int32,
-    "slot_mapping": torch.int64,
-    "block_tables": torch.int32,
-    "seq_lens": torch.int32,
-    "query_start_loc": torch.int32,
-    "logits_indices": torch.int32,
-    "sample_slots": torch.int32,
-    "sample_req_ids": torch.int64,
-}
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy one (the plan's arrays are declared in numpy terms)."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 class ModelRunner:
@@ -72,20 +65,11 @@ class ModelRunner:
         self.block_size = block_size
         width = -(-max_model_len // block_size)
         self.width = width
-        shapes = {
-            "input_ids": (max_num_batched_tokens,),
-            "positions": (max_num_batched_tokens,),
-            "slot_mapping": (max_num_batched_tokens,),
-            "block_tables": (max_num_seqs, width),
-            "seq_lens": (max_num_seqs,),
-            "query_start_loc": (max_num_seqs + 1,),
-            "logits_indices": (max_num_seqs,),
-            "sample_slots": (max_num_seqs,),
-            "sample_req_ids": (max_num_seqs,),
-        }
         pin = device.type == "cuda"
-        self.host = {name: torch.zeros(shape, dtype=_PLAN_ARRAYS[name], pin_memory=pin)
-                     for name, shape in shapes.items()}
+        # the StepPlan's arrays (PLAN_ARRAYS, rtp/runtime/step_plan.pyx) as tensors it writes through
+        shapes = plan_array_shapes(max_num_batched_tokens, max_num_seqs, width)
+        self.host = {name: torch.zeros(shape, dtype=_torch_dtype(dtype), pin_memory=pin)
+                     for name, (shape, dtype) in shapes.items()}
         self.plan = StepPlan(max_num_batched_tokens, max_num_seqs, width,
                              **{name: t.numpy() for name, t in self.host.items()})
         # on CPU the device tensors are the host tensors; on CUDA they are copies made each step

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -100,11 +101,16 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
-def _rows(idx: list[int], n: int, device: torch.device) -> torch.Tensor | None:
+def _rows(idx: np.ndarray, n: int, device: torch.device) -> torch.Tensor | None:
     """Row indices as a device tensor, or None when they are all n rows in order."""
     if len(idx) == n:
         return None
-    return _dev(idx, torch.int64, device)
+    return _tensor(idx.astype(np.int64), device)
+
+
+def _tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    # a copy of the gathered values (they are fresh arrays), sent without making the host wait
+    return torch.from_numpy(values).to(device, non_blocking=True)
 
 
 class SamplingBatch:
@@ -157,7 +163,8 @@ class SamplingBatch:
               eos_token_ids: Sequence[int] = (),
               seeds: Sequence[int | None] | None = None,
               device: torch.device | str = "cpu") -> SamplingBatch:
-        """One row per logits row.
+        """One row per logits row, from the rows' settings and tokens as lists (tests, tools): the
+        slots of a throwaway SlotSettings, gathered as the engine gathers its own.
 
         output_ids  tokens generated so far by each row's request (their count is
                     the step index of seeded rows and the min_tokens progress)
@@ -168,78 +175,166 @@ class SamplingBatch:
         n = len(params)
         if len(output_ids) != n or (prompt_ids is not None and len(prompt_ids) != n):
             raise ValueError("params, output_ids and prompt_ids need one entry per row")
+        settings = SlotSettings(max(n, 1))
+        for i, p in enumerate(params):
+            settings.set(i, p, p.seed if seeds is None else seeds[i])
+        return cls.gather(settings, np.arange(n), _ListTokens(output_ids, prompt_ids),
+                          eos_token_ids=eos_token_ids, device=device)
+
+    @classmethod
+    def gather(cls, settings: SlotSettings, slots: np.ndarray, tokens: TokenSource, *,
+               eos_token_ids: Sequence[int] = (), device: torch.device | str = "cpu") -> SamplingBatch:
+        """The batch of the rows sampling at `slots` (one per logits row): settings gathered by slot
+        with numpy; tokens read (from `tokens`) only for rows whose settings need them."""
+        n = len(slots)
         device = torch.device(device)
         b = cls(n)
-        out_len = [len(o) for o in output_ids]
+        greedy = settings.greedy[slots]
+        min_tokens = settings.min_tokens[slots]
+        seeded = settings.seeded[slots] & ~greedy
+        masking = np.flatnonzero(min_tokens > 0)
+        out_len = None
+        if masking.size or seeded.any():
+            out_len = tokens.output_lengths(slots)
 
-        mask_rows: list[int] = []
-        mask_cols: list[int] = []
-        for i, p in enumerate(params):
-            if out_len[i] < p.min_tokens:
-                ids = list(p.stop_token_ids or ())
-                if not p.ignore_eos:
+        if masking.size:
+            masking = masking[out_len[masking] < min_tokens[masking]]
+        if masking.size:
+            mask_rows: list[int] = []
+            mask_cols: list[int] = []
+            for i in masking.tolist():
+                slot = int(slots[i])
+                ids = list(settings.stop_ids[slot])
+                if not settings.ignore_eos[slot]:
                     ids.extend(eos_token_ids)
                 mask_rows.extend([i] * len(ids))
                 mask_cols.extend(ids)
-        if mask_rows:
             b.mask_rows = _dev(mask_rows, torch.int64, device)
             b.mask_cols = _dev(mask_cols, torch.int64, device)
 
-        pen = [i for i, p in enumerate(params) if p.has_penalties]
-        if pen:
+        pen = np.flatnonzero(settings.penalized[slots])
+        if pen.size:
             b.any_penalty = True
             b.pen_rows = _rows(pen, n, device)
-            b.out_tokens, b.out_lengths = _padded([output_ids[i] for i in pen], device)
-            rep = [params[i].repetition_penalty for i in pen]
-            if any(r != 1.0 for r in rep):
-                if prompt_ids is None:
+            pen_slots = slots[pen]
+            rows = [tokens.slot_tokens(int(slot)) for slot in pen_slots]
+            b.out_tokens, b.out_lengths = _padded([out for _, out in rows], device)
+            rep = settings.repetition[pen_slots]
+            if (rep != 1.0).any():
+                if any(prompt is None for prompt, _ in rows):
                     raise ValueError("repetition_penalty needs prompt_ids")
                 # rows without a repetition penalty send an empty prompt
                 b.prompt_tokens, b.prompt_lengths = _padded(
-                    [prompt_ids[i] if params[i].repetition_penalty != 1.0 else ()
-                     for i in pen], device)
-                b.repetition = _dev([_f32(r) for r in rep], torch.float32, device)
-            freq = [params[i].frequency_penalty for i in pen]
-            pres = [params[i].presence_penalty for i in pen]
-            if any(freq):
-                b.frequency = _dev(freq, torch.float32, device)
-            if any(pres):
-                b.presence = _dev(pres, torch.float32, device)
+                    [prompt if r != 1.0 else () for (prompt, _), r in zip(rows, rep)], device)
+                b.repetition = _tensor(rep, device)
+            freq, pres = settings.frequency[pen_slots], settings.presence[pen_slots]
+            if freq.any():
+                b.frequency = _tensor(freq, device)
+            if pres.any():
+                b.presence = _tensor(pres, device)
 
-        want = [p.logprobs for p in params if p.logprobs is not None]
-        b.max_logprobs = max(want) if want else None
+        want = settings.logprobs[slots]
+        b.max_logprobs = int(want.max()) if want.size and want.max() >= 0 else None
 
-        rand = [i for i, p in enumerate(params) if not p.greedy]
-        b.any_random = bool(rand)
-        b.any_greedy = len(rand) < n
+        rand = np.flatnonzero(~greedy)
+        b.any_random = bool(rand.size)
+        b.any_greedy = rand.size < n
         b.argmax_only = (not b.any_random and not b.any_penalty
                          and b.mask_rows is None and b.max_logprobs is None)
-        if not rand:
+        if not rand.size:
             return b
         b.random_rows = _rows(rand, n, device)
-        rp = [params[i] for i in rand]
-        b.temperature = _dev([_f32(p.temperature) for p in rp], torch.float32, device)
-        if any(p.min_p > 0.0 for p in rp):
-            b.min_p = _dev([p.min_p for p in rp], torch.float32, device)
-        trunc = [j for j, p in enumerate(rp) if p.top_k > 0 or p.top_p < 1.0]
-        if trunc:
+        rand_slots = slots[rand]
+        b.temperature = _tensor(settings.temperature[rand_slots], device)
+        min_p = settings.min_p[rand_slots]
+        if min_p.any():
+            b.min_p = _tensor(min_p, device)
+        top_k, top_p = settings.top_k[rand_slots], settings.top_p[rand_slots]
+        trunc = np.flatnonzero((top_k > 0) | (top_p < 1.0))
+        if trunc.size:
             b.any_trunc = True
-            b.trunc_rows = _rows(trunc, len(rp), device)
-            k = [min(rp[j].top_k, _TOP_K_OFF) if rp[j].top_k > 0 else _TOP_K_OFF for j in trunc]
-            if any(rp[j].top_k > 0 for j in trunc):
-                b.top_k = _dev(k, torch.int64, device)
-                b.max_top_k = min(max(rp[j].top_k for j in trunc), _TOP_K_OFF)
-            if any(rp[j].top_p < 1.0 for j in trunc):
+            b.trunc_rows = _rows(trunc, rand.size, device)
+            k = top_k[trunc]
+            if (k > 0).any():
+                b.top_k = _tensor(np.where(k > 0, k, _TOP_K_OFF), device)
+                b.max_top_k = int(k.max())
+            tp = top_p[trunc]
+            if (tp < 1.0).any():
                 # off rows get inf: a cumulative sum that rounds past 1.0 must not cut them
-                top_p = [_f32(rp[j].top_p) if rp[j].top_p < 1.0 else float("inf") for j in trunc]
-                b.top_p = _dev(top_p, torch.float32, device)
-        for j, i in enumerate(rand):
-            seed = params[i].seed if seeds is None else seeds[i]
-            if seed is None:
-                b.any_unseeded = True
-            else:
-                b.seeded.append((j, step_seed(seed, out_len[i])))
+                b.top_p = _tensor(np.where(tp < 1.0, tp, np.float32(np.inf)), device)
+        rand_seeded = np.flatnonzero(seeded[rand])
+        b.any_unseeded = rand_seeded.size < rand.size
+        for j in rand_seeded.tolist():
+            i = int(rand[j])
+            b.seeded.append((j, step_seed(int(settings.seed[slots[i]]), int(out_len[i]))))
         return b
+
+
+class TokenSource(Protocol):
+    """Where a batch reads the tokens its settings need (penalties, min_tokens, seeds)."""
+
+    def output_lengths(self, slots: np.ndarray) -> np.ndarray:
+        """Tokens generated so far by the request at each slot."""
+
+    def slot_tokens(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt ids, generated ids) of the request at a slot."""
+
+
+class _ListTokens:
+    """A TokenSource over lists, slot i being row i (SamplingBatch.build)."""
+
+    def __init__(self, outputs, prompts):
+        self.outputs, self.prompts = outputs, prompts
+
+    def output_lengths(self, slots: np.ndarray) -> np.ndarray:
+        return np.array([len(self.outputs[s]) for s in slots.tolist()], dtype=np.int64)
+
+    def slot_tokens(self, slot: int) -> tuple[np.ndarray | None, np.ndarray]:
+        return (None if self.prompts is None else np.asarray(self.prompts[slot]), np.asarray(self.outputs[slot]))
+
+
+class SlotSettings:
+    """Every live request's sampling settings, by runtime slot (a request keeps its slot of the
+    Scheduler from admission to its end): written once when it is admitted (`set`), gathered
+    for each step by the plan's sample slots, with numpy -- nothing per row is rebuilt from
+    SamplingParams or Python lists per step. Floats are stored as float32 sees them: a value
+    float32 cannot hold is taken as its limit (_f32)."""
+
+    def __init__(self, num_slots: int):
+        n = num_slots
+        self.greedy = np.ones(n, dtype=bool)
+        self.temperature = np.ones(n, dtype=np.float32)
+        self.top_p = np.ones(n, dtype=np.float32)          # 1: off
+        self.top_k = np.zeros(n, dtype=np.int64)           # 0: off
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.penalized = np.zeros(n, dtype=bool)
+        self.repetition = np.ones(n, dtype=np.float32)
+        self.frequency = np.zeros(n, dtype=np.float32)
+        self.presence = np.zeros(n, dtype=np.float32)
+        self.seeded = np.zeros(n, dtype=bool)
+        self.seed = np.zeros(n, dtype=np.uint64)
+        self.min_tokens = np.zeros(n, dtype=np.int64)
+        self.ignore_eos = np.zeros(n, dtype=bool)
+        self.logprobs = np.full(n, -1, dtype=np.int64)    # -1: none
+        self.stop_ids: list[tuple[int, ...]] = [()] * n   # read only for rows still under min_tokens
+
+    def set(self, slot: int, p: SamplingParams, seed: int | None) -> None:
+        """The settings of the request admitted at `slot`; `seed`: its own (p.seed + its choice index)."""
+        self.greedy[slot] = p.greedy
+        self.temperature[slot] = _f32(p.temperature)
+        self.top_p[slot] = _f32(p.top_p) if p.top_p < 1.0 else 1.0
+        self.top_k[slot] = min(p.top_k, _TOP_K_OFF) if p.top_k > 0 else 0
+        self.min_p[slot] = p.min_p
+        self.penalized[slot] = p.has_penalties
+        self.repetition[slot] = _f32(p.repetition_penalty)
+        self.frequency[slot] = p.frequency_penalty
+        self.presence[slot] = p.presence_penalty
+        self.seeded[slot] = seed is not None
+        self.seed[slot] = 0 if seed is None else seed & _MASK64
+        self.min_tokens[slot] = p.min_tokens
+        self.ignore_eos[slot] = p.ignore_eos
+        self.logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+        self.stop_ids[slot] = tuple(p.stop_token_ids)
 
 
 @dataclass(slots=True)
@@ -259,6 +354,15 @@ class SamplerOutput:
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+@dataclass(slots=True)
+class Sampled:
+    """A step's sampling on the host: the tokens, the sampler's own output (logprobs), the failed rows."""
+
+    token_ids: np.ndarray              # [N] int64, 0 at failed rows
+    output: SamplerOutput | None       # None when every row failed
+    failed: dict[int, Exception]       # row -> why its request failed
+
+
 class Sampler:
     """Turns a step's logits into tokens; holds the generator unseeded rows share."""
 
@@ -276,6 +380,63 @@ class Sampler:
                 g.manual_seed(self.seed)
             self._generators[device] = g
         return g
+
+    def sample(self, logits: torch.Tensor, settings: SlotSettings, slots: np.ndarray, tokens: TokenSource, *,
+               eos_token_ids: Sequence[int], vocab_size: int) -> Sampled:
+        """A step's sampling, rows faulting alone: one token per logits row (the request at
+        slots[k]), on the host, and the rows whose request faulted with why (a placeholder
+        token 0 stands in for theirs). When sampling the batch raises, each row is sampled
+        alone to find the requests that caused it; the others are then sampled together, as
+        they would have been. A token outside the vocabulary is its row's fault too."""
+        n = len(slots)
+        if not n:
+            return Sampled(np.zeros(0, dtype=np.int64), None, {})
+        device = logits.device
+
+        def run(rows: np.ndarray) -> SamplerOutput:
+            batch = SamplingBatch.gather(settings, slots[rows], tokens, eos_token_ids=eos_token_ids, device=device)
+            return self(logits if len(rows) == n else logits[torch.from_numpy(rows).to(device)], batch)
+
+        failed: dict[int, Exception] = {}
+        try:
+            out = run(np.arange(n))
+        except Exception as batch_error:
+            for k in range(n):
+                try:
+                    run(np.array([k]))
+                except Exception as e:
+                    failed[k] = e
+            if not failed:  # only together: every row is a suspect
+                failed = dict.fromkeys(range(n), batch_error)
+            out = self._sample_rest(run, n, failed)
+        ids = np.zeros(n, dtype=np.int64) if out is None else out.token_ids.cpu().numpy()
+        for k in np.flatnonzero((ids < 0) | (ids >= vocab_size)).tolist():
+            if k not in failed:  # NaN logits, or a sampler bug under this request's settings
+                failed[k] = RuntimeError(f"sampling produced token id {int(ids[k])}, outside the "
+                                         f"vocabulary of {vocab_size}")
+        if failed:
+            ids = ids.copy()
+            ids[list(failed)] = 0
+        return Sampled(ids, out, failed)
+
+    @staticmethod
+    def _sample_rest(run, n: int, failed: dict[int, Exception]) -> SamplerOutput | None:
+        """The rows not in `failed`, sampled together and scattered back to full-batch rows."""
+        good = np.array([k for k in range(n) if k not in failed], dtype=np.int64)
+        if not good.size:
+            return None
+        try:
+            out = run(good)
+        except Exception as e:
+            failed.update(dict.fromkeys(good.tolist(), e))
+            return None
+        index = torch.from_numpy(good).to(out.token_ids.device)
+
+        def spread(t: torch.Tensor) -> torch.Tensor:
+            return t.new_zeros((n, *t.shape[1:])).index_copy_(0, index, t)
+
+        top = None if out.top_logprobs is None else (spread(out.top_logprobs[0]), spread(out.top_logprobs[1]))
+        return SamplerOutput(spread(out.token_ids), None if out.logprobs is None else spread(out.logprobs), top)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:

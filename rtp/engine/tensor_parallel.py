@@ -19,12 +19,11 @@ import socket
 import torch
 
 from rtp.distributed import destroy_parallel, init_parallel
+from rtp.runtime import PLAN_ARRAYS
 
 log = logging.getLogger("rtp.tp")
 
 _STOP, _STEP, _REBALANCE = 0, 1, 2
-_PLAN_ARRAYS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                "logits_indices", "sample_slots", "sample_req_ids")
 
 
 class PlanChannel:
@@ -34,7 +33,7 @@ class PlanChannel:
         self.plan = plan
         self.header = torch.zeros(5, dtype=torch.int64)
         self._header = self.header.numpy()  # written in place: nothing allocated per step
-        self.arrays = [torch.from_numpy(getattr(plan, name)) for name in _PLAN_ARRAYS]
+        self.arrays = [torch.from_numpy(getattr(plan, name)) for name in PLAN_ARRAYS]
 
     def send_step(self) -> None:
         import torch.distributed as dist
@@ -104,8 +103,8 @@ def start_ranks(config, checkpoint_config, device: torch.device, follower) -> tu
     only gets its threads set."""
     from rtp.distributed import ep_size, local_rank, tp_size, world_size
 
-    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
-    ranks = max(tp, ep)  # config.validate() checked each is 1 or this
+    tp, ep = config.parallel.tensor_parallel_size, config.parallel.expert_parallel_size
+    ranks = max(tp, ep)  # ParallelConfig.validate() checked each is 1 or this
     followers: list = []
     if ranks > 1 and world_size() == 1:
         if ep > 1 and not checkpoint_config.num_experts:  # each rank would only repeat the same dense model
@@ -168,7 +167,8 @@ def _spawn_followers(follower, config, size: int) -> tuple[str, list]:
 def _follower_main(follower, config, rank: int, size: int, init: str) -> None:
     try:
         torch.set_num_threads(threads_per_rank(size))
-        init_parallel(config.tensor_parallel_size, config.expert_parallel_size, rank, init_method=init)
+        init_parallel(config.parallel.tensor_parallel_size, config.parallel.expert_parallel_size, rank,
+                      init_method=init)
         follower(config)
     except Exception as e:
         # rank 0 meets the same error (the same load, or the collective this rank left) and

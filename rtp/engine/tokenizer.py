@@ -195,23 +195,22 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Feed ids one at a time, get text pieces back.
 
-    Keeps two offsets into the ids (vLLM's scheme): `prefix` .. `read` is a short window
-    of already-emitted tokens decoded again for context (byte-level merges and
-    SentencePiece's leading-space rule depend on the neighbours), `read` .. end is
-    not yet emitted. Each step decodes only that window, so the cost per token does
-    not grow with the sequence. `read` only ever stops where the text is whole, so
-    the window never starts inside a UTF-8 character.
+    Keeps two offsets into a short window of ids (vLLM's scheme): `prefix` .. `read` is
+    already-emitted tokens decoded again for context (byte-level merges and SentencePiece's
+    leading-space rule depend on the neighbours), `read` .. end is not yet emitted. Each
+    step decodes only that window, so the cost per token does not grow with the sequence,
+    and the window is all it keeps (the runtime holds the request's tokens). `read` only
+    ever stops where the text is whole, so the window never starts inside a UTF-8 character.
     """
+
+    _CONTEXT = 6  # prompt tokens of context, so the first generated piece decodes as it would in place
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (),
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids)
-        # a few prompt tokens of context so the first generated piece decodes as it would in place
-        self._read = len(self.ids)
-        self._prefix = max(self._read - 6, 0)
-        self.text = ""  # everything emitted so far
+        self.ids: list[int] = list(prompt_ids)[-self._CONTEXT:]  # the window
+        self._prefix, self._read = 0, len(self.ids)
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=self.skip_special_tokens)
@@ -223,10 +222,8 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._prefix)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        piece = new_text[len(prefix_text):]
-        self._prefix, self._read = self._read, len(self.ids)
-        self.text += piece
-        return piece
+        self._advance()
+        return new_text[len(prefix_text):]
 
     def flush(self) -> str:
         """At the end of a stream: whatever `add` held back (e.g. a byte sequence never completed)."""
@@ -234,9 +231,13 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._prefix, self._read)
         piece = self._decode(self._prefix)[len(prefix_text):]
-        self._prefix, self._read = self._read, len(self.ids)
-        self.text += piece
+        self._advance()
         return piece
+
+    def _advance(self) -> None:
+        """Everything in the window is emitted: what was unread becomes the context."""
+        del self.ids[:self._read]
+        self._prefix, self._read = 0, len(self.ids)
 
 
 # ---- GGUF -> tokenizers.Tokenizer --------------------------------------------

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rtp._runtime import BlockAllocator, RadixCache
+from rtp.runtime import BlockAllocator, RadixCache
 
 POLICIES = ("flexlb", "round-robin", "least-loaded", "cache-aware")
 

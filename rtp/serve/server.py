@@ -19,9 +19,8 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
 
-from rtp.config import EngineConfig
+from rtp.config import EngineConfig, ServeConfig
 
 log = logging.getLogger("rtp.serve")
 
@@ -29,39 +28,19 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _FATAL_GRACE = 0.5  # seconds the server lingers after its engine failed, to finish writing the errors
 
 
-@dataclass
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_names: list[str] | None = None
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    max_queue: int = 512
-    grace_period: float = 30.0
-    # prefill/decode disaggregation (rtp/serve/pd/)
-    role: str = "collocated"          # collocated | prefill | decode
-    decode_peer: str | None = None    # prefill: the decode node to hand requests to
-    rpc_token: str | None = None      # shared secret of the /rpc routes
-    kv_lease: float = 10.0            # decode: seconds a reservation waits for its KV
-    kv_port: int = 0                  # decode: the KV port (0: any free port; -1: none, KV over HTTP)
-
-
-def serve(config: EngineConfig, options: ServeOptions) -> int:
+def serve(config: EngineConfig, options: ServeConfig) -> int:
     from rtp.engine.engine import LLMEngine
     from rtp.serve.async_engine import AsyncEngine
     from rtp.serve.metrics import ServerMetrics
     from rtp.serve.openai_api import OpenAIServing
-    from rtp.serve.pd import ROLES, PDNode
+    from rtp.serve.pd import PDNode
 
-    if options.role not in ROLES:
-        raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {options.role!r}")
-    if options.role != "collocated" and config.tensor_parallel_size > 1:
+    options.validate()
+    if options.role != "collocated" and config.parallel.tensor_parallel_size > 1:
         raise ValueError("--role prefill/decode with --tp > 1 is not supported yet")
-    if options.decode_peer and options.role != "prefill":
-        raise ValueError("--decode-peer is for --role prefill")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call otherwise
     _check_bindable(options.host, options.port)  # fail now, not after loading the model
-    names = options.served_model_names or [config.model or DEFAULT_MODEL_NAME]
+    names = options.served_model_names or [config.load.model or DEFAULT_MODEL_NAME]
     metrics = ServerMetrics(names[0])
     # loaded on the thread that steps it: one OpenMP pool (AsyncEngine.load says why)
     async_engine = AsyncEngine.load(lambda: LLMEngine(config), metrics)
@@ -92,7 +71,7 @@ def _check_bindable(host: str, port: int) -> None:
             raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
-async def _run(serving, options: ServeOptions) -> None:
+async def _run(serving, options: ServeConfig) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
@@ -142,7 +121,7 @@ async def _run(serving, options: ServeOptions) -> None:
     # on the engine thread, the moment it dies (/health, /metrics and /rpc/stats already say so)
     serving.engine.on_dead = lambda error: loop.call_soon_threadsafe(engine_failed)
     watch = None
-    if serving.engine.engine.config.tensor_parallel_size > 1:
+    if serving.engine.engine.config.parallel.tensor_parallel_size > 1:
         async def watch_followers() -> None:  # an idle server notices a dead rank too
             while not stop.is_set():
                 await asyncio.sleep(1.0)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rtp._runtime import FINISH_REMOTE, BlockAllocator, RadixCache, Scheduler, StepPlan
+from rtp.runtime import FINISH_REMOTE, BlockAllocator, RadixCache, Scheduler, StepPlan
 from rtp.serve.routing import Router, WorkerReport, WorkerView
 from rtp.sim.cost_model import StepCost
 from rtp.sim.traces import Trace

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from rtp._runtime import BlockAllocator, RadixCache
+from rtp.runtime import BlockAllocator, RadixCache
 from rtp.serve.routing import Router
 from rtp.sim import traces
 from rtp.sim.cluster import Cluster, WorkerConfig

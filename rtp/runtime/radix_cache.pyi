@@ -1,0 +1,39 @@
+"""Type stub for rtp.runtime.radix_cache (see radix_cache.pyx)."""
+
+from typing import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from rtp.runtime.block_allocator import BlockAllocator, BlockCache
+
+IntArray = npt.NDArray[np.int32]
+Tokens = Iterable[int] | npt.NDArray[np.integer]
+
+
+class RadixCache(BlockCache):
+    """Block-granular radix tree: token prefixes -> KV block ids."""
+    allocator: BlockAllocator
+    block_size: int
+    num_nodes: int
+    num_queries: int
+    query_tokens: int
+    hit_tokens: int
+    num_splits: int
+    def __init__(self, allocator: BlockAllocator) -> None: ...
+    def match_prefix(self, tokens: Tokens, leave_last: bool = True) -> tuple[IntArray, int]: ...
+    def insert(self, tokens: Tokens, blocks: Tokens) -> tuple[IntArray, int]: ...
+    def lock(self, blocks: Tokens) -> None: ...
+    def unlock(self, blocks: Tokens) -> None: ...
+    def evict(self, num_blocks: int) -> int: ...
+    def record(self, tokens: Tokens) -> int: ...     # standalone: returns tokens already cached
+    @property
+    def num_cached_blocks(self) -> int: ...
+    @property
+    def num_evictable_blocks(self) -> int: ...
+    @property
+    def num_protected_blocks(self) -> int: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    def reset_stats(self) -> None: ...
+    def check_integrity(self) -> None: ...

@@ -1,0 +1,83 @@
+"""Type stub for rtp.runtime.scheduler (see scheduler.pyx)."""
+
+from typing import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from rtp.runtime.block_allocator import BlockAllocator
+from rtp.runtime.radix_cache import RadixCache
+from rtp.runtime.step_plan import StepPlan
+
+IntArray = npt.NDArray[np.int32]
+Tokens = Iterable[int] | npt.NDArray[np.integer]
+
+FINISH_NONE: int    # 0: still running
+FINISH_STOP: int    # 1: eos or a stop token id
+FINISH_LENGTH: int  # 2: max_tokens or max_model_len
+FINISH_ABORT: int   # 3
+FINISH_REMOTE: int  # 4: prefill-only request done; blocks held until Scheduler.release()
+FINISH_REASONS: dict[int, str | None]
+STATE_NAMES: dict[int, str]
+POLICY_FCFS: int   # Scheduler.policy values
+POLICY_LPM: int
+
+
+class Scheduler:
+    """Continuous batching under one token budget per step."""
+    allocator: BlockAllocator
+    cache: RadixCache | None
+    plan: StepPlan
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_prefill_tokens_with_decodes: int
+    max_model_len: int
+    max_requests: int
+    vocab_size: int
+    policy: int
+    chunked_prefill: bool
+    lpm_aging: float
+    lpm_window: int
+    num_running: int
+    num_waiting: int
+    num_held: int
+    num_reserved: int   # decode side: blocks reserved, KV not yet arrived
+    num_ready: int      # decode side: resumed, joining the batch at the next schedule()
+    in_flight: bool
+    step_count: int
+    num_preemptions: int
+    queued_prompt_tokens: int
+    event_req_ids: npt.NDArray[np.int64]
+    event_tokens: IntArray
+    event_finish: npt.NDArray[np.int8]
+    def __init__(self, allocator: BlockAllocator, plan: StepPlan, *, cache: RadixCache | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int = 4096, eos_token_ids: Iterable[int] = (),
+                 max_requests: int = 16384, vocab_size: int = 0, policy: str = "fcfs",
+                 chunked_prefill: bool = True, lpm_aging: float = 8.0, lpm_window: int = 64,
+                 max_prefill_tokens_with_decodes: int = 0) -> None: ...
+    def add_request(self, req_id: int, prompt_token_ids: Tokens, *, max_tokens: int = 16,
+                    min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
+                    ignore_eos: bool = False, prefill_only: bool = False) -> int: ...
+    def abort(self, req_id: int) -> bool: ...
+    def reserve(self, req_id: int, prompt_token_ids: Tokens, *, max_tokens: int = 16,
+                min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
+                ignore_eos: bool = False) -> IntArray: ...   # MemoryError when the pool is short
+    def resume(self, req_id: int, first_token: int) -> None: ...
+    def release(self, req_id: int) -> None: ...
+    def schedule(self) -> int: ...
+    def update(self, sampled_token_ids: npt.ArrayLike) -> int: ...
+    def slot_of_request(self, req_id: int) -> int: ...
+    def has_request(self, req_id: int) -> bool: ...
+    def request_state(self, req_id: int) -> dict: ...
+    def cached_prompt_tokens(self, req_id: int) -> int: ...
+    def is_first_token(self, req_id: int) -> bool: ...
+    def output_lengths(self, slots: np.ndarray) -> np.ndarray: ...
+    def slot_tokens(self, slot: int) -> tuple[np.ndarray, np.ndarray]: ...
+    def waiting_request_ids(self) -> list[int]: ...
+    def running_request_ids(self) -> list[int]: ...
+    def stats(self) -> dict[str, int | float]: ...
+    @property
+    def has_unfinished(self) -> bool: ...
+    def check_integrity(self) -> None: ...
