@@ -1,5 +1,5 @@
 """Builds the compiled parts: the runtime (rtp/runtime/*.pyx) and the CPU decode
-kernels (rtp/_cpu_kernels.pyx over rtp/csrc/: cpu_kernels.c, amx_linear.c,
+kernels (rtp/kernels/_cpu_kernels.pyx over rtp/kernels/csrc/: cpu_kernels.c, amx_linear.c,
 prefill_attention.c and kernel_calls.c).
 
 Everything else about the package lives in pyproject.toml. Set RTP_ANNOTATE=1 to
@@ -44,11 +44,11 @@ runtime = [
 # when the CPU reports the feature, so the module builds and imports anywhere x86.
 # -fopenmp links libgomp.so.1, which resolves to the copy torch has already loaded.
 cpu_kernels = Extension(
-    "rtp._cpu_kernels",
-    sources=["rtp/_cpu_kernels.pyx", "rtp/csrc/cpu_kernels.c", "rtp/csrc/amx_linear.c",
-             "rtp/csrc/prefill_attention.c", "rtp/csrc/kernel_calls.c"],
-    include_dirs=["rtp/csrc"],
-    depends=sorted(glob.glob("rtp/csrc/*.h")),
+    "rtp.kernels._cpu_kernels",
+    sources=["rtp/kernels/_cpu_kernels.pyx", "rtp/kernels/csrc/cpu_kernels.c", "rtp/kernels/csrc/amx_linear.c",
+             "rtp/kernels/csrc/prefill_attention.c", "rtp/kernels/csrc/kernel_calls.c"],
+    include_dirs=["rtp/kernels/csrc"],
+    depends=sorted(glob.glob("rtp/kernels/csrc/*.h")),
     extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"] + SANITIZE_COMPILE,
     extra_link_args=["-fopenmp"] + SANITIZE_LINK,
 )

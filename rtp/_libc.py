@@ -1,5 +1,5 @@
 """libc's madvise through ctypes (None off Linux or without libc): huge pages for the KV cache
-(rtp/hugepages.py) and page population while loading (rtp/checkpoint/prefault.py)."""
+(rtp/kernels/hugepages.py) and page population while loading (rtp/checkpoint/prefault.py)."""
 
 from __future__ import annotations
 

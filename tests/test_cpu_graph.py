@@ -1,4 +1,4 @@
-"""CPU graphs (rtp/engine/cpu_graph.py): captured kernel calls replay what the eager run computes."""
+"""CPU graphs (rtp/kernels/cpu_graph.py): captured kernel calls replay what the eager run computes."""
 
 import random
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_cpu_kernels import random_blocks
 
-from rtp.engine.cpu_graph import CaptureRefused, _place, capture
-from rtp.models import cpu_kernels
+from rtp.kernels import cpu_kernels
+from rtp.kernels.cpu_graph import CaptureRefused, _place, capture
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
 

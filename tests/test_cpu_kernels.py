@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from rtp.models import cpu_kernels
+from rtp.kernels import cpu_kernels
+from rtp.kernels.quant import BlockQuantized
 from rtp.models.attention import decode_attention
-from rtp.models.quant import BlockQuantized
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
 
@@ -373,7 +373,7 @@ def test_compiled_kernels_keep_their_prefetches():
     import shutil
     import subprocess
 
-    from rtp import _cpu_kernels
+    from rtp.kernels import _cpu_kernels
 
     objdump = shutil.which("objdump")
     if objdump is None:

@@ -171,7 +171,7 @@ def test_bf16_greedy_is_as_faithful_as_transformers_bf16(llm_bf16, hf_model, ref
     transformers' own bf16 does (small models have top-2 margins of a few bf16 steps)."""
     import copy
 
-    from rtp.models import cpu_kernels
+    from rtp.kernels import cpu_kernels
 
     if cpu_kernels.available():  # the GGUF's own blocks serve small-batch decode
         assert llm_bf16.engine.model.model.layers[0].mlp.gate_up_proj.quant is not None

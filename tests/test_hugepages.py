@@ -1,10 +1,10 @@
-"""rtp/hugepages.py: lazily committed zeros, and whole pages given back to the OS."""
+"""rtp/kernels/hugepages.py: lazily committed zeros, and whole pages given back to the OS."""
 
 import pytest
 import torch
 
-from rtp import hugepages
 from rtp._libc import madvise
+from rtp.kernels import hugepages
 
 needs_madvise = pytest.mark.skipif(madvise is None, reason="no madvise here")
 

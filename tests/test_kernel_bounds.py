@@ -8,7 +8,7 @@ production, and showed up in the tests only as a wrong answer many tests later (
 table, see tests/conftest.py). AddressSanitizer (tools/sanitize.sh) sees the kernels' plain
 AVX-512 stores too, but not AMX tile stores; this check runs in every build, -O3 included,
 and on the AMX paths where the CPU has them. Each case also replays its recorded call over
-fewer rows (rtp/engine/cpu_graph.py does), which must write only those rows.
+fewer rows (rtp/kernels/cpu_graph.py does), which must write only those rows.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from rtp.models import cpu_kernels
+from rtp.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
 
@@ -114,7 +114,7 @@ def blocks(kind: str, n: int, k: int, seed: int = 0):
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (3, 5, 64), (5, 37, 160), (9, 16, 544), (17, 7, 32)])
 @pytest.mark.parametrize("out_bf16", [False, True])
 def test_quantized_linears_write_only_their_outputs(kind, m, n, k, out_bf16):
-    from rtp.models.quant import BlockQuantized
+    from rtp.kernels.quant import BlockQuantized
 
     qs, d, mn = blocks(kind, n, k)
     x_dtype = torch.bfloat16 if kind == "q4_1" else torch.float32
@@ -154,7 +154,7 @@ def test_quantized_linears_write_only_their_outputs(kind, m, n, k, out_bf16):
 @pytest.mark.parametrize("x_fp32", [False, True])
 def test_amx_linear_writes_only_its_output(kind, m, glu, x_fp32):
     """The AMX kernel stores tiles with _tile_stored, which AddressSanitizer does not see."""
-    from rtp.models.quant import BlockQuantized
+    from rtp.kernels.quant import BlockQuantized
 
     if glu and x_fp32:
         pytest.skip("glu takes bf16 rows")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rtp.models import cpu_kernels
+from rtp.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a decode step's time goes, kernel by kernel, on this CPU.
 
-A decode step on a CPU with rtp's kernels is one CPU graph (rtp/engine/cpu_graph.py):
+A decode step on a CPU with rtp's kernels is one CPU graph (rtp/kernels/cpu_graph.py):
 every op is a C kernel call, replayed from C with no Python between them. This tool
 fills a batch of --rows requests with --context-token prompts through the real engine,
 takes the graph that serves that batch, and replays the step --repeats times with each
@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_offline import CpuWatch, bench_matmul, bench_onednn_linears, count_params, linear_layers, note  # noqa: E402
 
-from rtp.models import cpu_kernels  # noqa: E402
+from rtp.kernels import cpu_kernels  # noqa: E402
 
 # bytes a linear kernel reads per weight: GGUF blocks as rtp keeps them (fp32 scales)
 _BYTES_PER_WEIGHT = {"q4_1": 24 / 32, "q8_0": 36 / 32}
-# call words (rtp/csrc/kernel_calls.c): (rows, N, K) and, for AMX, the block kind (0 Q4_1)
+# call words (rtp/kernels/csrc/kernel_calls.c): (rows, N, K) and, for AMX, the block kind (0 Q4_1)
 _LINEAR_WORDS = {"linear_q4_1": (10, 11, 12), "linear_q8_0": (9, 10, 11), "linear_amx": (10, 11, 12)}
 
 

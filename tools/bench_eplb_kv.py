@@ -4,7 +4,7 @@ Qwen3-30B-A3B in bf16: 48 MoE layers of 128 experts, hidden 2048, expert interme
 768, 4 KV heads of 128 in 48 attention layers, 8 spare slots per layer).
 
 One real FusedMoE layer of that shape is built (its stacks are page-aligned anonymous
-memory, rtp/hugepages.py), its spare slots are written (as replicas would be) and then
+memory, rtp/kernels/hugepages.py), its spare slots are written (as replicas would be) and then
 released as a KV-pressure rebalance releases them (FusedMoE.release). It prints the bytes
 each slot gives back, the resident memory that went and the time it took, and the KV
 blocks the pool is lent for all layers (lendable_kv_blocks, what the engine sizes the

@@ -4,7 +4,7 @@
 old   what PagedAttention ran before rtp's prefill kernel, and still runs with
       RTP_PREFILL_ATTENTION=0: per chunk, gather its blocks, then torch's
       scaled_dot_product_attention (its CPU flash kernel), then one concatenation;
-new   rtp/csrc/prefill_attention.c: every chunk in one call, blocks read in place,
+new   rtp/kernels/csrc/prefill_attention.c: every chunk in one call, blocks read in place,
       AMX tiles for Q K^T and P V (--no-amx: its AVX-512 BF16 loops).
 
 For each token count, two layouts of a step: one prompt of that many tokens, and
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rtp.models import cpu_kernels  # noqa: E402
+from rtp.kernels import cpu_kernels  # noqa: E402
 from rtp.models.attention import PrefillRow, prefill_attention  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs rtp's compiled code (rtp/csrc/*.c through rtp/_cpu_kernels.pyx, and rtp/runtime/*.pyx)
+# Runs rtp's compiled code (rtp/kernels/csrc/*.c through rtp/kernels/_cpu_kernels.pyx, and rtp/runtime/*.pyx)
 # under AddressSanitizer and UndefinedBehaviorSanitizer.
 #
 # What it does:
@@ -72,7 +72,7 @@ run() {
         PYTHONPATH="$TREE" "$PYTHON" "$@"
 }
 # the editable install in the venv points at the checkout: make sure the copy is what runs
-run -c "import rtp._cpu_kernels as k, sys
+run -c "import rtp.kernels._cpu_kernels as k, sys
 from rtp.runtime import block_allocator, common, radix_cache, scheduler, step_plan
 mods = (k, block_allocator, common, radix_cache, scheduler, step_plan)
 sys.exit(not all(m.__file__.startswith('$TREE') for m in mods))" \

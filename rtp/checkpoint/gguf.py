@@ -27,7 +27,6 @@ tokenizer uses; `GGUFCheckpoint` adds the architecture check, the config and ten
 from __future__ import annotations
 
 import functools
-
 import logging
 import re
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ import torch
 from rtp.checkpoint.records import CheckpointError, TensorRecord
 
 if TYPE_CHECKING:
-    from rtp.models.quant import BlockQuantized
+    from rtp.kernels.quant import BlockQuantized
 
 log = logging.getLogger("rtp.gguf")
 
@@ -334,7 +333,7 @@ class GGUFCheckpoint(GGUFFile):
         like `tensors()`: the checkpoint's own bytes, for rtp's small-batch CPU kernels."""
         from gguf import GGMLQuantizationType as Q
 
-        from rtp.models.quant import BlockQuantized
+        from rtp.kernels.quant import BlockQuantized
 
         kinds = {Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
         permute = self.architecture in _PERMUTED_QK

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from rtp.config import ModelConfig
-from rtp.distributed import world_rank, world_size
 from rtp.checkpoint import Checkpoint, CheckpointError, TensorRecord, open_checkpoint, stream_tensors
 from rtp.checkpoint.prefault import Prefault
+from rtp.config import ModelConfig
+from rtp.distributed import world_rank, world_size
 from rtp.models import model_class
 
 __all__ = ["CheckpointError", "LoadOptions", "check_against_model", "checkpoint_tensors", "load_model"]
@@ -241,8 +241,8 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _pack_cpu_weights(model: torch.nn.Module) -> None:
-    """Give bf16 CPU linears (and the LM head) a oneDNN-prepacked weight (rtp/models/packed.py)."""
-    from rtp.models import packed
+    """Give bf16 CPU linears (and the LM head) a oneDNN-prepacked weight (rtp/kernels/packed.py)."""
+    from rtp.kernels import packed
 
     count = 0
     for module in model.modules():
@@ -254,12 +254,12 @@ def _pack_cpu_weights(model: torch.nn.Module) -> None:
 
 
 def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
-    """Give linear layers the GGUF's packed blocks for small-batch decode (rtp/models/quant.py).
+    """Give linear layers the GGUF's packed blocks for small-batch decode (rtp/kernels/quant.py).
 
     A fused layer (qkv, gate_up) gets them only when every part is packed in one format;
     the LM head of a tied model takes the embedding's."""
-    from rtp.models import cpu_kernels
-    from rtp.models.quant import BlockQuantized
+    from rtp.kernels import cpu_kernels
+    from rtp.kernels.quant import BlockQuantized
 
     if not cpu_kernels.available():
         return

@@ -11,7 +11,7 @@ With EPLB the caches are allocated for the pool's capacity, not its size: the bu
 blocks plus those the memory of the replica slots would pay for, which the pool is lent
 when the replicas are dropped (BlockAllocator.grow, rtp/engine/expert_balancer.py). On a
 CPU that costs nothing until used: the caches are anonymous memory committed page by page
-as blocks are first written (rtp/hugepages.py), and `release_blocks` gives the pages of
+as blocks are first written (rtp/kernels/hugepages.py), and `release_blocks` gives the pages of
 blocks the pool hands back (BlockAllocator.shrink) to the OS again. The tensors never move,
 so graphs captured over them stay valid through every resize.
 """
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rtp import hugepages
+from rtp.kernels import hugepages
 from rtp.models.attention import KVCacheSpec
 
 

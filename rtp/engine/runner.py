@@ -15,7 +15,7 @@ CUDA graphs and the width is the full (static) max_model_len. Prefill chunks run
 eagerly (their shapes vary too much to capture).
 
 With compile off on a CPU with rtp's kernels (the default there), decode-only steps
-replay CPU graphs instead (rtp/engine/cpu_graph.py): the step's kernel calls,
+replay CPU graphs instead (rtp/kernels/cpu_graph.py): the step's kernel calls,
 captured at warm-up over the plan's own input buffers, run from C with no Python
 between them; one graph serves every batch size whose calls agree (with AMX: one
 row, and 2-64 rows). Steps that mix decode rows with a prefill chunk run eagerly
@@ -39,10 +39,10 @@ import numpy as np
 import torch
 
 from rtp.distributed import world_size
-from rtp.engine.cpu_graph import CaptureRefused, CPUGraph, capture
 from rtp.engine.kv_cache import allocate_kv_cache
 from rtp.engine.kv_transfer import LayerTaps
-from rtp.models import cpu_kernels
+from rtp.kernels import cpu_kernels
+from rtp.kernels.cpu_graph import CaptureRefused, CPUGraph, capture
 from rtp.models.attention import AttentionMetadata, PrefillRow, forward_context
 from rtp.runtime import StepPlan, plan_array_shapes
 
@@ -86,7 +86,7 @@ class ModelRunner:
         self.compiled_steps = 0  # steps whose decode rows ran through a captured graph
         if compile:
             self._setup_compile(max_num_seqs)
-        # CPU graphs (rtp/engine/cpu_graph.py), captured in warmup(): (lowest rows, most rows, graph)
+        # CPU graphs (rtp/kernels/cpu_graph.py), captured in warmup(): (lowest rows, most rows, graph)
         self.cpu_graphs: list[tuple[int, int, CPUGraph]] = []
         self._max_num_seqs = max_num_seqs
         # (not with tensor or expert parallelism: a collective is not a kernel call a graph can replay)

@@ -39,7 +39,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from rtp.models import cpu_kernels
+from rtp.kernels import cpu_kernels
 from rtp.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtp.models import cpu_kernels
+from rtp.kernels import cpu_kernels
 
 
 class KVCacheSpec(NamedTuple):

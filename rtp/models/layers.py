@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtp.distributed import all_gather, all_reduce, tp_rank, tp_size
-from rtp.models import cpu_kernels, packed
-from rtp.models.quant import BlockQuantized
+from rtp.kernels import cpu_kernels, packed
+from rtp.kernels.quant import BlockQuantized
 
 
 def _shard(full: torch.Tensor, dim: int) -> torch.Tensor:
@@ -74,7 +74,7 @@ class LinearBase(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
         self.quant: BlockQuantized | None = None
-        self.packed: torch.Tensor | None = None  # oneDNN-prepacked copy (rtp/models/packed.py)
+        self.packed: torch.Tensor | None = None  # oneDNN-prepacked copy (rtp/kernels/packed.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.shard_dim is not None and tp_size() > 1 and not (param is self.bias and self.shard_dim == 1):

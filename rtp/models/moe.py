@@ -46,9 +46,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from rtp import hugepages
 from rtp.config import ModelConfig
 from rtp.distributed import all_to_all, ep_rank, ep_size
+from rtp.kernels import hugepages
 from rtp.models.expert_parallel import make_exchange
 from rtp.models.layers import ReplicatedLinear, SiluAndMul, _copy_checked
 
@@ -304,7 +304,7 @@ class FusedMoE(nn.Module):
 
 def _stacked(*shape: int) -> torch.Tensor:
     """A stacked expert weight, uninitialised on the current default device and dtype. On a
-    CPU it is page-aligned anonymous memory (rtp/hugepages.py), so that a slot EPLB empties
+    CPU it is page-aligned anonymous memory (rtp/kernels/hugepages.py), so that a slot EPLB empties
     gives back all of its pages when a slot's bytes are a multiple of the page (e.g.
     Qwen3-30B-A3B in bf16: 6 MiB of w13 and 3 MiB of w2 per slot), not all but the edges."""
     probe = torch.empty(0)

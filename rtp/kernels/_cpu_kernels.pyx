@@ -1,13 +1,13 @@
 # cython: language_level=3
-"""Python entry points of rtp/csrc/cpu_kernels.c, amx_linear.c and prefill_attention.c (AVX-512 BF16
+"""Python entry points of rtp/kernels/csrc/cpu_kernels.c, amx_linear.c and prefill_attention.c (AVX-512 BF16
 and AMX kernels).
 
 Arguments are raw addresses and sizes, so this module needs neither torch nor
-numpy; rtp.models.cpu_kernels checks dtypes, shapes and strides and passes
+numpy; rtp.kernels.cpu_kernels checks dtypes, shapes and strides and passes
 ``tensor.data_ptr()``. Every entry point builds the kernel call as data
-(rtp/csrc/kernel_calls.c) and runs it with the GIL released; between
+(rtp/kernels/csrc/kernel_calls.c) and runs it with the GIL released; between
 ``record_start()`` and ``record_stop()`` the calls are also kept, for
-rtp/engine/cpu_graph.py to replay with ``run_calls``.
+rtp/kernels/cpu_graph.py to replay with ``run_calls``.
 """
 from array import array
 

@@ -544,7 +544,7 @@ TARGET int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *po
 
 /* ---------------------------------------------------------------------------------------------
  * The first and the middle op of a layer stack, so that a decode step runs on these kernels
- * alone (rtp/engine/cpu_graph.py replays it without Python):
+ * alone (rtp/kernels/cpu_graph.py replays it without Python):
  *   embed_rows: out fp32 [T, H] (row stride ldo) = table[ids[t]] (bf16 or fp32, row stride ldt)
  *   silu_mul:   out bf16 [T, I] = silu(x[:, :I]) * x[:, I:], x bf16 [T, 2I] (row stride ldx);
  *               in fp32, rounded once; I a multiple of 16.

@@ -53,7 +53,7 @@ int rtp_amx_supported(void) {
 }
 
 
-/* The weights in tile order (rtp/models/quant.py, BlockQuantized.amx_layout): for each group
+/* The weights in tile order (rtp/kernels/quant.py, BlockQuantized.amx_layout): for each group
  * of 16 output rows and k block, one contiguous record: Q4_1: the 16 rows' 16 quant bytes,
  * then their 16 d, then their 16 m (fp32): 384 bytes. Q8_0: 16 x 32 quant bytes, 16 d: 576.
  * Read front to back, the weights are one sequential stream for the hardware prefetcher;

@@ -2,8 +2,8 @@
  *
  * A call is RTP_CALL_WORDS int64 words: word 0 names the kernel (RTP_OP_*), the words after
  * it are the kernel's arguments in its own order (addresses and integers as int64, floats as
- * the bits of a double). rtp/_cpu_kernels.pyx builds one per call it makes and can record
- * them; rtp/engine/cpu_graph.py captures a decode step's calls once and replays them through
+ * the bits of a double). rtp/kernels/_cpu_kernels.pyx builds one per call it makes and can record
+ * them; rtp/kernels/cpu_graph.py captures a decode step's calls once and replays them through
  * rtp_run_calls, like a CUDA graph replays a stream's launches. Eager calls go through the
  * same rtp_run_call, so a replay runs exactly what the capture ran.
  */

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rtp import hugepages
-from rtp.models import cpu_kernels
+from rtp.kernels import cpu_kernels, hugepages
 
 BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
@@ -82,7 +81,7 @@ class BlockQuantized:
                               torch.cat([p.d for p in parts]), m)
 
     def amx_layout(self, glu: bool = False) -> torch.Tensor:
-        """The blocks regrouped for rtp's AMX kernel (rtp/csrc/amx_linear.c): uint8 [N/16, K/32,
+        """The blocks regrouped for rtp's AMX kernel (rtp/kernels/csrc/amx_linear.c): uint8 [N/16, K/32,
         record], one record per 16 rows x 1 block: their quant bytes, then d (then m), fp32.
         glu (rows [gate | up]): the 16-row tiles interleaved, gate tile j then up tile j, so that
         the kernel's SiLU-and-mul epilogue finds both halves of an output tile in one pass."""
@@ -102,7 +101,7 @@ class BlockQuantized:
         return hugepages.copy(tiles)  # streamed every step
 
     def on_huge_pages(self) -> "BlockQuantized":
-        """This, its arrays moved onto transparent huge pages (rtp/hugepages.py) like the AMX
+        """This, its arrays moved onto transparent huge pages (rtp/kernels/hugepages.py) like the AMX
         records: a one-row step streams every block, and with 4 KiB pages every 4 KiB of the
         stream is a TLB miss (the LM head's one-row product: 3.1-3.2 -> 2.2-2.7 ms)."""
         self.qs, self.d = hugepages.copy(self.qs), hugepages.copy(self.d)

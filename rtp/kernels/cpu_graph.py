@@ -1,6 +1,6 @@
 """CPU graphs: a decode step's kernel calls, captured once and replayed from C.
 
-On a CPU with rtp's kernels (rtp/models/cpu_kernels.py) every op of a decode step
+On a CPU with rtp's kernels (rtp/kernels/cpu_kernels.py) every op of a decode step
 over GGUF weights is one C kernel: embedding, add + RMSNorm, the quantized
 linears, RoPE + KV write, paged attention, SiLU-and-mul, the LM head. Run eagerly,
 the Python between those ~300 calls costs 4-6 ms a step, a quarter of a one-row
@@ -9,8 +9,8 @@ which costs more than it saves here (README, "Performance"). So rtp does on the 
 what CUDA graphs do on a GPU:
 
   capture   run the model's forward once over static input buffers while
-            rtp/_cpu_kernels.pyx records every kernel call as data (addresses,
-            sizes, flags: rtp/csrc/kernel_calls.c), under a dispatch mode that
+            rtp/kernels/_cpu_kernels.pyx records every kernel call as data (addresses,
+            sizes, flags: rtp/kernels/csrc/kernel_calls.c), under a dispatch mode that
             refuses any torch op that computes (it would be missing from the
             replay) and keeps every buffer the forward allocates alive;
   plan      give those intermediate buffers one arena, reusing memory between
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rtp.models import cpu_kernels
+from rtp.kernels import cpu_kernels
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""Torch-facing wrappers of rtp's CPU decode kernels (rtp/csrc/cpu_kernels.c).
+"""Torch-facing wrappers of rtp's CPU decode kernels (rtp/kernels/csrc/cpu_kernels.c).
 
 Each kernel is registered as a torch custom op, so a `torch.compile`d decode
 graph calls it as one opaque node; eager code calls the implementation
@@ -21,7 +21,7 @@ def _probe() -> bool:
     if os.environ.get("RTP_CPU_KERNELS", "1") == "0":
         return False
     try:
-        from rtp import _cpu_kernels
+        from rtp.kernels import _cpu_kernels
     except ImportError:
         return False
     return _cpu_kernels.supported()
@@ -30,7 +30,7 @@ def _probe() -> bool:
 # Decided once at import: a constant is what torch.compile can trace through.
 _AVAILABLE = _probe()
 if _AVAILABLE:
-    from rtp import _cpu_kernels as _k
+    from rtp.kernels import _cpu_kernels as _k
 
 
 def available() -> bool:
@@ -87,7 +87,7 @@ def linear_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.
     return out
 
 
-# The AMX kernel (rtp/csrc/amx_linear.c) takes any number of rows; decided at import like _AVAILABLE.
+# The AMX kernel (rtp/kernels/csrc/amx_linear.c) takes any number of rows; decided at import like _AVAILABLE.
 _AMX = _AVAILABLE and os.environ.get("RTP_AMX", "1") != "0" and _k.amx_supported()
 
 
@@ -267,7 +267,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-# -- kernel calls as data (rtp/engine/cpu_graph.py) ------------------------------------------------
+# -- kernel calls as data (rtp/kernels/cpu_graph.py) ------------------------------------------------
 
 CALL_WORDS = _k.CALL_WORDS if _AVAILABLE else 16
 
@@ -306,7 +306,7 @@ def run_calls(calls, rows: int, times=None) -> None:
     _k.run_calls(calls.ctypes.data, calls.shape[0], rows, 0 if times is None else times.ctypes.data)
 
 
-# -- prefill attention over the paged cache (rtp/csrc/prefill_attention.c) -------------------------
+# -- prefill attention over the paged cache (rtp/kernels/csrc/prefill_attention.c) -------------------------
 
 # RTP_PREFILL_ATTENTION=0 keeps prefill on torch's SDPA (to compare the two); decided at import.
 _PREFILL = _AVAILABLE and os.environ.get("RTP_PREFILL_ATTENTION", "1") != "0"
