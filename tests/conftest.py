@@ -1,7 +1,20 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+# Tests live in a folder per part of rtp (runtime/, kernels/, checkpoint/, models/, engine/,
+# serve/, tools/), without __init__.py: each test module is imported by its basename (so basenames
+# stay unique) with its own folder on sys.path, which serves helpers kept beside their tests
+# (runtime/runtime_sim.py). Helpers shared across folders (servers.py, tiny_models.py, ranks.py)
+# sit here: pytest's default import mode puts this conftest's folder on sys.path too, said
+# explicitly here so that it does not hang on that. multiprocessing's spawned children get the
+# same sys.path (tests/ranks.py relies on it).
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 # Property tests: thorough in CI, quick while iterating (RTP_HYPOTHESIS_PROFILE=dev).
 settings.register_profile("ci", max_examples=150, deadline=None)

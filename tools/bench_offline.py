@@ -94,7 +94,7 @@ TARGET_FLOP_UTIL = 0.55          # batch-64 decode GFLOP/s / bf16 matmul GFLOP/s
 TARGET_WARMUP_S = 60.0           # compile warm-up with Inductor's cache warm
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-VLLM_NOT_RUN = "not run (see README for the last measured figure)"
+VLLM_NOT_RUN = "not run (see docs/benchmarks.md for the last measured figure)"
 RESULT_MARKER = "BENCH_OFFLINE_RESULT "
 
 _T0 = time.perf_counter()

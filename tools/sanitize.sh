@@ -14,17 +14,17 @@
 #
 # ASan sees every plain AVX-512 load and store the kernels make (GCC's _mm*_storeu_* are
 # ordinary C stores; checked: a 32-byte store past a buffer is reported), but not gathers,
-# masked loads or AMX tile loads/stores. tests/test_kernel_bounds.py (in the default list)
+# masked loads or AMX tile loads/stores. tests/kernels/test_kernel_bounds.py (in the default list)
 # checks every kernel's stores with canary bytes instead, in any build and on AMX too.
 #
 # Usage:  tools/sanitize.sh [pytest args...]        e.g. tools/sanitize.sh -k rope
 #         RTP_SANITIZE=address tools/sanitize.sh     (default: address,undefined)
 #         RTP_SANITIZE_DIR=/tmp/x tools/sanitize.sh  (reuse a scratch dir: skips the rebuild
 #                                                    when its build is newer than the sources)
-#         RTP_SANITIZE_TESTS="tests/test_rotary.py" tools/sanitize.sh
+#         RTP_SANITIZE_TESTS="tests/models/test_rotary.py" tools/sanitize.sh
 # Time here (2 cores, AVX-512 BF16, no AMX), measured 2026-12-01: the build 88 s from scratch,
 # 22 s when only the kernels changed; the default tests 2 min 45 s with the machine to itself
-# (test_engine.py and test_models.py are 2.5 min of it), 30 min while two other suites ran.
+# (engine/test_engine.py and models/test_models.py are 2.5 min of it), 30 min while two other suites ran.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,10 +32,8 @@ SAN=${RTP_SANITIZE:-address,undefined}
 WORK=${RTP_SANITIZE_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/rtp-sanitize.XXXXXX")}
 TREE=$WORK/tree
 LOGS=$WORK/logs
-TESTS=${RTP_SANITIZE_TESTS:-"tests/test_cpu_kernels.py tests/test_kernel_bounds.py tests/test_cpu_graph.py
-    tests/test_block_allocator.py tests/test_radix_cache.py tests/test_scheduler.py
-    tests/test_runtime_properties.py tests/test_runtime_resize.py tests/test_engine.py
-    tests/test_rotary.py tests/test_sampler.py tests/test_models.py"}
+TESTS=${RTP_SANITIZE_TESTS:-"tests/kernels tests/runtime tests/engine/test_engine.py
+    tests/engine/test_sampler.py tests/models/test_rotary.py tests/models/test_models.py"}
 PYTHON=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || command -v python3)}
 
 mkdir -p "$TREE" "$LOGS"

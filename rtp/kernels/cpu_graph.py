@@ -5,7 +5,7 @@ over GGUF weights is one C kernel: embedding, add + RMSNorm, the quantized
 linears, RoPE + KV write, paged attention, SiLU-and-mul, the LM head. Run eagerly,
 the Python between those ~300 calls costs 4-6 ms a step, a quarter of a one-row
 step. torch.compile removes Python but calls custom ops through the dispatcher,
-which costs more than it saves here (README, "Performance"). So rtp does on the CPU
+which costs more than it saves here (docs/benchmarks.md, "Offline generation"). So rtp does on the CPU
 what CUDA graphs do on a GPU:
 
   capture   run the model's forward once over static input buffers while

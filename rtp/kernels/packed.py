@@ -3,9 +3,8 @@
 `F.linear` on a plain [out, in] bf16 weight makes oneDNN reorder the weight into
 its AMX/AVX-512 tile layout on every call: a full extra pass over the weights
 per matmul. Reordering once at load time and calling oneDNN's linear on the
-packed copy (the same ops Inductor uses when it freezes a graph) measured 1.5x
-faster for a batch-64 decode step's matmuls on this machine and about 2x for
-one row (README, "Performance").
+packed copy (the same ops Inductor uses when it freezes a graph) saves that
+pass on every call.
 
 The packed tensor is opaque (an MKLDNN layout), so it lives beside the plain
 weight rather than replacing it: the plain weight stays for torch.compile'd

@@ -31,7 +31,7 @@ BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
 
 
-# Row ranges where each kernel measured fastest on this machine (README, "Performance").
+# Row ranges where each kernel measured fastest (docs/benchmarks.md, "Decode step").
 QUANT_MAX_ROWS = 4   # the AVX-512 kernel, when there is no AMX
 AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 tile round trip)
 AMX_MAX_ROWS = 64    # past this oneDNN's bf16 GEMM reuses each weight over more rows

@@ -149,8 +149,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     v [L, Hkv, Dv] -> [n, H, Dv]."""
     n, length = q.shape[0], k.shape[0]
     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
-    # A leading batch dim of 1: with 4-D operands torch takes its flash kernel on the CPU
-    # (10x the 3-D path, which falls back to the math kernel; README "Performance").
+    # A leading batch dim of 1: with 4-D operands torch takes its flash kernel on the CPU;
+    # the 3-D path falls back to the unfused math kernel.
     qh, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, n, D], [1, Hkv, L, D]
     if n == length and sliding_window is None:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)

@@ -54,7 +54,7 @@ from rtp.models.layers import ReplicatedLinear, SiluAndMul, _copy_checked
 
 # A row of an fp32 GEMM with at least this many rows gets the same bits whatever the row
 # count and the row's place (MKL takes other kernels, with another summation order, for
-# fewer rows: tests/test_moe.py). Layers with replica slots pad each expert group to it,
+# fewer rows: tests/models/test_moe.py). Layers with replica slots pad each expert group to it,
 # so splitting an expert's tokens across replicas leaves the output bit-for-bit unchanged.
 REPRODUCIBLE_GROUP_ROWS = 16
 

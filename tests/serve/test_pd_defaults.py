@@ -1,6 +1,6 @@
 """A prefill/decode pair as it runs by default: real `rtp serve` processes on loopback.
 
-Unlike tests/test_pd.py's pair (float32, an RPC token, a 2 s lease) this one runs in the
+Unlike tests/serve/test_pd.py's pair (float32, an RPC token, a 2 s lease) this one runs in the
 default dtype (bf16 on this CPU, so one-token steps replay CPU graphs where rtp's kernels
 run), with `--api-key` and no `--rpc-token` (the RPC routes then want the API key), and the
 default 10 s lease, so a reservation left behind shows as a node that is not idle at once.
@@ -16,8 +16,8 @@ import time
 
 import httpx
 import pytest
+from servers import MODEL, Server, metrics
 from test_pd import call, pd_events
-from test_serve import MODEL, Server, metrics
 
 from rtp.serve.pd import rpc
 

@@ -499,7 +499,7 @@ def test_gguf_streams_the_same_tensors_at_any_chunk_size(tmp_path, direct):
     file = tmp_path / "tiny.gguf"
     write_tiny_gguf(file, tiny_tensors(tied=False))
     ckpt = GGUFCheckpoint(file)
-    whole = dict(ckpt.tensors())  # the path tests/test_gguf.py checks against transformers
+    whole = dict(ckpt.tensors())  # the path tests/checkpoint/test_gguf.py checks against transformers
     records = ckpt.records()
     assert max(r.nbytes for r in records) > 1000  # so chunks of 1000 bytes cut tensors
     got = {record.name: tensor.clone() for record, tensor in stream_tensors(records, chunk_bytes=1000,

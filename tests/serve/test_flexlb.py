@@ -1,11 +1,11 @@
 """`rtp route`, the FlexLB master, end to end: real `rtp serve` workers and masters on loopback.
 
 Two prefill nodes, one decode node and two collocated nodes start together (loading
-overlaps) and are shared by the module; all run float32, as tests/test_pd.py's do, so
+overlaps) and are shared by the module; all run float32, as tests/serve/test_pd.py's do, so
 greedy tokens do not depend on batching. Two masters route over the prefill/decode
 workers, one at the default beta and one at beta = 0; a third over the collocated pair,
 which also serves as the P/D output's reference. The collocated nodes carry
-tests/test_serve.py's fault hook (a prompt with FAULT_MARK fails in the detokenizer),
+tests/servers.py's fault hook (a prompt with FAULT_MARK fails in the detokenizer),
 which touches no other prompt. The last tests kill a prefill node, then both collocated ones.
 
 The master's pure parts -- when to retry, which pair to try next, SSE event cuts -- are
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from test_serve import FAULT_MARK, FAULTY_SERVE, MODEL, Server
+from servers import FAULT_MARK, FAULTY_SERVE, MODEL, Server
 
 from rtp.serve.flexlb import FINAL, RETRY, RETRY_IF_ALIVE, Master, RouteOptions, _Events, retry_rule
 

@@ -1,6 +1,6 @@
 """EPLB while serving (rtp/engine/expert_balancer.py) through the real engine.
 
-Tiny random Mixtral checkpoints (tests/test_moe.py's) run through LLM in fp32. The
+Tiny random Mixtral checkpoints (tests/tiny_models.py's) run through LLM in fp32. The
 rebalance interval is a few steps, so the experts move (and replicas appear) several
 times while the requests decode; the greedy tokens must not change. The CPU graphs
 the runner would capture for decode steps refuse MoE layers (their routing runs torch
@@ -16,8 +16,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from test_models import prompts_of, write_word_tokenizer
-from test_moe import SMALL, make_checkpoint, routed
+from tiny_models import MOE, make_deepseek, make_moe, prompts_of, routed, write_word_tokenizer
 
 from rtp.engine.expert_balancer import ExpertBalancer, redundant_slots
 from rtp.models.moe import FusedMoE
@@ -27,18 +26,16 @@ KW = {"dtype": "float32", "compile": False, "max_model_len": 128, "enable_prefix
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
-    path, _ = make_checkpoint("mixtral", tmp_path_factory.mktemp("eplb") / "ckpt")
-    write_word_tokenizer(path, SMALL["vocab_size"])
+    path, _ = make_moe("mixtral", tmp_path_factory.mktemp("eplb") / "ckpt")
+    write_word_tokenizer(path, MOE["vocab_size"])
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     """DeepSeek-V3 (MLA, sigmoid group-limited routing, a dense first layer, shared experts)."""
-    from test_deepseek_v3 import make_checkpoint as make_deepseek
-
     path, _ = make_deepseek("q-lora-yarn", tmp_path_factory.mktemp("eplb") / "ckpt")
-    write_word_tokenizer(path, SMALL["vocab_size"])
+    write_word_tokenizer(path, MOE["vocab_size"])
     return str(path)
 
 

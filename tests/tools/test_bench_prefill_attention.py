@@ -9,7 +9,7 @@ import pytest
 
 from rtp.kernels import cpu_kernels
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")

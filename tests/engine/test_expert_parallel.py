@@ -12,9 +12,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_models import NEW_TOKENS, hf_reference, prompts_of, write_word_tokenizer
-from test_moe import SMALL, make_checkpoint, random_experts, routed
-from test_parallel import run_ranks
+from ranks import run_ranks
+from tiny_models import (
+    MOE,
+    NEW_TOKENS,
+    hf_reference,
+    make_dense,
+    make_moe,
+    prompts_of,
+    random_experts,
+    routed,
+    write_word_tokenizer,
+)
 
 import rtp.distributed as dist
 from rtp.engine.eplb import eplb_placement
@@ -158,7 +167,7 @@ def test_ep2_model_logits_equal_ep1(kind, tp, tmp_path):
     """Mixtral with attention replicated (tp=1) and Qwen2-MoE (shared expert, a dense layer)
     with attention sharded over the same two ranks (tp=2), at ep=2 with EPLB replicas placed
     from the measured load: every step's logits equal the single-process model's (fp32, 1e-4)."""
-    path, hf = make_checkpoint(kind, tmp_path / "ckpt")
+    path, hf = make_moe(kind, tmp_path / "ckpt")
     prompts = prompts_of((5, 23, 40), seed=1)
     refs = hf_reference(hf, prompts)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
@@ -178,8 +187,8 @@ def test_engine_ep2_generates_what_ep1_does(tmp_path):
     replicated): greedy tokens equal the single-process engine's."""
     from rtp import LLM, SamplingParams
 
-    path, _ = make_checkpoint("qwen2_moe", tmp_path / "ckpt")
-    write_word_tokenizer(path, SMALL["vocab_size"])
+    path, _ = make_moe("qwen2_moe", tmp_path / "ckpt")
+    write_word_tokenizer(path, MOE["vocab_size"])
     prompts = prompts_of((7, 30, 12), seed=4)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = {"dtype": "float32", "compile": False, "max_model_len": 128, "kv_cache_memory": 1 << 22}
@@ -198,12 +207,10 @@ def test_engine_ep2_generates_what_ep1_does(tmp_path):
 
 def test_ep_needs_experts_to_split(tmp_path):
     """--ep 2 on a dense model is a clear error on every rank, not two ranks repeating one model."""
-    from test_models import make_checkpoint as make_dense
-
     from rtp import LLM
 
     path, _ = make_dense("llama", tmp_path / "ckpt")
-    write_word_tokenizer(path, SMALL["vocab_size"])
+    write_word_tokenizer(path, MOE["vocab_size"])
     with pytest.raises(ValueError, match="has no experts to split"):
         LLM(model=str(path), dtype="float32", compile=False, max_model_len=128, kv_cache_memory=1 << 22,
             expert_parallel_size=2)

@@ -1,6 +1,6 @@
 """The FlexLB master's fault handling, in process and in milliseconds: a real Master and its
 Starlette routes, with the workers replaced by an httpx MockTransport that answers as each
-test says (tests/test_flexlb.py drives the same paths against real workers).
+test says (tests/serve/test_flexlb.py drives the same paths against real workers).
 
 Two collocated workers, a and b; `Fake.answer` is what the next request(s) get, by call.
 """

@@ -1,8 +1,9 @@
 """rtp's mixture-of-experts models against transformers, and the expert layer's own properties.
 
-The model tests follow tests/test_models.py (and reuse its runner): a random transformers
-model saved as a real checkpoint, loaded by rtp's loader, prompts of different lengths
-batched through prefill and 16 decode steps, every row's logits compared in fp32. The
+The model tests follow tests/models/test_models.py (and share its runner, in
+tests/tiny_models.py): a random transformers model saved as a real checkpoint, loaded by
+rtp's loader, prompts of different lengths batched through prefill and 16 decode steps,
+every row's logits compared in fp32. The
 layer tests check what EPLB will rely on: the load counter counts exactly the routed
 (token, expert) pairs, and moving or replicating experts across slots leaves the
 output bit-for-bit unchanged.
@@ -14,11 +15,14 @@ import json
 
 import pytest
 import torch
-import transformers
-from test_models import (
+from tiny_models import (
+    MOE,
+    MOE_CONFIGS,
     hf_reference,
+    make_moe,
     prompts_of,
-    random_hf_model,
+    random_experts,
+    routed,
     run_rtp,
     write_word_tokenizer,
 )
@@ -29,36 +33,14 @@ from rtp.checkpoint.loader import load_model
 from rtp.models.moe import (
     REPRODUCIBLE_GROUP_ROWS,
     FusedMoE,
-    TopKRouter,
     grouped_mm,
     grouped_mm_per_group,
 )
 
-SMALL = {"vocab_size": 160, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-         "num_experts_per_tok": 2}
 
-CONFIGS = {
-    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 8}),
-    # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse with a shared expert
-    "qwen2_moe": (transformers.Qwen2MoeConfig, {"num_experts": 8, "moe_intermediate_size": 32, "num_hidden_layers": 3,
-                                                "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
-    # layer 0 dense (decoder_sparse_step 2), renormalised top-k, q/k norm
-    "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 8, "moe_intermediate_size": 32, "decoder_sparse_step": 2,
-                                                "norm_topk_prob": True, "head_dim": 32}),
-}
-
-
-def make_checkpoint(kind: str, path):
-    cfg_cls, extra = CONFIGS[kind]
-    model = random_hf_model(cfg_cls(**{**SMALL, **extra}))
-    model.save_pretrained(path)
-    return path, model
-
-
-@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("kind", list(MOE_CONFIGS))
 def test_logits_match_transformers(kind, tmp_path):
-    path, hf = make_checkpoint(kind, tmp_path)
+    path, hf = make_moe(kind, tmp_path)
     prompts = prompts_of((5, 23, 40), seed=1)
     worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts))
     assert worst < 1e-4, f"{kind}: max abs logit difference {worst}"
@@ -67,7 +49,7 @@ def test_logits_match_transformers(kind, tmp_path):
 def test_missing_expert_is_a_clear_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    path, _ = make_checkpoint("mixtral", tmp_path)
+    path, _ = make_moe("mixtral", tmp_path)
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
@@ -80,8 +62,8 @@ def test_greedy_generation_and_load_counts_match_transformers(tmp_path):
     holds exactly the (token, expert) pairs transformers' routers chose for the tokens rtp ran."""
     from rtp import LLM, SamplingParams
 
-    path, hf = make_checkpoint("qwen2_moe", tmp_path)
-    write_word_tokenizer(path, SMALL["vocab_size"])
+    path, hf = make_moe("qwen2_moe", tmp_path)
+    write_word_tokenizer(path, MOE["vocab_size"])
     prompts = prompts_of((4, 17, 31), seed=4)
     new_tokens = 12
     llm = LLM(model=str(path), dtype="float32", compile=False, max_model_len=128, enable_prefix_caching=False)
@@ -101,25 +83,9 @@ def test_greedy_generation_and_load_counts_match_transformers(tmp_path):
         assert out.outputs[0].token_ids == ref
         assert len(router_logits) == len(layers)
         for i, logits in enumerate(router_logits):
-            chosen = torch.topk(logits.float().softmax(-1), SMALL["num_experts_per_tok"], dim=-1).indices
+            chosen = torch.topk(logits.float().softmax(-1), MOE["num_experts_per_tok"], dim=-1).indices
             expected[i] += torch.bincount(chosen.flatten(), minlength=8)
     assert torch.equal(torch.stack([layer.expert_load for layer in layers]), expected)
-
-
-def random_experts(num_experts=8, hidden=64, inter=32, num_slots=None, seed=0):
-    torch.manual_seed(seed)
-    layer = FusedMoE(num_experts, hidden, inter, num_slots=num_slots)
-    with torch.no_grad():
-        layer.w13.normal_(0, 0.1)
-        layer.w2.normal_(0, 0.1)
-    return layer
-
-
-def routed(tokens, num_experts=8, top_k=2, hidden=64, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g)
-    weights, ids = TopKRouter(top_k, renormalize=False)(torch.randn(tokens, num_experts, generator=g))
-    return x, weights, ids
 
 
 def reference_moe(layer: FusedMoE, x, weights, ids):
@@ -225,7 +191,7 @@ def test_grouped_mm_fallback_matches():
 def test_config_reads_moe_fields(tmp_path):
     from rtp.config import ModelConfig
 
-    path, _ = make_checkpoint("qwen2_moe", tmp_path)
+    path, _ = make_moe("qwen2_moe", tmp_path)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 32)
     assert cfg.shared_expert_intermediate_size == 48 and cfg.qkv_bias and not cfg.norm_topk_prob

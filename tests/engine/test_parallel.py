@@ -3,77 +3,32 @@
 Each rank loads its shard of a real checkpoint through the real loader and runs the
 whole runtime on the same requests (the scheduler is deterministic, so both ranks
 plan the same steps); the logits every rank sees after the vocabulary all-gather
-must equal transformers' logits as closely as the single-process model's do.
+must equal transformers' logits as closely as the single-process model's do. The ranks are
+spawned by tests/ranks.py, shared with the expert-parallel and DeepSeek-V3 tests.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import traceback
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_models import (
-    SMALL,
-    hf_reference,
-    make_checkpoint,
-    run_rtp,
-    write_word_tokenizer,
-)
+from ranks import run_ranks, run_tensor_parallel
+from tiny_models import DENSE, hf_reference, make_dense, run_rtp, write_word_tokenizer
 
 import rtp.distributed as dist
 from rtp.checkpoint.loader import LoadOptions, load_model
 from rtp.engine.tensor_parallel import threads_per_rank
 
 
-def _run_rank(rank: int, init: str, fn, args, results) -> None:
-    torch.set_num_threads(1)  # two ranks on two cores
-    try:
-        results.put((rank, fn(rank, init, *args), None))
-    except Exception:  # noqa: BLE001 - any failure goes back to the test, with its traceback
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        dist.destroy_parallel()
-
-
-def run_ranks(fn, *args, tmp_path, size=2) -> list:
-    """fn(rank, init, *args) in `size` spawned processes; their results in rank order."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=_run_rank, args=(r, init, fn, args, results)) for r in range(size)]
-    for p in procs:
-        p.start()
-    out = sorted(results.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    errors = [err for *_, err in out if err]
-    assert not errors, errors[0]
-    return [value for _, value, _ in out]
-
-
-def _tp_rank(rank: int, init: str, size: int, path, prompts, refs):
-    dist.init_tensor_parallel(size, rank, backend="gloo", init_method=init, timeout_s=60)
-    worst, _ = run_rtp(path, prompts, refs)
-    model, _ = load_model(path, torch.float32, torch.device("cpu"))
-    return worst, (model.model.embed_tokens.weight.shape[0], model.model.layers[0].self_attn.num_heads)
-
-
-def run_tensor_parallel(path, prompts, refs, tmp_path, size=2) -> list[float]:
-    out = run_ranks(_tp_rank, size, path, prompts, refs, tmp_path=tmp_path, size=size)
-    assert all(shard == (160 // size, 4 // size) for _, shard in out)  # vocabulary and heads split
-    return [worst for worst, _ in out]
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2-bias", "qwen3-qknorm"])
 def test_tp2_logits_match_transformers(kind, tmp_path):
     """tp=2 shards q/kv heads, the MLP and the vocabulary (Qwen2: qkv bias and tied
     embeddings; Qwen3: q/k norm); every rank's gathered logits stay within 1e-4."""
-    path, hf = make_checkpoint(kind, tmp_path / "ckpt")
+    path, hf = make_dense(kind, tmp_path / "ckpt")
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 160, n).tolist() for n in (5, 23, 40)]
     refs = hf_reference(hf, prompts)
@@ -126,8 +81,8 @@ def test_engine_tp2_spawns_followers_and_generates_what_tp1_does(tmp_path):
     follower."""
     from rtp import LLM, SamplingParams
 
-    path, _ = make_checkpoint("qwen2-bias", tmp_path / "ckpt")
-    write_word_tokenizer(path, SMALL["vocab_size"])
+    path, _ = make_dense("qwen2-bias", tmp_path / "ckpt")
+    write_word_tokenizer(path, DENSE["vocab_size"])
     rng = np.random.default_rng(4)
     prompts = [rng.integers(1, 160, n).tolist() for n in (7, 30, 12)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -170,10 +125,10 @@ def _state(pid: int) -> str | None:
 
 def _tp2_server(tmp_path):
     """`rtp serve --tp 2` (starting) on a tiny random Llama checkpoint."""
-    from test_serve import Server
+    from servers import Server
 
-    path, _ = make_checkpoint("llama", tmp_path / "ckpt")
-    write_word_tokenizer(path, SMALL["vocab_size"])
+    path, _ = make_dense("llama", tmp_path / "ckpt")
+    write_word_tokenizer(path, DENSE["vocab_size"])
     return path, Server("--model", str(path), "--tp", "2", "--dtype", "float32", "--max-model-len", "128",
                         "--kv-cache-memory", "4MiB")
 
@@ -240,7 +195,7 @@ def test_tp2_loading_reads_once_and_broadcasts_each_rank_its_shard(tmp_path):
     read itself from the real file, and each shard equals its slice of the tp=1 weights."""
     import shutil
 
-    path, _ = make_checkpoint("llama", tmp_path / "ckpt")
+    path, _ = make_dense("llama", tmp_path / "ckpt")
     zeroed = tmp_path / "zeroed"
     shutil.copytree(path, zeroed)
     _zero_tensor_data(zeroed / "model.safetensors")
@@ -264,8 +219,8 @@ def test_torchrun_tp2_generates_what_one_process_does(nodes, tmp_path):
     import subprocess
     import sys
 
-    path, _ = make_checkpoint("llama", tmp_path / "ckpt")
-    write_word_tokenizer(path, SMALL["vocab_size"])
+    path, _ = make_dense("llama", tmp_path / "ckpt")
+    write_word_tokenizer(path, DENSE["vocab_size"])
     args = ["-m", "rtp", "generate", "--model", str(path), "--prompt", "w3 w17 w5 w99 w42", "--max-tokens", "12",
             "--ignore-eos", "--dtype", "float32", "--no-compile", "--max-model-len", "128"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -3,7 +3,7 @@
 The fake streams `max_tokens` chunks per request, 2 ms apart, so each run takes a
 second or two and every figure the bench reports can be checked against what the
 fake saw: how many requests, how many at once, when they arrived, what prompts.
-(tests/test_serve.py runs the bench against the real `rtp serve`.)
+(tests/serve/test_serve.py runs the bench against the real `rtp serve`.)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 class FakeServer:

@@ -9,7 +9,7 @@ import pytest
 
 from rtp.kernels import cpu_kernels
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def test_bench_runtime_quick_prints_a_json_last_line():
@@ -44,7 +44,8 @@ def test_bench_eplb_small_trace_prints_a_json_last_line():
 
 
 def test_bench_eplb_kv_prints_what_dropped_replicas_lend():
-    """The test Mixtral's shape (tests/test_eplb_engine.py): 2 layers x 4 spare slots of 21 pages lend 84 blocks."""
+    """The test Mixtral's shape (tests/engine/test_eplb_engine.py): 2 layers x 4 spare slots of
+    21 pages lend 84 blocks."""
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_eplb_kv.py"), "--layers", "2", "--experts", "8",
                           "--spare", "4", "--hidden", "64", "--moe-inter", "112", "--kv-heads", "2", "--head-dim", "16",
                           "--dtype", "fp32"], capture_output=True, text=True, check=True, timeout=120).stdout

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_serve import Server, chat
+from servers import Server, chat
 
 VOCAB = 49152
 MARK = 1.25  # the presence_penalty of the request whose fault is followed by the failing check

@@ -1,11 +1,11 @@
 """DeepSeek-V3 (MLA + sigmoid-routed MoE) against transformers, and what its latent cache costs.
 
-The logit tests follow tests/test_models.py (and reuse its runner): a random transformers
-model saved as a real checkpoint, loaded by rtp's loader, prompts of different lengths
-batched through prefill and 16 decode steps on the real runtime, every row's logits
-compared in fp32. The decode rows go through the absorbed form (W_UK folded into q, W_UV
-into the output) and the prefill chunks through the decompressed one, so agreement with
-transformers (which always decompresses) checks both.
+The logit tests follow tests/models/test_models.py (and share its runner, in
+tests/tiny_models.py): a random transformers model saved as a real checkpoint, loaded by
+rtp's loader, prompts of different lengths batched through prefill and 16 decode steps on
+the real runtime, every row's logits compared in fp32. The decode rows go through the
+absorbed form (W_UK folded into q, W_UV into the output) and the prefill chunks through the
+decompressed one, so agreement with transformers (which always decompresses) checks both.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_models import (
+from tiny_models import (
+    DEEPSEEK,
+    DEEPSEEK_CONFIGS,
     NEW_TOKENS,
     hf_reference,
+    make_deepseek,
     prompts_of,
-    random_hf_model,
     run_rtp,
     write_word_tokenizer,
 )
@@ -29,41 +31,10 @@ from rtp.engine.runner import ModelRunner
 from rtp.models.moe import FusedMoE
 from rtp.runtime import BlockAllocator, RadixCache, Scheduler
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
-# 3 layers: layer 0 dense (first_k_dense_replace 1), layers 1-2 sparse; 8 experts in 4 groups,
-# routed within the best 2 groups; head dims chosen all different so a mixed-up split fails
-SMALL = {"vocab_size": 160, "hidden_size": 64, "intermediate_size": 112, "moe_intermediate_size": 32,
-         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
-         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
-         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1, "kv_lora_rank": 32,
-         "qk_nope_head_dim": 24, "qk_rope_head_dim": 16, "v_head_dim": 20, "max_position_embeddings": 256,
-         "rms_norm_eps": 1e-5, "rope_parameters": YARN}
-
-CONFIGS = {
-    "q-lora-yarn": {"q_lora_rank": 48},
-    "no-q-lora-yarn": {"q_lora_rank": None},
-    # the plain RoPE, a softmax scale without mscale, pairs not interleaved, two dense layers
-    "q-lora-rope-halves": {"q_lora_rank": 48, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-                           "rope_interleave": False, "first_k_dense_replace": 2, "n_shared_experts": 2},
-}
-
-
-def make_checkpoint(kind: str, path):
-    config = transformers.DeepseekV3Config(**{**SMALL, **CONFIGS[kind]})
-    model = random_hf_model(config)
-    with torch.no_grad():
-        for layer in model.model.layers[config.first_k_dense_replace:]:
-            # a correction bias big enough to change which experts (and groups) win
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
-    model.save_pretrained(path)
-    return path, model
-
-
-@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("kind", list(DEEPSEEK_CONFIGS))
 def test_logits_match_transformers(kind, tmp_path):
-    path, hf = make_checkpoint(kind, tmp_path)
+    path, hf = make_deepseek(kind, tmp_path)
     prompts = prompts_of((5, 23, 40), seed=1)
     worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts), max_batched=32)  # 40 tokens: two chunks
     assert worst < 1e-4, f"{kind}: max abs logit difference {worst}"
@@ -106,7 +77,7 @@ def drive(model, prompts, refs, *, between_steps=None, new_tokens=NEW_TOKENS, ma
 def test_prefix_cache_hits_and_small_chunks_keep_logits(tmp_path):
     """Prompts sharing a 30-token prefix, prefilled 16 tokens a step: later prompts attend to
     latents another request wrote (a prefix-cache hit), chunks to their own earlier chunks."""
-    path, hf = make_checkpoint("q-lora-yarn", tmp_path)
+    path, hf = make_deepseek("q-lora-yarn", tmp_path)
     rng = np.random.default_rng(2)
     shared = rng.integers(1, 160, 30).tolist()
     prompts = [shared + rng.integers(1, 160, n).tolist() for n in (3, 11)] + [shared[:17]]
@@ -119,11 +90,11 @@ def test_prefix_cache_hits_and_small_chunks_keep_logits(tmp_path):
 def test_kv_cache_holds_only_the_latent_and_rope_key(tmp_path):
     """Per token and layer the cache costs (kv_lora_rank + qk_rope_head_dim) * itemsize: what
     the engine sizes its block budget by, and what the runner allocates."""
-    path, _ = make_checkpoint("q-lora-yarn", tmp_path)
+    path, _ = make_deepseek("q-lora-yarn", tmp_path)
     model, _config = load_model(path, torch.float32, torch.device("cpu"))
     layers = model.attention_layers()
-    per_token = (SMALL["kv_lora_rank"] + SMALL["qk_rope_head_dim"]) * 4 * SMALL["num_hidden_layers"]
-    assert len(layers) == SMALL["num_hidden_layers"]
+    per_token = (DEEPSEEK["kv_lora_rank"] + DEEPSEEK["qk_rope_head_dim"]) * 4 * DEEPSEEK["num_hidden_layers"]
+    assert len(layers) == DEEPSEEK["num_hidden_layers"]
     assert bytes_per_block([layer.kv_cache_spec for layer in layers], 16, torch.float32) == 16 * per_token
     runner = ModelRunner(model, num_blocks=10, block_size=16, max_num_seqs=2, max_num_batched_tokens=32,
                          max_model_len=128, kv_dtype=torch.float32, device=torch.device("cpu"))
@@ -151,8 +122,8 @@ def test_greedy_generation_matches_transformers_and_runs_eagerly(tmp_path):
     torch ops at warm-up, and every step runs eagerly."""
     from rtp import LLM, SamplingParams
 
-    path, hf = make_checkpoint("q-lora-yarn", tmp_path)
-    write_word_tokenizer(path, SMALL["vocab_size"])
+    path, hf = make_deepseek("q-lora-yarn", tmp_path)
+    write_word_tokenizer(path, DEEPSEEK["vocab_size"])
     prompts = prompts_of((4, 17, 31), seed=4)
     new_tokens = 12
     llm = LLM(model=str(path), dtype="float32", compile=False, max_model_len=128, enable_prefix_caching=False)
@@ -174,7 +145,7 @@ def test_eplb_replicas_and_a_rebalance_mid_generation_keep_logits_bit_for_bit(tm
     logit equals the run on the identity placement, bit for bit, and both match transformers."""
     from rtp.engine.eplb import eplb_placement
 
-    path, hf = make_checkpoint("q-lora-yarn", tmp_path)
+    path, hf = make_deepseek("q-lora-yarn", tmp_path)
     prompts = prompts_of((5, 23, 40), seed=5)
     refs = hf_reference(hf, prompts)
     model, _ = load_model(path, torch.float32, torch.device("cpu"), redundant_experts=4)
@@ -204,9 +175,9 @@ def test_tp2_splits_heads_and_matches_transformers(tmp_path):
     """Two gloo ranks: each holds half the heads of q_proj, kv_b_proj (so half of W_UK and W_UV
     in the absorbed decode) and o_proj, and half the vocabulary; the latent cache, the router
     and the experts are whole on each. Every rank's gathered logits stay within 1e-4."""
-    from test_parallel import run_tensor_parallel
+    from ranks import run_tensor_parallel
 
-    path, hf = make_checkpoint("no-q-lora-yarn", tmp_path / "ckpt")
+    path, hf = make_deepseek("no-q-lora-yarn", tmp_path / "ckpt")
     prompts = prompts_of((5, 23, 40), seed=1)
     worst = run_tensor_parallel(path, prompts, hf_reference(hf, prompts), tmp_path)
     assert max(worst) < 1e-4, worst
@@ -220,10 +191,10 @@ def test_loader_skips_the_multi_token_prediction_layer_and_refuses_fp8(tmp_path)
 
     from rtp.checkpoint import CheckpointError
 
-    path, _ = make_checkpoint("q-lora-yarn", tmp_path)
+    path, _ = make_deepseek("q-lora-yarn", tmp_path)
     plain, _ = load_model(path, torch.float32, torch.device("cpu"))
     tensors = load_file(path / "model.safetensors")
-    last = SMALL["num_hidden_layers"] - 1
+    last = DEEPSEEK["num_hidden_layers"] - 1
     mtp = {name.replace(f"layers.{last}.", f"layers.{last + 1}."): t.clone()
            for name, t in tensors.items() if f"layers.{last}." in name}
     mtp[f"model.layers.{last + 1}.eh_proj.weight"] = torch.zeros(64, 128)

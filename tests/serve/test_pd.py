@@ -2,7 +2,7 @@
 
 Three servers start together at the top of the module (loading overlaps) and are shared:
 a collocated one (the reference), a decode node (short KV lease, so expiry is testable) and
-a prefill node relaying through it. All run float32, as tests/test_serve.py's reference
+a prefill node relaying through it. All run float32, as tests/serve/test_serve.py's reference
 server does: greedy tokens must not depend on how requests were batched, which bf16
 does not promise and fp32 practically does. The last test kills the decode node.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from test_serve import MODEL, Server, _free_port, metrics
+from servers import MODEL, Server, free_port, metrics
 
 from rtp.engine.kv_transfer import gather, layout_of, raw_view, scatter, token_slots
 from rtp.sampling_params import SamplingParams
@@ -232,7 +232,7 @@ def _generate(server: Server, headers=None, **body):
 
 def test_an_unreachable_or_refusing_decode_node_gets_503(nodes):
     p = nodes["prefill"]
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     r = _generate(p, {rpc.PEER_HEADER: dead, rpc.TOKEN_HEADER: TOKEN})
     assert r.status_code == 503 and "unreachable" in r.json()["error"]["message"]
     r = _generate(p, {rpc.PEER_HEADER: nodes["collocated"].url, rpc.TOKEN_HEADER: TOKEN}, stream=True)
@@ -340,7 +340,7 @@ def _tokens(server: Server, text: str) -> list[int]:
 def test_one_token_and_fully_cached_prompts_cross_the_pair(nodes, clients):
     """A prompt with one token left to compute -- one token long, or found in the prefill node's
     cache but for its last token -- makes a one-token step, which must hand the decode node every
-    layer's KV like any other (tests/test_kv_taps.py has each step shape)."""
+    layer's KV like any other (tests/engine/test_kv_taps.py has each step shape)."""
     pd, colo = clients
     long = _tokens(nodes["collocated"], "The history of the printing press begins in the fifteenth century, "
                                         "when movable type changed how books were made and read. " * 2)
