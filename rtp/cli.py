@@ -156,7 +156,7 @@ def _route_tokenizer(model: str | None):
     """The tokenizer the workers use, so the master's prefix view is in their tokens."""
     from pathlib import Path
 
-    from rtp.engine.tokenizer import Tokenizer
+    from rtp.checkpoint.tokenizer import Tokenizer
 
     if model is None:
         from rtp.checkpoint.default_model import default_model_path

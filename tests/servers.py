@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository: servers run fro
 
 FAULTY_SERVE = f"""
 import sys
-from rtp.engine import tokenizer
+from rtp.checkpoint import tokenizer
 
 init, add = tokenizer.IncrementalDetokenizer.__init__, tokenizer.IncrementalDetokenizer.add
 

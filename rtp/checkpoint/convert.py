@@ -5,7 +5,7 @@ From a Hugging Face safetensors directory or a GGUF file, the destination gets
     model.safetensors       or model-0000N-of-0000M.safetensors + model.safetensors.index.json
     config.json             the source's (for a GGUF, its metadata as config.json), dtype updated
     tokenizer files         a directory's copied; for a GGUF, tokenizer.json built from its metadata
-                            (rtp/engine/tokenizer.py) with tokenizer_config.json (chat template,
+                            (rtp/checkpoint/tokenizer.py) with tokenizer_config.json (chat template,
                             special tokens) and generation_config.json
 
 Tensors are written in the model's parameter order (q, k, v, o, gate, up, down of a
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from rtp.config import ModelConfig
 from rtp.checkpoint import Checkpoint, TensorRecord, open_checkpoint
 from rtp.checkpoint.loader import LoadOptions, ProgressBar, check_against_model, checkpoint_tensors
 from rtp.checkpoint.safetensors_format import SafetensorsWriter, write_index
+from rtp.config import ModelConfig
 from rtp.models import model_class
 
 log = logging.getLogger("rtp.convert")
@@ -100,7 +100,7 @@ def _write_tokenizer(dst: Path, checkpoint: Checkpoint) -> None:
             if file.is_file() and file.name != "config.json" and not file.name.endswith(_WEIGHT_SUFFIXES):
                 shutil.copy2(file, dst / file.name)
         return
-    from rtp.engine.tokenizer import Tokenizer
+    from rtp.checkpoint.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(checkpoint.path)
     tokenizer.backend.save(str(dst / "tokenizer.json"))

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rtp.runtime import BlockAllocator, RadixCache, Scheduler
 from rtp.checkpoint import open_checkpoint
 from rtp.checkpoint.loader import load_model
+from rtp.checkpoint.tokenizer import Tokenizer
 from rtp.config import EngineConfig, ModelConfig
 from rtp.distributed import world_rank, world_size
 from rtp.engine.disaggregation import KVHandoff
@@ -40,10 +40,10 @@ from rtp.engine.output import Logprobs, OutputProcessor, RequestDelta
 from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SamplerOutput, SlotSettings
 from rtp.engine.tensor_parallel import PlanChannel, follow, start_ranks, stop_followers
-from rtp.engine.tokenizer import Tokenizer
 from rtp.errors import EngineFatal, EngineFull, InvalidRequest
 from rtp.models import model_class
 from rtp.models.moe import FusedMoE
+from rtp.runtime import BlockAllocator, RadixCache, Scheduler
 from rtp.sampling_params import SamplingParams
 
 log = logging.getLogger("rtp.engine")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rtp.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from rtp.runtime import FINISH_REASONS
-from rtp.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from rtp.sampling_params import SamplingParams
 
 

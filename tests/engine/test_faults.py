@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from rtp import LLM, SamplingParams
+from rtp.checkpoint import tokenizer as tokenizer_module
 from rtp.engine import sampler as sampler_module
-from rtp.engine import tokenizer as tokenizer_module
 from rtp.errors import EngineFatal, InvalidRequest
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",

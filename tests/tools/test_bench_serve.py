@@ -103,7 +103,7 @@ def fake():
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory, default_gguf) -> str:
     """The default model's tokenizer as tokenizer.json: loads in milliseconds, where the GGUF takes seconds."""
-    from rtp.engine.tokenizer import Tokenizer
+    from rtp.checkpoint.tokenizer import Tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     Tokenizer.from_pretrained(default_gguf).backend.save(str(path))

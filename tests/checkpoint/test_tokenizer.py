@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rtp.checkpoint.gguf import GGUFError
-from rtp.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from rtp.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello, world!",
