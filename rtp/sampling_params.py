@@ -25,6 +25,39 @@ MAX_LOGPROBS = 20
 MAX_N = 128  # completions per prompt, as the OpenAI API caps n
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
+    """What a request's output must match; exactly one form (vLLM's StructuredOutputsParams).
+
+    json         a JSON Schema (a dict, or its JSON text)
+    json_object  any JSON object (the OpenAI API's JSON mode)
+    regex        a regular expression the whole output matches
+    choice       one of these strings, exactly
+    grammar      a context-free grammar: GBNF/EBNF as llama.cpp and vLLM take it, or Lark
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise InvalidRequest(f"structured outputs take exactly one of json, json_object, regex, choice or "
+                                 f"grammar, got {given or 'none'}", "structured_outputs")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequest("the JSON schema must be an object (or its JSON text)", "structured_outputs")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequest("choice must be a non-empty list of non-empty strings", "structured_outputs")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequest(f"{name} must be a non-empty string", "structured_outputs")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Per-request sampling and stopping settings.
 
@@ -49,6 +82,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos          keep going past eos
     logprobs            None = no logprobs; k = the sampled token's logprob plus
                         the top k (0 = only the sampled token's)
+    logit_bias          token id -> a bias in [-100, 100] added to its logit before
+                        sampling (OpenAI's semantics: -100 bans it, 100 all but forces it)
+    structured_outputs  a grammar the output must match (StructuredOutputs)
     """
 
     n: int = 1
@@ -68,6 +104,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -116,6 +154,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise InvalidRequest("stop must be a string or a list of strings", "stop")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty", "stop")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequest("logit_bias must map token ids to biases", "logit_bias")
+            for token, bias in self.logit_bias.items():
+                _integer("logit_bias", token, 0, None)
+                _number("logit_bias", bias, -100.0, 100.0)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise InvalidRequest("structured_outputs must be a StructuredOutputs", "structured_outputs")
+            self.structured_outputs.validate()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} must be true or false, got {getattr(self, name)!r}", name)
@@ -127,6 +175,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if self.top_k > vocab_size:
             raise InvalidRequest(f"top_k must be at most the vocabulary size {vocab_size}, or -1 or 0 "
                                  f"for no limit; got {self.top_k}", "top_k")
+        bad = [t for t in self.logit_bias or () if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token ids must be below the vocabulary size {vocab_size}, got "
+                                 f"{bad[:8]}", "logit_bias")
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:8]}",

@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from rtp.config import EngineConfig, ModelConfig
 from rtp.distributed import world_rank, world_size
 from rtp.engine.disaggregation import KVHandoff
 from rtp.engine.expert_balancer import ExpertBalancer, eplb_slots, lendable_kv_blocks
+from rtp.engine.grammar import GrammarCompiler, GrammarSlots
 from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks
 from rtp.engine.kv_transfer import KVLayout, KVSink
 from rtp.engine.output import Logprobs, OutputProcessor, RequestDelta
@@ -106,6 +108,9 @@ class LLMEngine:
                                    vocab_size=mc.vocab_size, policy=sched.scheduling_policy)
         self.sampler = Sampler(seed=load.seed)
         self.sampling = SlotSettings(self.scheduler.max_requests)  # each request's, by its runtime slot
+        self.grammars = GrammarSlots(self.scheduler.max_requests, sched.max_num_seqs, mc.vocab_size)
+        self._grammar_compiler: GrammarCompiler | None = None  # built with the first structured request
+        self._compiler_lock = threading.Lock()
         self.outputs = OutputProcessor(self.tokenizer)
         self.handoff = KVHandoff(self.scheduler, self.runner)
         self._channel = PlanChannel(self.runner.plan) if world_size() > 1 else None
@@ -137,6 +142,9 @@ class LLMEngine:
             raise InvalidRequest(f"request {request_id!r} already exists")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params)
+        spec = params.structured_outputs
+        if spec is not None:  # compiled now, unless the server already waited for it off this thread
+            self.compile_grammar(spec).result()
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         prompt_ids = np.asarray(ids, dtype=np.int32)
         rids = []
@@ -147,9 +155,7 @@ class LLMEngine:
                                            stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
                                            prefill_only=kv_sink is not None)
                 rids.append(rid)
-                # choice i of a seeded request draws from seed + i, so n > 1 choices differ
-                self.sampling.set(self.scheduler.slot_of_request(rid), params,
-                                  None if params.seed is None else params.seed + index)
+                self._admit_slot(rid, params, index)
         except BaseException as e:
             for rid in rids:  # all choices or none
                 self.scheduler.abort(rid)
@@ -161,6 +167,23 @@ class LLMEngine:
         self.outputs.add(request_id, ids, params, rids)
         if kv_sink is not None:
             self.handoff.add_sink(rids[0], kv_sink)
+
+    def _admit_slot(self, rid: int, params: SamplingParams, index: int) -> None:
+        """What a request keeps by its runtime slot: its sampling settings and its grammar's matcher."""
+        slot = self.scheduler.slot_of_request(rid)
+        # choice i of a seeded request draws from seed + i, so n > 1 choices differ
+        self.sampling.set(slot, params, None if params.seed is None else params.seed + index)
+        spec = params.structured_outputs
+        self.grammars.set(slot, None if spec is None else self.compile_grammar(spec).result().deep_copy())
+
+    def compile_grammar(self, spec):
+        """A future of the compiled grammar of a StructuredOutputs (rtp/engine/grammar.py); the
+        server awaits it before queueing, so the engine thread never builds one."""
+        with self._compiler_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
+        return self._grammar_compiler.compile(spec)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Everything about a request that can be refused before it runs, against this model:
@@ -223,8 +246,13 @@ class LLMEngine:
             logits = self.runner.forward()
         finally:
             self.handoff.disarm()
-        sampled = self.sampler.sample(logits, self.sampling, plan.sample_slots[:plan.num_samples], self.scheduler,
+        slots = plan.sample_slots[:plan.num_samples]
+        sampled = self.sampler.sample(logits, self.sampling, slots, self.scheduler, grammars=self.grammars,
                                       eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size)
+        refused, complete = self.grammars.advance(slots, sampled.token_ids, set(sampled.failed))
+        if refused:
+            sampled.failed.update(refused)
+            sampled.token_ids[list(refused)] = 0
         for k in sampled.failed:  # dropped by update(), which never appends their placeholder token
             self.scheduler.abort(rids[k])
         for rid in rids:
@@ -234,8 +262,9 @@ class LLMEngine:
         s = self.scheduler
         n = s.update(sampled.token_ids)
         deltas = self.outputs.emit(n, s.event_req_ids, s.event_tokens, s.event_finish,
-                                   {rid: k for k, rid in enumerate(rids)}, _host_logprobs(sampled.output))
-        for rid in self.outputs.stopped:  # a stop string ended it: the runtime still runs it
+                                   {rid: k for k, rid in enumerate(rids)}, _host_logprobs(sampled.output),
+                                   ended={rids[k] for k in complete})
+        for rid in self.outputs.stopped:  # a stop string or a complete grammar ended it: the runtime still runs it
             s.abort(rid)
         for k, error in sampled.failed.items():
             request_id = self.outputs.request_of(rids[k])
@@ -297,9 +326,11 @@ class LLMEngine:
                                  "max_tokens")
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         rid = next(self._next_rid)
+        if params.structured_outputs is not None:
+            self.compile_grammar(params.structured_outputs).result()
         blocks = self.handoff.reserve(request_id, rid, prompt, max_tokens=max_tokens, min_tokens=params.min_tokens,
                                       stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
-        self.sampling.set(self.scheduler.slot_of_request(rid), params, params.seed)
+        self._admit_slot(rid, params, 0)
         self.outputs.add(request_id, prompt_ids, params, [rid])
         return blocks
 
@@ -314,6 +345,13 @@ class LLMEngine:
         node sampled (counted as generated, with its logprobs and text, as if sampled here). It
         joins the batch at the next step; the delta of that first token. KeyError for a request
         not reserved here; ValueError (nothing changed) for a token that would end it."""
+        rid = self.handoff.reserved.get(request_id)
+        if rid is not None:  # the first token was sampled under the grammar there: it advances it here
+            slot = np.array([self.scheduler.slot_of_request(rid)])
+            refused, complete = self.grammars.advance(slot, np.array([first_token]), set())
+            if refused or complete:
+                raise ValueError(f"the first token {first_token} " + ("breaks the request's grammar" if refused
+                                 else "completes the request's grammar: the prefill node answers it"))
         rid = self.handoff.resume(request_id, first_token)
         try:
             return self.outputs.resume(rid, first_token, logprobs, num_cached_tokens)

@@ -193,10 +193,13 @@ class OutputProcessor:
         self._choices[rid].request.num_cached_tokens = num_cached_tokens
 
     def emit(self, n: int, req_ids: np.ndarray, tokens: np.ndarray, finish: np.ndarray,
-             rows: dict[int, int], logprobs: Logprobs | None) -> dict[str, RequestDelta]:
+             rows: dict[int, int], logprobs: Logprobs | None, ended: set[int] = frozenset()
+             ) -> dict[str, RequestDelta]:
         """The deltas of a step's `n` runtime events (request id, token, finish code), by request id.
-        rows: runtime id -> its sampling row (for logprobs). A request whose text fails (a
-        detokenizer or stop-string error) comes back with `error` set; the caller ends it."""
+        rows: runtime id -> its sampling row (for logprobs); ended: runtime ids whose token ends
+        them with "stop" though the runtime would go on (a complete grammar). A request whose
+        text fails (a detokenizer or stop-string error) comes back with `error` set; the caller
+        ends it."""
         deltas: dict[str, RequestDelta] = {}
         self.stopped = []
         for i in range(n):
@@ -210,6 +213,9 @@ class OutputProcessor:
             elif delta.error is not None:
                 continue
             token, reason = int(tokens[i]), FINISH_REASONS[int(finish[i])]
+            if reason is None and choice.rid in ended:
+                reason = "stop"
+                self.stopped.append(choice.rid)  # the runtime still runs it: the engine aborts it there
             entry = None
             if request.params.logprobs is not None and logprobs is not None:
                 entry = logprobs.entry(rows[choice.rid], token, request.params.logprobs)

@@ -125,6 +125,13 @@ class SamplingBatch:
     def __init__(self, num_rows: int) -> None:
         self.num_rows = num_rows
         self.argmax_only = False
+        # logit_bias: (row, token) pairs and the bias added to each
+        self.bias_rows: torch.Tensor | None = None
+        self.bias_cols: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+        # structured outputs: mask row i (int32 bit words) applies to logits row bitmask_rows[i]
+        self.bitmask: torch.Tensor | None = None
+        self.bitmask_rows: torch.Tensor | None = None
         # min_tokens: (row, token) pairs to mask
         self.mask_rows: torch.Tensor | None = None
         self.mask_cols: torch.Tensor | None = None
@@ -183,12 +190,30 @@ class SamplingBatch:
 
     @classmethod
     def gather(cls, settings: SlotSettings, slots: np.ndarray, tokens: TokenSource, *,
-               eos_token_ids: Sequence[int] = (), device: torch.device | str = "cpu") -> SamplingBatch:
+               eos_token_ids: Sequence[int] = (), device: torch.device | str = "cpu",
+               grammars=None) -> SamplingBatch:
         """The batch of the rows sampling at `slots` (one per logits row): settings gathered by slot
-        with numpy; tokens read (from `tokens`) only for rows whose settings need them."""
+        with numpy; tokens read (from `tokens`) only for rows whose settings need them; the token
+        bitmask of the rows under a grammar filled by `grammars` (rtp/engine/grammar.py)."""
         n = len(slots)
         device = torch.device(device)
         b = cls(n)
+        biased = np.flatnonzero(settings.biased[slots])
+        if biased.size:
+            rows, cols, values = [], [], []
+            for i in biased.tolist():
+                ids, bias = settings.bias[int(slots[i])]
+                rows.append(np.full(ids.shape[0], i, dtype=np.int64))
+                cols.append(ids)
+                values.append(bias)
+            b.bias_rows = _tensor(np.concatenate(rows), device)
+            b.bias_cols = _tensor(np.concatenate(cols), device)
+            b.bias_values = _tensor(np.concatenate(values), device)
+        if grammars is not None:
+            constrained = grammars.fill(slots)
+            if constrained.size:
+                b.bitmask = grammars.bitmask[: constrained.size].to(device, non_blocking=True)
+                b.bitmask_rows = _tensor(constrained.astype(np.int64), device)
         greedy = settings.greedy[slots]
         min_tokens = settings.min_tokens[slots]
         seeded = settings.seeded[slots] & ~greedy
@@ -239,8 +264,8 @@ class SamplingBatch:
         rand = np.flatnonzero(~greedy)
         b.any_random = bool(rand.size)
         b.any_greedy = rand.size < n
-        b.argmax_only = (not b.any_random and not b.any_penalty
-                         and b.mask_rows is None and b.max_logprobs is None)
+        b.argmax_only = (not b.any_random and not b.any_penalty and b.mask_rows is None
+                         and b.max_logprobs is None and b.bias_rows is None and b.bitmask is None)
         if not rand.size:
             return b
         b.random_rows = _rows(rand, n, device)
@@ -317,6 +342,8 @@ class SlotSettings:
         self.ignore_eos = np.zeros(n, dtype=bool)
         self.logprobs = np.full(n, -1, dtype=np.int64)    # -1: none
         self.stop_ids: list[tuple[int, ...]] = [()] * n   # read only for rows still under min_tokens
+        self.biased = np.zeros(n, dtype=bool)
+        self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n  # (token ids, biases)
 
     def set(self, slot: int, p: SamplingParams, seed: int | None) -> None:
         """The settings of the request admitted at `slot`; `seed`: its own (p.seed + its choice index)."""
@@ -335,6 +362,10 @@ class SlotSettings:
         self.ignore_eos[slot] = p.ignore_eos
         self.logprobs[slot] = -1 if p.logprobs is None else p.logprobs
         self.stop_ids[slot] = tuple(p.stop_token_ids)
+        self.biased[slot] = bool(p.logit_bias)
+        self.bias[slot] = None if not p.logit_bias else (
+            np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)),
+            np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)))
 
 
 @dataclass(slots=True)
@@ -382,7 +413,7 @@ class Sampler:
         return g
 
     def sample(self, logits: torch.Tensor, settings: SlotSettings, slots: np.ndarray, tokens: TokenSource, *,
-               eos_token_ids: Sequence[int], vocab_size: int) -> Sampled:
+               eos_token_ids: Sequence[int], vocab_size: int, grammars=None) -> Sampled:
         """A step's sampling, rows faulting alone: one token per logits row (the request at
         slots[k]), on the host, and the rows whose request faulted with why (a placeholder
         token 0 stands in for theirs). When sampling the batch raises, each row is sampled
@@ -394,7 +425,8 @@ class Sampler:
         device = logits.device
 
         def run(rows: np.ndarray) -> SamplerOutput:
-            batch = SamplingBatch.gather(settings, slots[rows], tokens, eos_token_ids=eos_token_ids, device=device)
+            batch = SamplingBatch.gather(settings, slots[rows], tokens, eos_token_ids=eos_token_ids, device=device,
+                                         grammars=grammars)
             return self(logits if len(rows) == n else logits[torch.from_numpy(rows).to(device)], batch)
 
         failed: dict[int, Exception] = {}
@@ -447,6 +479,10 @@ class Sampler:
 
         # One fp32 copy; everything below may work on it in place.
         x = logits.to(torch.float32, copy=True)
+        if batch.bias_rows is not None:
+            x.index_put_((batch.bias_rows, batch.bias_cols), batch.bias_values, accumulate=True)
+        if batch.bitmask is not None:  # after the biases: a token the grammar forbids stays forbidden
+            cpu_kernels.apply_token_bitmask(x, batch.bitmask, batch.bitmask_rows)
         if batch.mask_rows is not None:
             # the value made on the device: a Python scalar would be a blocking host-to-device copy
             x.index_put_((batch.mask_rows, batch.mask_cols), x.new_full((), float("-inf")))

@@ -30,6 +30,8 @@ cdef extern from "cpu_kernels.h":
         RTP_OP_PREFILL_ATTENTION
     int rtp_run_call(const int64_t *call) nogil
     void rtp_argmax_rows(const float *x, int64_t ldx, int64_t t, int64_t n, int64_t *out) nogil
+    void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
+                                 int64_t r, int64_t n) nogil
     int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns) nogil
     int rtp_call_rows_word(int64_t op) nogil
     uint32_t rtp_call_address_words(int64_t op) nogil
@@ -206,6 +208,14 @@ def prefill_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64
     c[:16] = [RTP_OP_PREFILL_ATTENTION, q, k_cache, v_cache, tok_stride, seqs, tables, out, nseq, h, hkv, d,
               block_size, _float_word(scale), window, amx]
     _run(c, 16)
+
+
+def apply_token_bitmask(intptr_t x, int64_t ldx, intptr_t mask, int64_t ldm, intptr_t rows, int64_t r,
+                        int64_t n) -> None:
+    """x fp32 rows[i] of [*, n] (row stride ldx) = -inf where bit j of mask row i (int32 words, row
+    stride ldm) is 0."""
+    with nogil:
+        rtp_apply_token_bitmask(<float *>x, ldx, <const int32_t *>mask, ldm, <const int64_t *>rows, r, n)
 
 
 def argmax_rows(intptr_t x, int64_t ldx, int64_t t, int64_t n, intptr_t out) -> None:

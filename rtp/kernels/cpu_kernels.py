@@ -202,6 +202,27 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# -- structured outputs: a token bitmask over logits rows ------------------------------------------
+
+def apply_token_bitmask(x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: x[rows[i], j] = -inf wherever bit j % 32 of mask[i, j // 32] is 0 (x fp32 [T, N],
+    mask int32 [R, ceil(N / 32)], rows int64 [R]; the layout llguidance and xgrammar fill). rtp's
+    kernel on a CPU with AVX-512; torch elsewhere."""
+    n = x.shape[1]
+    if (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1
+            and mask.dtype == torch.int32 and mask.stride(1) == 1 and mask.shape[1] * 32 >= n
+            and rows.dtype == torch.int64 and rows.is_contiguous() and mask.shape[0] >= rows.shape[0]):
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= x.shape[0]):
+            raise IndexError(f"bitmask rows {rows.tolist()} outside the {x.shape[0]} rows of the logits")
+        _k.apply_token_bitmask(x.data_ptr(), x.stride(0), mask.data_ptr(), mask.stride(0), rows.data_ptr(),
+                               rows.shape[0], n)
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    m = mask[: rows.shape[0]].to(x.device)
+    allowed = ((m.unsqueeze(-1) >> shifts) & 1).reshape(m.shape[0], -1)[:, :n].bool()
+    x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
+
+
 # -- RoPE + KV cache write ------------------------------------------------------------------------
 
 def rope_supported(qkv: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Tensor,

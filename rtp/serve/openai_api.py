@@ -53,6 +53,7 @@ from rtp.serve.protocol import (
 )
 from rtp.serve.render import ChatRender, CompletionRender
 from rtp.serve.streams import EventStream
+from rtp.serve.structured import logit_bias, structured_outputs, structured_outputs_field
 
 log = logging.getLogger("rtp.serve")
 
@@ -236,7 +237,7 @@ class OpenAIServing:
         params = self._params(body, body.max_tokens, body.logprobs)
         texts, prompts = await self._completion_prompts(body.prompt)
         for ids in prompts:
-            self._check(ids, params, "prompt")
+            await self._check(body, ids, params, "prompt")
         stream = await self._start(request, "cmpl", prompts, params)
         echo = [t if t is not None else self.tokenizer.decode(p) for t, p in zip(texts, prompts)] \
             if body.echo else None
@@ -252,7 +253,7 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        self._check(ids, params, "messages")
+        await self._check(body, ids, params, "messages")
         stream = await self._start(request, "chatcmpl", [ids], params)
         render = ChatRender(stream.request_id, model, self.tokenizer, [ids], params.n,
                             top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
@@ -315,7 +316,9 @@ class OpenAIServing:
             return default if value is None else value
 
         try:
+            spec, _ = structured_outputs(body)
             return SamplingParams(
+                logit_bias=logit_bias(body.logit_bias), structured_outputs=spec,
                 n=body.n, temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
                 top_k=given(body.top_k, 0), min_p=given(body.min_p, 0.0),
                 presence_penalty=given(body.presence_penalty, 0.0),
@@ -328,12 +331,19 @@ class OpenAIServing:
         except InvalidRequest as e:
             raise APIError(400, str(e), e.param) from None
 
-    def _check(self, ids: list[int], params: SamplingParams, param: str) -> None:
-        """The engine's own admission check (LLMEngine.check_request), here before anything is queued."""
+    async def _check(self, body, ids: list[int], params: SamplingParams, param: str) -> None:
+        """The engine's own admission checks, here before anything is queued: the request against
+        the model (LLMEngine.check_request), and its grammar compiled (off this loop and off the
+        engine thread; once per distinct grammar), so that one the backend cannot build is a 400
+        and the engine thread never waits for one."""
         try:
             self.engine.check_request(ids, params, param)
+            if params.structured_outputs is not None:
+                await asyncio.wrap_future(self.engine.compile_grammar(params.structured_outputs))
         except InvalidRequest as e:
-            raise APIError(400, str(e), e.param) from None
+            # name the field the grammar came from (response_format, guided_json, ...)
+            param = structured_outputs_field(body) if e.param == "structured_outputs" else e.param
+            raise APIError(400, str(e), param) from None
 
     async def _start(self, request: Request, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
         """Run the request here, or on a prefill node through its decode node (rtp/serve/pd/)."""

@@ -44,8 +44,6 @@ def asks_for(name: str, value, n: int = 1) -> bool:
 class _Unsupported(Struct, kw_only=True):
     """Fields of the OpenAI API and vLLM's extras that rtp does not implement (see asks_for)."""
 
-    logit_bias: Any = None
-    response_format: Any = None
     best_of: Any = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None
@@ -54,11 +52,6 @@ class _Unsupported(Struct, kw_only=True):
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     spaces_between_special_tokens: Any = None
 
 
@@ -88,6 +81,15 @@ class _Sampling(_Unsupported, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured outputs and biases (rtp/serve/structured.py reads them: any JSON decodes here,
+    # so that a wrong shape is a 400 that says what was expected)
+    logit_bias: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

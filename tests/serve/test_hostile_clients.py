@@ -132,12 +132,8 @@ def test_the_three_requests_that_killed_the_engine(server, idle_free_blocks):
 UNSUPPORTED = [
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "logit_bias", {"1": 5}),
-    ("/v1/completions", "logit_bias", {"1": 5}),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "x"),
-    ("/v1/completions", "guided_regex", "a+"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/completions", "use_beam_search", True),
 ]

@@ -614,3 +614,31 @@ TARGET void rtp_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, i
         out[t] = _mm512_mask_reduce_min_epi32(top, best_idx);
     }
 }
+
+/* Structured outputs: logits x fp32 [rows of ldx] get -inf wherever the row's token bitmask
+ * (int32 words, bit j of word w = token 32w + j allowed; llguidance's and xgrammar's layout)
+ * has a 0. Only the R rows listed in `rows` are touched; mask row i belongs to x row rows[i].
+ * A word of all ones (every token allowed) is skipped, so the cost follows what the grammar
+ * forbids, and each 16-token half of a word is one masked store. */
+TARGET void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm,
+                                    const int64_t *rows, int64_t R, int64_t N) {
+    const int64_t words = (N + 31) / 32;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+#pragma omp parallel for schedule(static) if (R >= 4)
+    for (int64_t i = 0; i < R; i++) {
+        float *r = x + rows[i] * ldx;
+        const int32_t *m = mask + i * ldm;
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t bits = (uint32_t)m[w];
+            if (bits == 0xffffffffu) continue;
+            int64_t base = w * 32;
+            int64_t left = N - base;
+            for (int half = 0; half < 2 && left > half * 16; half++) {
+                __mmask16 forbid = (__mmask16)(~(bits >> (16 * half)) & 0xffffu);
+                int64_t n = left - half * 16;
+                if (n < 16) forbid &= (__mmask16)((1u << n) - 1);  /* never past the vocabulary */
+                _mm512_mask_storeu_ps(r + base + 16 * half, forbid, ninf);
+            }
+        }
+    }
+}
