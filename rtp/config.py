@@ -184,6 +184,11 @@ class LoadConfig(msgspec.Struct, kw_only=True, frozen=True):
                                  "graphs; on a CPU, Inductor's graphs do not beat rtp's CPU graphs, "
                                  "docs/benchmarks.md)", negatable=True) = None
     seed: _field(int, "seed of the generator requests without a seed of their own share") = 0
+    tokenizer: _field(str | None, "the tokenizer: a tokenizer.json, a Hugging Face directory or a .gguf "
+                                  "(default: the model's own)", metavar="PATH") = None
+    chat_template: _field(str | None, "the chat template: a Jinja file, or one rtp ships (chatml-tools: "
+                                      "ChatML with tools, for SmolLM2) (default: the tokenizer's own)",
+                          metavar="FILE") = None
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"):
@@ -343,6 +348,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
                       metavar="SECRET") = None
     kv_lease: _field(float, "decode node: how long reserved KV blocks wait for the next piece of their KV "
                             "before returning to the pool", metavar="SECONDS") = 10.0
+    tool_call_parser: _field(str | None, "how the model writes tool calls, to read them out of its text for "
+                                         "tool_choice auto (\"required\" and named functions need none)",
+                             choices=["hermes", "llama3_json", "mistral"]) = None
     kv_port: _field(int, "decode node: the TCP port prefill nodes stream KV to, announced in each reservation "
                          "(0: any free port; -1: none, KV goes over HTTP, which any proxy carries)",
                     metavar="PORT") = 0

@@ -101,6 +101,17 @@ class Tokenizer:
             return cls.from_gguf(path)
         return cls.from_hf_dir(path)
 
+    def use_chat_template(self, spec: str) -> None:
+        """Replace the chat template: a Jinja file, or the name of one rtp ships (chat_templates/)."""
+        shipped = _CHAT_TEMPLATES / f"{spec}.jinja"
+        path = shipped if shipped.is_file() else Path(spec).expanduser()
+        if not path.is_file():
+            names = ", ".join(sorted(p.stem for p in _CHAT_TEMPLATES.glob("*.jinja")))
+            raise FileNotFoundError(f"chat template {spec!r} is neither a file nor one rtp ships ({names})")
+        source = path.read_text(encoding="utf-8")
+        _compile_template(source)  # a template that does not parse fails at startup, not per request
+        self.chat_template, self._template = source, None
+
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
         path = Path(path)
@@ -302,6 +313,8 @@ def _gguf_backend(meta: dict, source: str, bos: str | None, eos: str | None) -> 
 
 
 # ---- chat templates ------------------------------------------------------------
+
+_CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"
 
 
 def _compile_template(source: str):

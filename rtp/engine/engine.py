@@ -75,7 +75,12 @@ class LLMEngine:
                                         self.compile) if eplb.enable else (0, 0))
         self.model, self.model_config = load_model(path, self.dtype, self.device, redundant_experts=spare,
                                                    checkpoint=checkpoint)
-        self.tokenizer = Tokenizer.from_pretrained(path)
+        self.tokenizer = Tokenizer.from_pretrained(Path(load.tokenizer).expanduser() if load.tokenizer else path)
+        if load.chat_template:
+            self.tokenizer.use_chat_template(load.chat_template)
+        if self.tokenizer.backend.get_vocab_size() > self.model_config.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tokenizer.backend.get_vocab_size()} tokens, more than the "
+                             f"model's vocabulary of {self.model_config.vocab_size}: not this model's tokenizer")
         mc: ModelConfig = self.model_config
         self.max_model_len = min(sched.max_model_len or min(mc.max_position_embeddings, 8192),
                                  mc.max_position_embeddings)

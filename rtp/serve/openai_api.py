@@ -54,6 +54,7 @@ from rtp.serve.protocol import (
 from rtp.serve.render import ChatRender, CompletionRender
 from rtp.serve.streams import EventStream
 from rtp.serve.structured import logit_bias, structured_outputs, structured_outputs_field
+from rtp.serve.tools import message_tool_calls, plan_tools
 
 log = logging.getLogger("rtp.serve")
 
@@ -128,7 +129,7 @@ class _ClientGone(Exception):
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, *, model_names: list[str],
                  api_key: str | None = None, max_body_bytes: int = 8 << 20, max_queue: int = 512,
-                 pd: PDNode | None = None):
+                 pd: PDNode | None = None, tool_call_parser: str | None = None):
         self.engine = engine
         self.pd = pd  # the RPC routes; on a prefill node, the relay through a decode node
         self.metrics = metrics
@@ -138,6 +139,7 @@ class OpenAIServing:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_queue = max_queue
+        self.tool_call_parser = tool_call_parser
         self.draining = False
         self.created = int(time.time())
         # one thread: large prompts are tokenized one at a time, beside the loop and the engine
@@ -252,11 +254,23 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        await self._check(body, ids, params, "messages")
+        try:
+            tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                               parser=self.tool_call_parser, template=self.tokenizer.chat_template,
+                               structured=params.structured_outputs is not None)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), e.param) from None
+        grammar_field = None
+        if tools is not None and tools.grammar is not None:
+            params.structured_outputs, grammar_field = tools.grammar, "tools"
+        if tools is not None and tools.choice == "auto" and tools.parser != "hermes":
+            params.skip_special_tokens = False  # [TOOL_CALLS] and <|python_tag|> are special tokens
+        ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                      tools.tools if tools is not None else None)
+        await self._check(body, ids, params, "messages", grammar_field)
         stream = await self._start(request, "chatcmpl", [ids], params)
         render = ChatRender(stream.request_id, model, self.tokenizer, [ids], params.n,
-                            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, tools=tools)
         return await self._respond(request, body, stream, render)
 
     async def _completion_prompts(self, prompt) -> tuple[list[str | None], list[list[int]]]:
@@ -282,13 +296,11 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
 
     async def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                           kwargs: dict | None) -> list[int]:
+                           kwargs: dict | None, tools: list[dict] | None = None) -> list[int]:
         if not messages:
             raise APIError(400, "messages is empty", "messages")
         plain, size = [], 0
         for i, m in enumerate(messages):
-            if asks_for("tool_calls", m.tool_calls):
-                raise APIError(400, f"messages[{i}].tool_calls: tool calls are not supported by rtp", "messages")
             content = m.content
             if isinstance(content, list):
                 if any(part.type != "text" for part in content):
@@ -299,12 +311,23 @@ class OpenAIServing:
                 message["name"] = m.name
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise APIError(400, f"messages[{i}].tool_calls: only an assistant's message makes calls",
+                                   "messages")
+                try:
+                    message["tool_calls"] = message_tool_calls(i, m.tool_calls)
+                except InvalidRequest as e:
+                    raise APIError(400, str(e), e.param) from None
             plain.append(message)
             size += len(message["content"])
+        extra = dict(kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
 
         def render() -> list[int]:
             return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=True, **(kwargs or {}))
+                                                      tokenize=True, **extra)
 
         try:
             return await self._off_loop(size, render)
@@ -331,7 +354,8 @@ class OpenAIServing:
         except InvalidRequest as e:
             raise APIError(400, str(e), e.param) from None
 
-    async def _check(self, body, ids: list[int], params: SamplingParams, param: str) -> None:
+    async def _check(self, body, ids: list[int], params: SamplingParams, param: str,
+                     grammar_field: str | None = None) -> None:
         """The engine's own admission checks, here before anything is queued: the request against
         the model (LLMEngine.check_request), and its grammar compiled (off this loop and off the
         engine thread; once per distinct grammar), so that one the backend cannot build is a 400
@@ -342,7 +366,10 @@ class OpenAIServing:
                 await asyncio.wrap_future(self.engine.compile_grammar(params.structured_outputs))
         except InvalidRequest as e:
             # name the field the grammar came from (response_format, guided_json, ...)
-            param = structured_outputs_field(body) if e.param == "structured_outputs" else e.param
+            if e.param == "structured_outputs":
+                param = grammar_field or structured_outputs_field(body)
+            else:
+                param = e.param
             raise APIError(400, str(e), param) from None
 
     async def _start(self, request: Request, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:

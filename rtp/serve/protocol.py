@@ -24,7 +24,6 @@ from msgspec import Struct
 # What each unsupported field looks like when it asks for nothing: None, false, "" and empty
 # containers always; the values below too (the OpenAI client sends some of them by default).
 _INERT: dict[str, tuple] = {
-    "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "length_penalty": (1, 1.0),
@@ -112,7 +111,7 @@ class ChatMessage(Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: Any = None    # unsupported
+    tool_calls: Any = None    # an assistant's calls (rtp/serve/tools.py reads them)
     tool_call_id: str | None = None
 
 
@@ -124,9 +123,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # unsupported
+    # tool calling (rtp/serve/tools.py checks them)
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    # unsupported
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -141,7 +142,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 UNSUPPORTED_COMPLETION = tuple(_Unsupported.__struct_fields__) + ("suffix", "prompt_embeds")
 UNSUPPORTED_CHAT = tuple(_Unsupported.__struct_fields__) + (
-    "tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
+    "functions", "function_call", "audio", "modalities", "prediction",
     "web_search_options", "echo", "continue_final_message", "chat_template", "documents")
 
 
@@ -213,9 +214,35 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprob] | None
 
 
-class AssistantMessage(Struct):
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class AssistantMessage(Struct, omit_defaults=True):
+    # role has no default so that it is always written (omit_defaults leaves out tool_calls alone)
     content: str | None
-    role: str = "assistant"
+    role: str
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionCallDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    # the first delta of a call has its id, type and name; the next ones pieces of its arguments
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
 
 
 class ChatChoice(Struct):
@@ -236,9 +263,10 @@ class ChatCompletionResponse(Struct, kw_only=True):
 
 
 class ChatDelta(Struct, omit_defaults=True):
-    # the first chunk of a choice carries the role, the others only content
+    # the first chunk of a choice carries the role, the others content or tool calls
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -23,12 +23,18 @@ from rtp.serve.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCall,
+    FunctionCallDelta,
     PromptTokensDetails,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
     encoder,
 )
+from rtp.serve.tool_parsers import CallArguments, CallStart, Content
+from rtp.serve.tools import ToolPlan
 
 
 class _Render:
@@ -146,9 +152,14 @@ class CompletionRender(_Render):
 
 
 class ChatRender(_Render):
-    def __init__(self, request_id, model, tokenizer, prompts, n, *, top_logprobs: int | None):
+    def __init__(self, request_id, model, tokenizer, prompts, n, *, top_logprobs: int | None,
+                 tools: ToolPlan | None = None):
         super().__init__(request_id, model, tokenizer, prompts, n)
         self.top_logprobs = top_logprobs  # None: no logprobs
+        self.tools = tools
+        # streaming: one parser per choice reads its calls out of its text as it comes
+        self.parsers = [tools.new_parser() for _ in range(n)] if tools is not None else [None] * n
+        self.called = [False] * n
         self._choice = ChatChunkChoice(0, ChatDelta())
         self._chunk = ChatCompletionChunk(id=request_id, created=self.created, model=model,
                                           choices=[self._choice])
@@ -183,10 +194,39 @@ class ChatRender(_Render):
         for d in update.choices:
             if self._skip(d):
                 continue
-            c.index, c.finish_reason, c.stop_reason = d.index, d.finish_reason, d.stop_reason
-            c.delta.content = d.text or None
+            reason, content, calls = d.finish_reason, d.text or None, None
+            parser = self.parsers[d.index]
+            if parser is not None:
+                events = parser.feed(d.text) if d.text else []
+                if reason is not None:
+                    events += parser.finish()
+                content, calls = self._tool_delta(d.index, events)
+                if reason == "stop" and self.called[d.index]:
+                    reason = "tool_calls"
+                if content is None and calls is None and reason is None and not d.logprobs:
+                    continue  # held back: it may be the start of a call
+            c.index, c.finish_reason, c.stop_reason = d.index, reason, d.stop_reason
+            c.delta.content, c.delta.tool_calls = content, calls
             c.logprobs = self._logprobs(d.logprobs) if self.top_logprobs is not None and d.logprobs else None
             self._event(self._chunk, buf)
+        c.delta.tool_calls = None
+
+    def _tool_delta(self, index: int, events: list) -> tuple[str | None, list[ToolCallDelta] | None]:
+        """A parser's events as one delta: its content, and its calls as OpenAI streams them (a
+        call's id, type and name first, then its arguments in pieces)."""
+        content, calls = [], []
+        for e in events:
+            if isinstance(e, Content):
+                content.append(e.text)
+            elif isinstance(e, CallStart):
+                self.called[index] = True
+                calls.append(ToolCallDelta(e.index, e.id, "function", FunctionCallDelta(e.name, "")))
+            elif isinstance(e, CallArguments):
+                if calls and calls[-1].index == e.index:
+                    calls[-1].function.arguments += e.text
+                else:
+                    calls.append(ToolCallDelta(e.index, function=FunctionCallDelta(arguments=e.text)))
+        return "".join(content) or None, calls or None
 
     def usage_chunk(self) -> bytes:
         buf = bytearray()
@@ -199,6 +239,14 @@ class ChatRender(_Render):
         for index, parts in enumerate(self.texts):
             logprobs = self._logprobs(self.entries[index]) if self.top_logprobs is not None else None
             reason, stop = self.finish[index]
-            choices.append(ChatChoice(index, AssistantMessage("".join(parts)), logprobs, reason, stop))
+            message = AssistantMessage("".join(parts), "assistant")
+            parser = self.tools.new_parser() if self.tools is not None else None
+            if parser is not None:
+                parsed = parser.parse(message.content)
+                if parsed.calls:
+                    message = AssistantMessage(parsed.content, "assistant", tool_calls=[
+                        ToolCall(call.id, FunctionCall(call.name, call.arguments)) for call in parsed.calls])
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append(ChatChoice(index, message, logprobs, reason, stop))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage())

@@ -51,7 +51,8 @@ def serve(config: EngineConfig, options: ServeConfig) -> int:
         log.warning("the /rpc routes are open to anyone who can reach %s:%d: pass --rpc-token", options.host,
                     options.port)
     serving = OpenAIServing(async_engine, metrics, model_names=names, api_key=options.api_key,
-                            max_body_bytes=options.max_body_bytes, max_queue=options.max_queue, pd=pd)
+                            max_body_bytes=options.max_body_bytes, max_queue=options.max_queue, pd=pd,
+                            tool_call_parser=options.tool_call_parser)
     metrics.read_healthy = lambda: async_engine.dead is None
     asyncio.run(_run(serving, options))
     if async_engine.dead is not None:  # for the supervisor (systemd, Kubernetes) to restart it
