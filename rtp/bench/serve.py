@@ -11,6 +11,12 @@ Datasets:
   random         prompts of random tokens, --input-len tokens each (--range-ratio spreads it)
   shared-prefix  --num-prefixes system prompts of --prefix-len tokens, each followed by
                  questions of --input-len tokens: request i uses prefix i mod N
+  json-schema    random prompts, each request with a JSON Schema of its own (response_format
+                 json_schema, strict; rtp/bench/schemas.py). Run twice, side by side: the same
+                 workload unconstrained (other prompts of the same lengths, so that the prefix
+                 cache favours neither), then constrained; the table compares the two and, against
+                 rtp serve, adds the grammar's figures from /metrics: compile time per schema
+                 (P50/P99) and the bitmask's cost per step
 
 Prompts are random token ids of --tokenizer (default: rtp's default model) decoded to
 text, so the same run works against any server. Against `rtp serve`, the CPU time
@@ -38,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model name to send (default: the first the server lists at /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as Authorization: Bearer (default: $OPENAI_API_KEY)")
-    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "json-schema"])
     p.add_argument("--num-prompts", type=int, default=200, help="requests to send (default 200)")
     p.add_argument("--input-len", "--random-input-len", type=int, default=256,
                    help="prompt tokens (shared-prefix: the question's) (default 256)")
@@ -70,6 +76,7 @@ class Request:
     system: str | None = None           # /v1/chat/completions: the system prompt, if any
     user: str | None = None
     max_tokens: int = 128
+    schema: dict | None = None          # json-schema: the response_format's schema
 
 
 @dataclass
@@ -86,10 +93,12 @@ class Result:
 # -- the workload -------------------------------------------------------------------------------------
 
 
-def make_requests(args, tokenizer) -> list[Request]:
+def make_requests(args, tokenizer, seed: int | None = None, constrained: bool = False) -> list[Request]:
     import numpy as np
 
-    rng = np.random.default_rng(args.seed)
+    from rtp.bench.schemas import make_schema
+
+    rng = np.random.default_rng(args.seed if seed is None else seed)
     special = set(tokenizer.backend.get_added_tokens_decoder())
     vocab = np.array([t for t in range(tokenizer.backend.get_vocab_size()) if t not in special])
 
@@ -107,10 +116,14 @@ def make_requests(args, tokenizer) -> list[Request]:
     for i in range(args.num_prompts):
         question, out = text(length(args.input_len)), length(args.output_len)
         system = prefixes[i % len(prefixes)] if prefixes else None
+        schema = make_schema(i, args.seed) if constrained else None
+        if args.dataset == "json-schema":
+            question = "Answer in JSON. " + question
         if chat:
-            requests.append(Request(system=system, user=question, max_tokens=out))
+            requests.append(Request(system=system, user=question, max_tokens=out, schema=schema))
         else:
-            requests.append(Request(prompt=(system + "\n" if system else "") + question, max_tokens=out))
+            requests.append(Request(prompt=(system + "\n" if system else "") + question, max_tokens=out,
+                                    schema=schema))
     return requests
 
 
@@ -119,6 +132,9 @@ def _payload(args, model: str, req: Request) -> dict:
             "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if req.schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "reply", "schema": req.schema, "strict": True}}
     if req.prompt is not None:
         body["prompt"] = req.prompt
     else:
@@ -333,6 +349,8 @@ def main(args: argparse.Namespace) -> int:
         from rtp.checkpoint.default_model import default_model_path
 
         tokenizer = Tokenizer.from_pretrained(default_model_path())
+    if args.dataset == "json-schema":
+        return _json_schema_main(args, tokenizer)
     try:
         model = args.model or asyncio.run(_first_model(args))
         requests = make_requests(args, tokenizer)
@@ -364,3 +382,121 @@ def main(args: argparse.Namespace) -> int:
         print(f"results written to {path}", file=sys.stderr)
     print(msgspec.json.encode(figures).decode())
     return 0 if figures["completed"] else 1
+
+
+# -- --dataset json-schema: constrained against unconstrained, side by side ---------------------------
+
+
+async def grammar_metrics(args) -> dict:
+    """rtp serve's grammar figures from /metrics ({} from a server without them)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            text = (await client.get(args.base_url.rstrip("/") + "/metrics", headers=headers)).text
+    except httpx.HTTPError:
+        return {}
+    out: dict = {"buckets": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "rtp:grammar_compile_seconds_bucket":
+                out["buckets"][float(sample.labels["le"])] = sample.value
+            elif sample.name.startswith("rtp:grammar_") and not sample.name.endswith("_created"):
+                out[sample.name.removeprefix("rtp:grammar_")] = sample.value
+    return out if out["buckets"] else {}
+
+
+def _histogram_quantile(q: float, buckets: dict[float, float]) -> float:
+    """Prometheus' histogram_quantile: linear within the bucket the quantile falls in."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def _grammar_figures(before: dict, after: dict) -> dict:
+    if not after:
+        return {}
+    buckets = {b: after["buckets"][b] - before.get("buckets", {}).get(b, 0.0) for b in after["buckets"]}
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("steps_total")
+    return {"compiles": delta("compile_seconds_count"),
+            "compile_p50_ms": 1000 * _histogram_quantile(0.5, buckets),
+            "compile_p99_ms": 1000 * _histogram_quantile(0.99, buckets),
+            "compile_mean_ms": 1000 * delta("compile_seconds_sum") / max(1.0, delta("compile_seconds_count")),
+            "constrained_steps": steps, "rows_per_step": delta("rows_total") / max(1.0, steps),
+            "bitmask_ms_per_step": 1000 * delta("bitmask_seconds_total") / max(1.0, steps),
+            "advance_ms_per_step": 1000 * delta("advance_seconds_total") / max(1.0, steps)}
+
+
+def _json_schema_main(args, tokenizer) -> int:
+    import msgspec
+
+    try:
+        model = args.model or asyncio.run(_first_model(args))
+        # other prompts of the same lengths for the unconstrained pass: the prefix cache favours neither
+        bound = make_requests(args, tokenizer, constrained=True)
+        before = asyncio.run(grammar_metrics(args))
+        bound_results, bound_duration = asyncio.run(_run(args, model, bound))
+        after = asyncio.run(grammar_metrics(args))
+        # the same work unconstrained: each request runs to the length its constrained twin had
+        # (a grammar that completes ends its request early; fewer tokens per prompt is not the
+        # grammar's cost), on other prompts of the same lengths so the prefix cache favours neither
+        free = make_requests(args, tokenizer, seed=args.seed + 1000)
+        for request, twin in zip(free, bound_results):
+            request.max_tokens = max(1, twin.output_tokens)
+        free_args = argparse.Namespace(**{**vars(args), "ignore_eos": True})
+        free_results, free_duration = asyncio.run(_run(free_args, model, free))
+    except Exception as e:
+        print(f"rtp bench serve: {e}", file=sys.stderr)
+        return 1
+    figures = {"unconstrained": summarize(args, model, free_results, free_duration),
+               "constrained": summarize(args, model, bound_results, bound_duration)}
+    u, c = figures["unconstrained"], figures["constrained"]
+    figures["constrained_over_unconstrained_output_throughput"] = \
+        c["output_throughput"] / u["output_throughput"] if u["output_throughput"] else 0.0
+    figures["grammar"] = _grammar_figures(before, after)
+
+    def row(label, key, fmt="{:.2f}"):
+        print(f"{label:<34}{fmt.format(u[key]):>14}{fmt.format(c[key]):>14}")
+
+    print("{s:{c}^{n}}".format(s=" JSON Schema Benchmark ", n=62, c="="))
+    print(f"{'':<34}{'unconstrained':>14}{'constrained':>14}")
+    row("Successful requests:", "completed", "{}")
+    row("Duration (s):", "duration")
+    row("Generated tokens:", "total_output_tokens", "{}")
+    print(f"{'Mean output tokens per request:':<34}{u['total_output_tokens'] / max(1, u['completed']):>14.1f}"
+          f"{c['total_output_tokens'] / max(1, c['completed']):>14.1f}")
+    row("Output throughput (tok/s):", "output_throughput")
+    for key in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms"):
+        row(key.replace("_ms", " (ms):").replace("_", " ").capitalize(), key)
+    print(f"{'Constrained / unconstrained tok/s:':<34}{figures['constrained_over_unconstrained_output_throughput']:>28.3f}")
+    g = figures["grammar"]
+    if g:
+        print("{s:{c}^{n}}".format(s=" Grammar (rtp serve's /metrics) ", n=62, c="-"))
+        for label, key in (("Schemas compiled:", "compiles"), ("Compile P50 (ms):", "compile_p50_ms"),
+                           ("Compile P99 (ms):", "compile_p99_ms"), ("Compile mean (ms):", "compile_mean_ms"),
+                           ("Constrained rows per step:", "rows_per_step"),
+                           ("Bitmask fill per step (ms):", "bitmask_ms_per_step"),
+                           ("Grammar advance per step (ms):", "advance_ms_per_step")):
+            print(f"{label:<34}{g[key]:>28.3f}")
+    print("=" * 62)
+    failed = [r.error for r in bound_results + free_results if not r.ok]
+    if failed:
+        print(f"{len(failed)} requests failed; the first: {failed[0]}", file=sys.stderr)
+    print(msgspec.json.encode(figures).decode())
+    return 0 if c["completed"] and u["completed"] else 1

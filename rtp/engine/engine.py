@@ -246,12 +246,13 @@ class LLMEngine:
             self._channel.send_step()
         plan = self.scheduler.plan
         rids = self.runner.sample_req_ids().tolist()
+        slots = plan.sample_slots[:plan.num_samples]
+        self.grammars.prefetch(slots)  # the masks are filled beside the forward, not after it
         self.handoff.arm(rids)
         try:
             logits = self.runner.forward()
         finally:
             self.handoff.disarm()
-        slots = plan.sample_slots[:plan.num_samples]
         sampled = self.sampler.sample(logits, self.sampling, slots, self.scheduler, grammars=self.grammars,
                                       eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size)
         refused, complete = self.grammars.advance(slots, sampled.token_ids, set(sampled.failed))
@@ -392,6 +393,8 @@ class LLMEngine:
         stats = self.scheduler.stats()
         if self.balancer is not None:
             stats["eplb"] = self.balancer.stats()
+        if self._grammar_compiler is not None:  # once a request brought a structured output
+            stats["grammar"] = {**self._grammar_compiler.stats(), **self.grammars.stats()}
         return stats
 
 

@@ -22,9 +22,11 @@ token 32w + j; rtp/kernels/cpu_kernels.py apply_token_bitmask writes -inf where 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -39,6 +41,9 @@ from rtp.sampling_params import StructuredOutputs
 # (small models given free whitespace can fill max_tokens with newlines inside a valid document)
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _CACHE_SIZE = 1024  # compiled grammars kept (an LRU by content)
+# upper bounds (seconds) of the compile-time histogram /metrics exports as rtp:grammar_compile_seconds
+COMPILE_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
+                   1.0, 2.0, 4.0)
 
 
 def _llguidance():
@@ -60,6 +65,10 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="rtp-grammar")
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
+        # compiles (cache misses) and their times, for /metrics: counts per COMPILE_BUCKETS bound, +Inf last
+        self.compiles = 0
+        self.compile_seconds = 0.0
+        self.compile_buckets = [0] * (len(COMPILE_BUCKETS) + 1)
 
     def compile(self, spec: StructuredOutputs) -> Future:
         """A future of the spec's matcher template (a fresh llguidance LLMatcher, its grammar built);
@@ -81,6 +90,22 @@ class GrammarCompiler:
         return self.compile(spec).result().deep_copy()
 
     def _build(self, spec: StructuredOutputs):
+        start = time.perf_counter()
+        try:
+            return self._build_matcher(spec)
+        finally:
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self.compiles += 1
+                self.compile_seconds += seconds
+                self.compile_buckets[bisect.bisect_left(COMPILE_BUCKETS, seconds)] += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"compiles": self.compiles, "compile_seconds": self.compile_seconds,
+                    "compile_buckets": list(self.compile_buckets)}
+
+    def _build_matcher(self, spec: StructuredOutputs):
         llg = _llguidance()
         grammar = grammar_text(spec)
         error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
@@ -139,26 +164,58 @@ class GrammarSlots:
         self.bitmask = torch.full((max_rows, words), -1, dtype=torch.int32)
         self._bitmask_np = self.bitmask.numpy()
         self._executor = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._prefetched: tuple[np.ndarray, Future] | None = None
+        # the grammar's work in the step, for /metrics: steps with constrained rows, their rows, and
+        # the seconds spent filling masks and advancing matchers
+        self.steps = self.rows = 0
+        self.fill_seconds = self.advance_seconds = 0.0
 
     def set(self, slot: int, matcher) -> None:
         """The request admitted at `slot` runs under `matcher` (None: unconstrained)."""
         self.matchers[slot] = matcher
         self.constrained[slot] = matcher is not None
 
+    def stats(self) -> dict:
+        return {"steps": self.steps, "rows": self.rows, "fill_seconds": self.fill_seconds,
+                "advance_seconds": self.advance_seconds}
+
     def executor(self):
         if self._executor is None:
             self._executor = _llguidance().LLExecutor()
         return self._executor
 
+    def prefetch(self, slots: np.ndarray) -> None:
+        """Start filling the step's masks on a thread of its own: the matchers have taken every
+        token up to this step, so the masks need not wait for the logits (llguidance releases
+        the GIL; the forward runs meanwhile). `fill` with the same slots collects them."""
+        if not self.constrained[slots].any():
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="rtp-bitmask")
+        self._prefetched = (slots.copy(), self._pool.submit(self._fill, slots.copy()))
+
     def fill(self, slots: np.ndarray) -> np.ndarray:
         """Fill the bitmask for the constrained rows among `slots` (one per sampling row); their
         row indices (mask row i belongs to logits row rows[i]). A matcher in error leaves its
         row all allowed: the token it then consumes fails the request (advance)."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            rows = prefetched[1].result()
+            if np.array_equal(prefetched[0], slots):
+                return rows
+        return self._fill(slots)
+
+    def _fill(self, slots: np.ndarray) -> np.ndarray:
         rows = np.flatnonzero(self.constrained[slots])
         if rows.size:
+            start = time.perf_counter()
             pairs = [(self.matchers[int(slots[r])], i) for i, r in enumerate(rows.tolist())]
             self.executor().unsafe_compute_mask_ptr(pairs, self._bitmask_np.ctypes.data,
                                                     self._bitmask_np.shape[1] * 4, len(pairs))
+            self.fill_seconds += time.perf_counter() - start
+            self.steps += 1
+            self.rows += int(rows.size)
         return rows
 
     def advance(self, slots: np.ndarray, tokens: np.ndarray, skip: set[int]) -> tuple[dict[int, Exception], set[int]]:
@@ -167,8 +224,10 @@ class GrammarSlots:
         rows = [r for r in np.flatnonzero(self.constrained[slots]).tolist() if r not in skip]
         if not rows:
             return {}, set()
+        start = time.perf_counter()
         matchers = [self.matchers[int(slots[r])] for r in rows]
         ok = self.executor().consume_token_par([(m, int(tokens[r])) for m, r in zip(matchers, rows)])
+        self.advance_seconds += time.perf_counter() - start
         failed, done = {}, set()
         for r, m, accepted in zip(rows, matchers, ok):
             if not accepted or m.is_error():

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -149,9 +149,31 @@ class _EngineCollector:
         # (parsing, tokenizing, SSE encoding, metrics): the server's own overhead next to
         # process_cpu_seconds_total, which adds the engine's threads
         yield counter("event_loop_cpu_seconds", "CPU time of the event loop thread.", time.thread_time())
+        grammar = s.get("grammar")
+        if grammar:  # structured outputs (rtp/engine/grammar.py)
+            yield from self._grammar(grammar, name, counter)
         eplb = s.get("eplb")
         if eplb:  # --enable-eplb on a MoE model (rtp/engine/expert_balancer.py)
             yield from self._eplb(eplb, name, gauge, counter)
+
+    def _grammar(self, g: dict, name: list[str], counter):
+        from rtp.engine.grammar import COMPILE_BUCKETS
+
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, COMPILE_BUCKETS), "+Inf"], g["compile_buckets"]):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        h = HistogramMetricFamily("rtp:grammar_compile_seconds", "Time to build one structured output's grammar "
+                                  "(each distinct one once; later requests hit the cache).", labels=["model_name"])
+        h.add_metric(name, buckets, g["compile_seconds"])
+        yield h
+        yield counter("grammar_steps", "Engine steps with rows under a grammar.", g["steps"])
+        yield counter("grammar_rows", "Rows sampled under a grammar.", g["rows"])
+        yield counter("grammar_bitmask_seconds", "Seconds filling the token bitmask of constrained rows (on a thread of its own, "
+                      "beside the forward: not all of it adds to a step).",
+                      g["fill_seconds"])
+        yield counter("grammar_advance_seconds", "Seconds advancing grammars by the sampled tokens.",
+                      g["advance_seconds"])
 
     def _eplb(self, eplb: dict, name: list[str], gauge, counter):
         ratio = GaugeMetricFamily("rtp:eplb_rank_load_ratio", "Most over least loaded rank's routed tokens, per "
