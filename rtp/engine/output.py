@@ -213,9 +213,11 @@ class OutputProcessor:
             elif delta.error is not None:
                 continue
             token, reason = int(tokens[i]), FINISH_REASONS[int(finish[i])]
-            if reason is None and choice.rid in ended:
+            if choice.rid in ended and reason in (None, "remote"):
+                # its grammar is complete: it ends here (a prefill-only request too, as a stop string
+                # on its first token does); the runtime still holds it: the engine aborts it there
                 reason = "stop"
-                self.stopped.append(choice.rid)  # the runtime still runs it: the engine aborts it there
+                self.stopped.append(choice.rid)
             entry = None
             if request.params.logprobs is not None and logprobs is not None:
                 entry = logprobs.entry(rows[choice.rid], token, request.params.logprobs)

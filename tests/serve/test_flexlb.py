@@ -259,6 +259,27 @@ def test_bad_input_passes_through_unretried(cluster):
     assert metric(master.url, "rtp:route_retries_total")[""] == retries
 
 
+def test_structured_outputs_through_the_master(cluster):
+    """response_format and its 400s pass through `rtp route` as they are, to P/D pairs and
+    collocated workers alike."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    reference = openai.OpenAI(base_url=cluster["collocated"].url + "/v1", api_key="unused", max_retries=0)
+    want = reference.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A person:"}],
+                                             max_tokens=40, temperature=0, response_format=fmt)
+    for master in ("master", "master_co"):
+        got = client_of(cluster[master]).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "A person:"}], max_tokens=40, temperature=0,
+            response_format=fmt)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        json.loads(got.choices[0].message.content)
+        r = httpx.post(cluster[master].url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "guided_regex": "a(b"})
+        assert error_of(r, 400)["param"] == "guided_regex"
+
+
 def test_killing_a_prefill_worker(cluster):
     """Streams it was relaying fail with an error; requests that had not started are retried
     elsewhere; the master keeps serving."""
