@@ -451,7 +451,10 @@ def _json_schema_main(args, tokenizer) -> int:
         # other prompts of the same lengths for the unconstrained pass: the prefix cache favours neither
         bound = make_requests(args, tokenizer, constrained=True)
         before = asyncio.run(grammar_metrics(args))
-        bound_results, bound_duration = asyncio.run(_run(args, model, bound))
+        # constrained requests end where their document does (--ignore-eos would keep some servers
+        # generating after the grammar completed), up to --output-len tokens
+        bound_args = argparse.Namespace(**{**vars(args), "ignore_eos": False})
+        bound_results, bound_duration = asyncio.run(_run(bound_args, model, bound))
         after = asyncio.run(grammar_metrics(args))
         # the same work unconstrained: each request runs to the length its constrained twin had
         # (a grammar that completes ends its request early; fewer tokens per prompt is not the
