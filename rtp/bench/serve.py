@@ -395,16 +395,19 @@ async def grammar_metrics(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         async with httpx.AsyncClient(timeout=10) as client:
-            text = (await client.get(args.base_url.rstrip("/") + "/metrics", headers=headers)).text
+            response = await client.get(args.base_url.rstrip("/") + "/metrics", headers=headers)
     except httpx.HTTPError:
         return {}
     out: dict = {"buckets": {}}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "rtp:grammar_compile_seconds_bucket":
-                out["buckets"][float(sample.labels["le"])] = sample.value
-            elif sample.name.startswith("rtp:grammar_") and not sample.name.endswith("_created"):
-                out[sample.name.removeprefix("rtp:grammar_")] = sample.value
+    try:
+        for family in text_string_to_metric_families(response.text if response.status_code == 200 else ""):
+            for sample in family.samples:
+                if sample.name == "rtp:grammar_compile_seconds_bucket":
+                    out["buckets"][float(sample.labels["le"])] = sample.value
+                elif sample.name.startswith("rtp:grammar_") and not sample.name.endswith("_created"):
+                    out[sample.name.removeprefix("rtp:grammar_")] = sample.value
+    except ValueError:  # not Prometheus text: a server without /metrics
+        return {}
     return out if out["buckets"] else {}
 
 

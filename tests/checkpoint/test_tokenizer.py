@@ -234,3 +234,23 @@ def test_errors(tmp_path):
     junk.write_text("not a gguf")
     with pytest.raises(GGUFError, match="not a GGUF file"):
         Tokenizer.from_pretrained(junk)
+
+
+def test_chat_templates_rtp_ships_and_files(default_gguf, tmp_path):
+    tok = Tokenizer.from_pretrained(default_gguf)
+    plain = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    tok.use_chat_template("chatml-tools")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == plain  # no tools: the same
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    assert '"name": "lookup"' in tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools,
+                                                         tokenize=False)
+    mine = tmp_path / "t.jinja"
+    mine.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    tok.use_chat_template(str(mine))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+    with pytest.raises(FileNotFoundError, match="chatml-tools"):
+        tok.use_chat_template("no-such-template")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    with pytest.raises(Exception, match="does not parse"):
+        tok.use_chat_template(str(broken))

@@ -51,6 +51,8 @@ class FakeServer:
             return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None,
                                            "code": 500}}, status_code=500)
         chat = "messages" in body
+        # a grammar that completes ends a request early: the fake writes half as many tokens
+        tokens = body["max_tokens"] // 2 + 1 if body.get("response_format") else body["max_tokens"]
 
         async def events():
             self.in_flight += 1
@@ -58,12 +60,11 @@ class FakeServer:
             try:
                 if chat:
                     yield b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
-                for i in range(body["max_tokens"]):
+                for i in range(tokens):
                     await asyncio.sleep(0.002)
                     piece = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
                     yield b"data: " + msgspec.json.encode({"choices": [piece]}) + b"\n\n"
-                usage = {"prompt_tokens": 10, "completion_tokens": body["max_tokens"],
-                         "total_tokens": 10 + body["max_tokens"]}
+                usage = {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens}
                 yield b"data: " + msgspec.json.encode({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
             finally:
                 self.in_flight -= 1
@@ -167,6 +168,27 @@ def test_shared_prefix_chat_and_length_ranges(fake, tokenizer_json):
     assert len({b["messages"][1]["content"] for b in bodies}) == 12
     assert all(4 <= b["max_tokens"] <= 12 and b["ignore_eos"] for b in bodies)
     assert figures["total_output_tokens"] == sum(b["max_tokens"] for b in bodies)
+
+
+def test_json_schema_runs_constrained_then_the_same_work_unconstrained(fake, tokenizer_json):
+    fake.reset()
+    figures, table = bench(fake, tokenizer_json, "--dataset", "json-schema", "--num-prompts", "8", "--input-len",
+                           "16", "--output-len", "12", "--range-ratio", "0.5", "--ignore-eos", "--max-concurrency", "1",
+                           "--disable-tqdm")
+    bound = [b for b in fake.bodies if b.get("response_format")]
+    free = [b for b in fake.bodies if not b.get("response_format")]
+    assert len(bound) == 9 and len(free) == 9  # each pass probes once first
+    schemas = [json.dumps(b["response_format"]["json_schema"]["schema"], sort_keys=True) for b in bound[1:]]
+    assert len(set(schemas)) == 8 and all(b["response_format"]["json_schema"]["strict"] for b in bound)
+    assert not any(b.get("ignore_eos") for b in bound) and all(b["ignore_eos"] for b in free)
+    # each unconstrained request as long as its constrained twin was, on a prompt of its own
+    assert [b["max_tokens"] for b in free[1:]] == [b["max_tokens"] // 2 + 1 for b in bound[1:]]
+    assert {b["prompt"] for b in free[1:]}.isdisjoint(b["prompt"] for b in bound[1:])
+    u, c = figures["unconstrained"], figures["constrained"]
+    assert u["total_output_tokens"] == c["total_output_tokens"] == sum(b["max_tokens"] for b in free[1:])
+    assert figures["constrained_over_unconstrained_output_throughput"] > 0
+    assert figures["grammar"] == {}  # the fake has no /metrics
+    assert "Constrained / unconstrained" in table
 
 
 def test_failed_requests_are_counted(fake, tokenizer_json):
