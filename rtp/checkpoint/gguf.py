@@ -137,14 +137,29 @@ def _field_value(field) -> Any:
     return scalar(field.parts[field.data[0]], vtype)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=8)
 def _read(path: str, size: int, mtime_ns: int):
     """gguf's reader over one file version (size and mtime in the key). Parsing takes 2.6 s for
     the default model and a start reads the file twice (the loader, then the tokenizer): the
-    last file parsed is kept, memory-mapped."""
+    last files parsed (a split GGUF's parts) are kept, memory-mapped."""
     from gguf import GGUFReader
 
     return GGUFReader(path, "r")
+
+
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def _open(path: Path):
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != _MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (starts with {magic!r}, not {_MAGIC!r})")
+    stat = path.stat()
+    try:
+        return _read(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on damage
+        raise GGUFError(f"{path}: cannot parse GGUF: {e}") from e
 
 
 class GGUFFile:
@@ -156,16 +171,26 @@ class GGUFFile:
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         if not self.path.is_file():
             raise GGUFError(f"{self.path} is not a file (expected a .gguf checkpoint)")
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != _MAGIC:
-            raise GGUFError(f"{self.path} is not a GGUF file (starts with {magic!r}, not {_MAGIC!r})")
-        stat = self.path.stat()
-        try:
-            self.reader = _read(str(self.path.resolve()), stat.st_size, stat.st_mtime_ns)
-        except Exception as e:  # the reader raises ValueError/struct.error/IndexError on damage
-            raise GGUFError(f"{self.path}: cannot parse GGUF: {e}") from e
+        self.reader = _open(self.path)
         self._values: dict[str, Any] = {}
+        # a split GGUF (llama.cpp's gguf-split: NAME-00001-of-0000N.gguf): the metadata is the first
+        # part's, the tensors are spread over all N, each part a file of its own
+        self.parts: list[tuple[Path, Any]] = [(self.path, self.reader)]
+        count = int(self.get("split.count", 1) or 1)
+        if count > 1:
+            split = _SPLIT_NAME.match(self.path.name)
+            if split is None or int(split["part"]) != 1:
+                raise GGUFError(f"{self.path} is part of a split GGUF of {count} files: load its first part "
+                                "(NAME-00001-of-0000N.gguf)")
+            for k in range(2, count + 1):
+                part = self.path.with_name(f"{split['stem']}-{k:05d}-of-{split['count']}.gguf")
+                if not part.is_file():
+                    raise GGUFError(f"{self.path}: part {k} of {count} of this split GGUF is missing ({part})")
+                self.parts.append((part, _open(part)))
+
+    def all_tensors(self) -> list[tuple[Path, Any]]:
+        """(file, gguf tensor) of every tensor, part by part, each part's in data-offset order."""
+        return [(path, t) for path, reader in self.parts for t in sorted(reader.tensors, key=lambda t: t.data_offset)]
 
     def get(self, key: str, default: Any = None) -> Any:
         """One metadata value by its GGUF key (e.g. 'llama.block_count'), decoded and cached."""
@@ -222,7 +247,7 @@ class GGUFCheckpoint(GGUFFile):
         def key(name, default=None):
             return self.get(f"{arch}.{name}", default)
 
-        names = {t.name for t in self.reader.tensors}
+        names = {t.name for _, t in self.all_tensors()}
         hidden = key("embedding_length")
         heads = key("attention.head_count")
         required = {"embedding_length": hidden, "attention.head_count": heads,
@@ -234,7 +259,7 @@ class GGUFCheckpoint(GGUFFile):
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")
         vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
         if vocab is None:
-            embd = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+            embd = next((t for _, t in self.all_tensors() if t.name == "token_embd.weight"), None)
             vocab = int(embd.shape[-1]) if embd is not None else None
         head_dim = key("attention.key_length") or hidden // heads
 
@@ -289,7 +314,7 @@ class GGUFCheckpoint(GGUFFile):
 
     @property
     def num_tensors(self) -> int:
-        return len(self.reader.tensors)
+        return sum(len(reader.tensors) for _, reader in self.parts)
 
     def records(self) -> list[TensorRecord]:
         """Where each model tensor's bytes lie and how they decode (to fp32, HF name and shape,
@@ -298,26 +323,26 @@ class GGUFCheckpoint(GGUFFile):
         Every tensor's name, type and extent is checked here, so a bad file fails before
         anything is read, not half-way through loading.
         """
-        size = self.path.stat().st_size
+        sizes = {path: path.stat().st_size for path, _ in self.parts}
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         records = []
-        for t in sorted(self.reader.tensors, key=lambda t: t.data_offset):
+        for path, t in self.all_tensors():
             if t.name in _SKIPPED:
                 log.warning("%s: skipping %s (no HF parameter; rope scaling from it is not applied)",
-                            self.path.name, t.name)
+                            path.name, t.name)
                 continue
-            _check_dequantizable(t, self.path)
+            _check_dequantizable(t, path)
             name = hf_tensor_name(t.name)
             begin, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise CheckpointError(f"{self.path}: tensor {t.name} ({name}) lies at [{begin}, {end}), "
-                                      f"past the end of the file ({size} bytes): truncated or corrupt")
+            if end > sizes[path]:
+                raise CheckpointError(f"{path}: tensor {t.name} ({name}) lies at [{begin}, {end}), "
+                                      f"past the end of the file ({sizes[path]} bytes): truncated or corrupt")
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             proj = name.rsplit(".", 2)[-2] if permute else None
             decode = partial(_decode, qtype=t.tensor_type, shape=shape, name=t.name,
                              unpermute_heads=heads.get(proj))
-            records.append(TensorRecord(name, self.path, begin, end, shape, torch.float32, decode))
+            records.append(TensorRecord(name, path, begin, end, shape, torch.float32, decode))
         return records
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -338,7 +363,7 @@ class GGUFCheckpoint(GGUFFile):
         kinds = {Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
-        for t in sorted(self.reader.tensors, key=lambda t: t.data_offset):
+        for _, t in self.all_tensors():
             if t.tensor_type not in kinds or t.name in _SKIPPED or not t.name.endswith(".weight"):
                 continue
             name = hf_tensor_name(t.name)

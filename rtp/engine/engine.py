@@ -30,6 +30,7 @@ import torch
 
 from rtp.checkpoint import open_checkpoint
 from rtp.checkpoint.loader import load_model
+from rtp.checkpoint.hub import resolve_model
 from rtp.checkpoint.tokenizer import Tokenizer
 from rtp.config import EngineConfig, ModelConfig
 from rtp.distributed import world_rank, world_size
@@ -63,9 +64,7 @@ class LLMEngine:
         if self.compile:
             _use_rtp_compile_cache()
         self.dtype = resolve_dtype(load.dtype, device)
-        path = Path(load.model).expanduser() if load.model else _default_model()
-        if not path.exists():
-            raise FileNotFoundError(f"model path {path} does not exist")
+        path = resolve_model(load.model, load.revision) if load.model else _default_model()
         self.model_path = path
         checkpoint = open_checkpoint(path)  # headers only, parsed once for everything below
         declared = ModelConfig.from_hf(checkpoint.config)
@@ -75,12 +74,13 @@ class LLMEngine:
                                         self.compile) if eplb.enable else (0, 0))
         self.model, self.model_config = load_model(path, self.dtype, self.device, redundant_experts=spare,
                                                    checkpoint=checkpoint)
-        self.tokenizer = Tokenizer.from_pretrained(Path(load.tokenizer).expanduser() if load.tokenizer else path)
+        self.tokenizer = Tokenizer.from_pretrained(resolve_model(load.tokenizer) if load.tokenizer else path)
         if load.chat_template:
             self.tokenizer.use_chat_template(load.chat_template)
         if self.tokenizer.backend.get_vocab_size() > self.model_config.vocab_size:
-            raise ValueError(f"the tokenizer has {self.tokenizer.backend.get_vocab_size()} tokens, more than the "
-                             f"model's vocabulary of {self.model_config.vocab_size}: not this model's tokenizer")
+            # prompts holding the extra ids are refused (check_request); say why once, up front
+            log.warning("the tokenizer has %d tokens, more than the model's vocabulary of %d: is it this "
+                        "model's tokenizer?", self.tokenizer.backend.get_vocab_size(), self.model_config.vocab_size)
         mc: ModelConfig = self.model_config
         self.max_model_len = min(sched.max_model_len or min(mc.max_position_embeddings, 8192),
                                  mc.max_position_embeddings)

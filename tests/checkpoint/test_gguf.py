@@ -130,9 +130,9 @@ def _gguf_name(hf: str) -> str:
 
 
 def _write_tiny(path: Path, weights: dict, *, arch="llama", qtype_for=lambda name: Q.F32,
-                extra=None) -> dict[str, np.ndarray]:
+                extra=None, split_max_tensors: int = 0) -> dict[str, np.ndarray]:
     """Write `weights` as llama.cpp would; return what rtp should read back for each HF name."""
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_architecture()
     writer.add_name("tiny test llama")
     writer.add_context_length(256)
@@ -194,6 +194,26 @@ def test_tiny_llama_round_trip(tmp_path, qtype_for):
     assert cfg["tie_word_embeddings"] is False  # it has output.weight
     assert cfg["rms_norm_eps"] == 1e-6 and cfg["rope_theta"] == 500000.0
     assert cfg["vocab_size"] == 96 and cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
+
+
+def test_a_split_gguf_loads_as_one(tmp_path):
+    """llama.cpp's gguf-split layout: NAME-0000k-of-0000N.gguf, the metadata in the first part."""
+    weights = _tiny_hf_weights()
+    expected = _write_tiny(tmp_path / "tiny.gguf", weights, qtype_for=_q8_for_matrices, split_max_tensors=4)
+    parts = sorted(tmp_path.glob("tiny-*-of-*.gguf"))
+    assert len(parts) > 2 and parts[0].name.endswith("-00001-of-" + parts[-1].name[-10:])
+    ckpt = GGUFCheckpoint(parts[0])
+    got = dict(ckpt.tensors())
+    assert set(got) == set(weights) and ckpt.num_tensors == len(weights)
+    for name, w in expected.items():
+        assert torch.equal(got[name], torch.from_numpy(np.ascontiguousarray(w))), name
+    assert {r.path for r in ckpt.records()} == set(parts)
+    assert set(dict(ckpt.quantized())) == {n for n in weights if _q8_for_matrices(n) == Q.Q8_0}
+    with pytest.raises(GGUFError, match="load its first part"):
+        GGUFCheckpoint(parts[1])
+    parts[-1].unlink()
+    with pytest.raises(GGUFError, match=f"part {len(parts)} of {len(parts)} .* is missing"):
+        GGUFCheckpoint(parts[0])
 
 
 def test_tiny_qwen2_is_not_unpermuted(tmp_path):
