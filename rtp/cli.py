@@ -36,8 +36,30 @@ def _info(args: argparse.Namespace) -> int:
         info["cuda"] = torch.cuda.is_available()
     except ImportError:
         info["torch"] = None
+    else:
+        from rtp.checkpoint.default_model import rtp_home
+        from rtp.engine.tensor_parallel import threads_per_rank
+        from rtp.kernels import cpu_kernels
+
+        cpu_flags = torch.backends.cpu.get_cpu_capability()
+        # what a step runs on here: rtp's C kernels (RTP_CPU_KERNELS=0 turns them off), and which
+        # of their paths this CPU takes
+        info["cpu_kernels"] = {"active": cpu_kernels.available(), "amx": cpu_kernels.amx_available(),
+                               "cpu_flags": _cpu_flags(), "torch_cpu_capability": cpu_flags}
+        info["threads"] = threads_per_rank(1)
+        info["model_cache"] = str(rtp_home() / "models")
     print(json.dumps(info, indent=2))
     return 0
+
+
+def _cpu_flags() -> list[str]:
+    """The CPU features rtp's kernels choose their paths by, as /proc/cpuinfo names them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8") if f in flags]
 
 
 def _generate(args: argparse.Namespace) -> int:

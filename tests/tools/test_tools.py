@@ -1,6 +1,7 @@
 """The benchmark tools keep working (figures are not asserted: timing belongs in benchmarks)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,12 @@ def test_cli_help_and_info():
     info = json.loads(subprocess.run([sys.executable, "-m", "rtp", "info"], capture_output=True,
                                      text=True, check=True).stdout)
     assert info["runtime"].endswith(".so")
+    kernels = info["cpu_kernels"]
+    assert kernels["active"] == ("avx512_bf16" in kernels["cpu_flags"])  # the C kernels need AVX-512 BF16
+    assert kernels["amx"] <= ("amx_tile" in kernels["cpu_flags"]) and info["threads"] >= 1
+    off = json.loads(subprocess.run([sys.executable, "-m", "rtp", "info"], capture_output=True, text=True, check=True,
+                                    env={**os.environ, "RTP_CPU_KERNELS": "0"}).stdout)
+    assert off["cpu_kernels"]["active"] is False and off["cpu_kernels"]["amx"] is False
 
 
 def test_bench_eplb_small_trace_prints_a_json_last_line():
