@@ -4,8 +4,9 @@ incremental detokenizer for streaming.
 Two sources:
   HF directory   tokenizer.json (+ tokenizer_config.json for the chat template and
                  the bos/eos/pad names, generation_config.json for extra stop ids)
-  .gguf file     llama.cpp's `tokenizer.ggml.*` metadata, rebuilt into a byte-level
-                 BPE `tokenizers.Tokenizer` (see `_gguf_backend`)
+  .gguf file     llama.cpp's `tokenizer.ggml.*` metadata, rebuilt into a
+                 `tokenizers.Tokenizer`: byte-level BPE (tokenizer.ggml.model 'gpt2') or
+                 SentencePiece BPE ('llama': Llama-2, Mistral, Gemma); see `_gguf_backend`
 
 `IncrementalDetokenizer` turns a stream of ids into text pieces the way vLLM does:
 decode a short window twice (up to the last emitted token, and up to the newest)
@@ -16,16 +17,13 @@ character. Pieces concatenate to `decode(ids)`.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-
-log = logging.getLogger("rtp.tokenizer")
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 # Chat-turn and document terminators that stop generation when the vocabulary has
 # them as special tokens, besides the declared eos (llama.cpp's end-of-generation set
@@ -34,8 +32,14 @@ log = logging.getLogger("rtp.tokenizer")
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
                "<end_of_turn>", "<|end_of_text|>")
 
-# llama.cpp token types (tokenizer.ggml.token_type)
-_CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp token types (tokenizer.ggml.token_type); unused (5) and byte (6) tokens
+# are plain vocabulary entries here
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+
+# SentencePiece writes a space as U+2581 inside its pieces
+_SPACE_MARK = "\u2581"
+# ids llama.cpp assumes for a SentencePiece vocabulary whose file does not name them
+_SENTENCEPIECE_DEFAULT_IDS = {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0}
 
 # Pre-tokenizer split regexes, by llama.cpp's `tokenizer.ggml.pre` name. None means
 # ByteLevel's built-in GPT-2 pattern.
@@ -149,16 +153,21 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
         from rtp.checkpoint.gguf import GGUFFile
 
-        meta = GGUFFile(path).tokenizer_metadata
+        gguf = GGUFFile(path)
+        meta = dict(gguf.tokenizer_metadata)
         tokens = meta.get("tokens")
         if not tokens:
             raise TokenizerError(f"{path} has no tokenizer.ggml.tokens")
+        if meta.get("model") == "llama":
+            for key, default in _SENTENCEPIECE_DEFAULT_IDS.items():
+                meta.setdefault(key, default)
 
         def token(key):
             index = meta.get(key)
             return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
-        backend = _gguf_backend(meta, str(path), token("bos_token_id"), token("eos_token_id"))
+        backend = _gguf_backend(meta, str(path), token("bos_token_id"), token("eos_token_id"),
+                                architecture=gguf.get("general.architecture"))
         return cls(backend, chat_template=meta.get("chat_template"), bos_token=token("bos_token_id"),
                    eos_token=token("eos_token_id"), pad_token=token("padding_token_id"),
                    unk_token=token("unknown_token_id"))
@@ -254,22 +263,35 @@ class IncrementalDetokenizer:
 # ---- GGUF -> tokenizers.Tokenizer --------------------------------------------
 
 
-def _gguf_backend(meta: dict, source: str, bos: str | None, eos: str | None) -> tokenizers.Tokenizer:
+def _gguf_backend(meta: dict, source: str, bos: str | None, eos: str | None,
+                  architecture: str | None = None) -> tokenizers.Tokenizer:
+    """The tokenizer llama.cpp runs for a GGUF file, rebuilt from its `tokenizer.ggml.*` metadata."""
     kind = meta.get("model")
-    if kind != "gpt2":
-        raise TokenizerError(f"{source}: GGUF tokenizer model {kind!r} is not supported (rtp builds "
-                             f"byte-level BPE, tokenizer.ggml.model 'gpt2'); load the tokenizer from "
-                             f"the model's HF directory instead")
+    if kind == "gpt2":
+        return _byte_level_bpe(meta, source, bos, eos)
+    if kind == "llama":
+        return _sentencepiece_bpe(meta, source, bos, eos, architecture)
+    raise TokenizerError(f"{source}: GGUF tokenizer model {kind!r} is not supported (rtp builds 'gpt2', "
+                         f"byte-level BPE, and 'llama', SentencePiece); load the tokenizer from the "
+                         f"model's HF directory instead")
+
+
+def _byte_level_bpe(meta: dict, source: str, bos: str | None, eos: str | None) -> tokenizers.Tokenizer:
+    """tokenizer.ggml.model 'gpt2': byte-level BPE after the pre-tokenizer `tokenizer.ggml.pre` names."""
     tokens: list[str] = meta["tokens"]
-    types: list[int] = meta.get("token_type") or [1] * len(tokens)
+    types: list[int] = meta.get("token_type") or [_NORMAL] * len(tokens)
     merges_raw = meta.get("merges")
     if not merges_raw:
         raise TokenizerError(f"{source}: byte-level GGUF tokenizer has no tokenizer.ggml.merges")
     pre = meta.get("pre") or "default"
     if pre not in _PRE_TOKENIZERS:
-        log.warning("%s: unknown tokenizer.ggml.pre %r; splitting text with the GPT-2 pattern "
-                    "(known: %s)", source, pre, ", ".join(sorted(_PRE_TOKENIZERS)))
-    regex, split_digits, ignore_merges = _PRE_TOKENIZERS.get(pre, (_GPT2, False, False))
+        # The split decides which merges can ever apply; guessing one would hand the model ids
+        # it was not trained on, with nothing to show for it but worse output.
+        raise TokenizerError(
+            f"{source}: unknown tokenizer.ggml.pre {pre!r}, so rtp cannot tell how this vocabulary "
+            f"splits text (known: {', '.join(sorted(_PRE_TOKENIZERS))}); load the tokenizer from the "
+            f"model's HF directory instead")
+    regex, split_digits, ignore_merges = _PRE_TOKENIZERS[pre]
 
     # The vocabulary as the file spells it: normal tokens in the byte-level alphabet,
     # control/user-defined tokens as their literal text (they are matched whole, as
@@ -292,24 +314,134 @@ def _gguf_backend(meta: dict, source: str, bos: str | None, eos: str | None) -> 
     backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
 
-    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    _add_whole_tokens(backend, tokens, types, special_types={_CONTROL})
+    _add_bos_eos(backend, bos if meta.get("add_bos_token") else None,
+                 eos if meta.get("add_eos_token") else None)
+    return backend
+
+
+def _sentencepiece_bpe(meta: dict, source: str, bos: str | None, eos: str | None,
+                       architecture: str | None) -> tokenizers.Tokenizer:
+    """tokenizer.ggml.model 'llama': a SentencePiece vocabulary (Llama-2, Mistral, Gemma).
+
+    llama.cpp (like SentencePiece's own BPE) writes every space as U+2581, starts from single
+    characters and keeps joining the adjacent pair whose joined piece is in the vocabulary
+    with the best score; a character with no piece falls back to its UTF-8 bytes as
+    <0xXX> tokens. That is BPE whose merges rank by the score of what they produce, so it is
+    built as a `models.BPE` with byte fallback. The file says nothing about how its
+    SentencePiece model was trained: a unigram-trained vocabulary is tokenized the same way
+    (as llama.cpp does), not by unigram's best-path search.
+    """
+    tokens: list[str] = meta["tokens"]
+    types: list[int] = meta.get("token_type") or [_NORMAL] * len(tokens)
+    gemma = (architecture or "").startswith("gemma")
+
+    # Gemma's files store their whitespace-run pieces with real spaces. Text reaches the model
+    # with every space already turned into U+2581, so only that spelling can ever match; such a
+    # piece becomes an ordinary vocabulary entry instead of an added token matched in the raw text.
+    spelled = [t.replace(" ", _SPACE_MARK) if " " in t and t.isspace() else t for t in tokens]
+    respelled = {i for i, (t, s) in enumerate(zip(tokens, spelled)) if t != s}
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(spelled):
+        vocab.setdefault(t, i)
+
+    if meta.get("merges"):  # written by converters that start from a tokenizer.json
+        merges = [tuple(m.split(" ", 1)) for m in meta["merges"] if m.count(" ") == 1]
+    else:
+        scores = meta.get("scores")
+        if gemma or not scores:
+            # transformers' converter ranks Gemma's pieces by file position, having found that
+            # their scores do not follow the merge order (SentencePiece's BPE trainer appends
+            # pieces in the order it creates them). Ranking them the same way gives the same ids.
+            priority = [-float(i) for i in range(len(spelled))]
+        else:
+            priority = [float(x) for x in scores]
+        merges = _merges_by_priority(spelled, types, priority, respelled)
+
+    unk_id = meta.get("unknown_token_id")
+    unk = spelled[unk_id] if unk_id is not None and 0 <= unk_id < len(spelled) else None
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                                              byte_fallback=True))
+
+    # llama.cpp puts SentencePiece's leading space before every stretch of text, one after a
+    # special token included (Llama-2's reference code encoded each turn on its own, so
+    # "<s>[INST]" is "<s>" "▁[INST]"). A normalizer runs on each stretch between added tokens
+    # separately, which gives exactly that; Metaspace's "first" scheme (transformers' current
+    # LlamaTokenizer) would prefix only the start of the text. Gemma writes no leading space:
+    # its converter says add_space_prefix=false; files from before that flag go by architecture.
+    add_prefix = meta.get("add_space_prefix")
+    if add_prefix is None:
+        add_prefix = not gemma
+    spaces = normalizers.Replace(" ", _SPACE_MARK)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE_MARK), spaces]) if add_prefix else spaces
+    decode_steps = [decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:  # drop the space the encoder added (once, after Fuse made the text one piece)
+        decode_steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(decode_steps)
+
+    # <unk> is written in text as itself (Llama's tokenizer.json lists it as special, and
+    # llama.cpp matches unknown-type tokens whole as it does control ones)
+    user_types = [_NORMAL if i in respelled else k for i, k in enumerate(types)]
+    _add_whole_tokens(backend, tokens, user_types, special_types={_CONTROL, _UNKNOWN})
+    # SentencePiece vocabularies start with BOS unless the file says otherwise (llama.cpp's default)
+    _add_bos_eos(backend, bos if meta.get("add_bos_token", True) else None,
+                 eos if meta.get("add_eos_token", False) else None)
+    return backend
+
+
+def _merges_by_priority(pieces: list[str], types: list[int], priority: list[float],
+                        whole_words: set[int]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: each way to cut a piece into two other
+    pieces, ranked by the piece's priority (its score), best first.
+
+    Only pieces text can turn into are targets: normal ones, and user-defined ones that are
+    matched as vocabulary entries (`whole_words`, the respelled whitespace runs). Control,
+    byte and unused pieces never come out of plain text in SentencePiece.
+    Ties (equal scores are common in small or unigram vocabularies) go to the longer left
+    part, then file order: transformers breaks them that way, and agreeing costs nothing.
+    Costs one dict lookup per cut: a second or two for a 256k-piece vocabulary.
+    """
+    first_id: dict[str, int] = {}
+    for i, piece in enumerate(pieces):
+        first_id.setdefault(piece, i)
+    ranked = []
+    for i, piece in enumerate(pieces):
+        if first_id[piece] != i or not (types[i] == _NORMAL or i in whole_words):
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in first_id and right in first_id:
+                ranked.append((-priority[i], -cut, cut - len(piece), i, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _add_whole_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int],
+                      special_types: set[int]) -> None:
+    """Tokens llama.cpp matches whole in the raw text before the model splits it: those of
+    `special_types` as special tokens (skipped when decoding with skip_special_tokens),
+    user-defined ones as plain added tokens. Either kind cuts the text into stretches that
+    are normalized (and, for SentencePiece, given their leading space) one by one."""
+    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in special_types]
     user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
     if special:
         backend.add_special_tokens(special)
     if user:
         backend.add_tokens(user)
 
+
+def _add_bos_eos(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> None:
+    """Wrap encode(..., add_special_tokens=True) in the given bos/eos (None: not added)."""
     single, pair, ids = ["$A"], ["$A", "$B"], {}
-    if meta.get("add_bos_token") and bos is not None:
+    if bos is not None:
         single, pair = [bos, *single], [bos, "$A", bos, "$B"]
-        ids[bos] = vocab[bos]
-    if meta.get("add_eos_token") and eos is not None:
+        ids[bos] = backend.token_to_id(bos)
+    if eos is not None:
         single, pair = [*single, eos], [*pair, eos]
-        ids[eos] = vocab[eos]
+        ids[eos] = backend.token_to_id(eos)
     if ids:
         backend.post_processor = processors.TemplateProcessing(
             single=" ".join(single), pair=" ".join(pair), special_tokens=list(ids.items()))
-    return backend
 
 
 # ---- chat templates ------------------------------------------------------------
