@@ -315,6 +315,11 @@ class OpenAIServing:
                 if m.role != "assistant":
                     raise APIError(400, f"messages[{i}].tool_calls: only an assistant's message makes calls",
                                    "messages")
+                if "tool_calls" not in (self.tokenizer.chat_template or ""):
+                    # the template would drop them without a word: the model would never see its calls
+                    raise APIError(400, f"messages[{i}].tool_calls: this model's chat template does not render "
+                                   "tool calls; start the server with --chat-template (e.g. chatml-tools)",
+                                   "messages")
                 try:
                     message["tool_calls"] = message_tool_calls(i, m.tool_calls)
                 except InvalidRequest as e:

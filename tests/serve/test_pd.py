@@ -471,6 +471,28 @@ def test_an_abort_that_overtakes_its_reserve_still_frees_the_blocks(nodes):
     wait_idle(d, timeout=LEASE / 2)  # before any lease could have expired
 
 
+def test_structured_outputs_cross_the_pair(nodes, clients):
+    """The grammar travels with the request: the prefill node samples the first token under it, the
+    decode node advances its own matcher by that token and goes on (or, when that token completes
+    the grammar, the prefill node answers); logit_bias likewise."""
+    pd, colo = clients
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "rating"],
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "rating": {"type": "integer", "minimum": 1, "maximum": 5}}}
+    requests = [
+        dict(prompt="A city review:", extra_body={"guided_json": schema}),
+        dict(prompt="Is the sky blue? Answer:", extra_body={"guided_choice": ["yes", "no", "maybe"]}),
+        dict(prompt="A date:", extra_body={"guided_regex": r"\d{4}-\d{2}-\d{2}"}),
+        dict(prompt="The capital of France is", logit_bias={"1234": 100}, extra_body={"ignore_eos": True}),
+    ]
+    for r in requests:
+        got = pd.completions.create(model=MODEL, temperature=0, max_tokens=40, **r).choices[0]
+        want = colo.completions.create(model=MODEL, temperature=0, max_tokens=40, **r).choices[0]
+        assert (got.text, got.finish_reason) == (want.text, want.finish_reason), r
+    json.loads(pd.completions.create(model=MODEL, temperature=0, max_tokens=40, **requests[0]).choices[0].text)
+    wait_idle(nodes["prefill"], nodes["decode"])
+
+
 def test_a_decode_node_that_dies_fails_the_stream_and_frees_the_prefill_node(nodes):
     """Last: it kills the decode node."""
     p, d = nodes["prefill"], nodes["decode"]
@@ -492,25 +514,3 @@ def test_a_decode_node_that_dies_fails_the_stream_and_frees_the_prefill_node(nod
     wait_idle(p)
     r = _generate(p)  # and the prefill node says why the next request cannot run
     assert r.status_code == 503 and "unreachable" in r.json()["error"]["message"]
-
-
-def test_structured_outputs_cross_the_pair(nodes, clients):
-    """The grammar travels with the request: the prefill node samples the first token under it, the
-    decode node advances its own matcher by that token and goes on (or, when that token completes
-    the grammar, the prefill node answers); logit_bias likewise."""
-    pd, colo = clients
-    schema = {"type": "object", "additionalProperties": False, "required": ["city", "rating"],
-              "properties": {"city": {"type": "string", "maxLength": 20},
-                             "rating": {"type": "integer", "minimum": 1, "maximum": 5}}}
-    requests = [
-        dict(prompt="A city review:", extra_body={"guided_json": schema}),
-        dict(prompt="Is the sky blue? Answer:", extra_body={"guided_choice": ["yes", "no", "maybe"]}),
-        dict(prompt="A date:", extra_body={"guided_regex": r"\d{4}-\d{2}-\d{2}"}),
-        dict(prompt="The capital of France is", logit_bias={"1234": 100}, extra_body={"ignore_eos": True}),
-    ]
-    for r in requests:
-        got = pd.completions.create(model=MODEL, temperature=0, max_tokens=40, **r).choices[0]
-        want = colo.completions.create(model=MODEL, temperature=0, max_tokens=40, **r).choices[0]
-        assert (got.text, got.finish_reason) == (want.text, want.finish_reason), r
-    json.loads(pd.completions.create(model=MODEL, temperature=0, max_tokens=40, **requests[0]).choices[0].text)
-    wait_idle(nodes["prefill"], nodes["decode"])
