@@ -81,14 +81,17 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Gemma's configs leave it out and mean transformers' default, tied
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _GEMMA_ACTIVATIONS)),
             qkv_bias=(attention_bias or arch == "Qwen2ForCausalLM"
                       or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True)))),
             o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding or None,
-            hidden_act=hf.get("hidden_act", "silu"),
+            # Gemma 2 and 3 compute with hidden_activation (a Gemma 2 config carries both keys)
+            hidden_act=(hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+                        if arch in _GEMMA_ACTIVATIONS else hf.get("hidden_act", "silu")),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
@@ -138,11 +141,17 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (rtp supports silu)")
+        if self.hidden_act not in _GEMMA_ACTIVATIONS.get(self.architecture, ("silu", "swish")):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} for {self.architecture} (rtp supports "
+                             f"{', '.join(_GEMMA_ACTIVATIONS.get(self.architecture, ('silu',)))})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config {name} must be positive")
+
+
+# the activations of Gemma's GeGLU MLP rtp computes (rtp/models/gemma.py); every other model: SiLU
+_GEMMA_ACTIVATIONS = {arch: ("gelu_pytorch_tanh", "gelu")
+                      for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")}
 
 
 def _deepseek_dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:

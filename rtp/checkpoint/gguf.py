@@ -52,6 +52,9 @@ _ARCHITECTURES = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 # llama.cpp's converter permutes q/k rows only for models it converts through its
 # LlamaModel class (Llama, Mistral); Qwen uses NEOX-style rope and is written as is.
@@ -67,6 +70,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -75,24 +79,42 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's layer tensor is another HF parameter: llama.cpp writes Phi-3's fused
+# gate_up_proj whole (gate rows, then up rows) as ffn_up.
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Gemma's four norms a layer (gguf's MODEL_TENSORS for gemma2/gemma3: ATTN_POST_NORM,
+# FFN_PRE_NORM written as ffn_norm, FFN_POST_NORM)
+_GEMMA_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_NAMES.update(gemma2=_GEMMA_LAYER_NAMES, gemma3=_GEMMA_LAYER_NAMES)
+# llama.cpp's converter stores Gemma's RMSNorm weights w (applied as x * (1 + w)) as 1 + w, in
+# fp32: every *norm.weight of these architectures. Read back as w, less 1 in fp32, so the model loads
+# GGUF and HF checkpoints alike: rtp/models/gemma.py adds the 1 back in fp32, which gives the file's
+# 1 + w bit for bit (and w itself is exact for the bf16 and fp16 weights checkpoints ship).
+_NORM_PLUS_ONE = {"gemma2", "gemma3"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp adds that have no HF parameter. rope_freqs carries llama3-style
 # rope scaling as per-dimension factors, which HF instead derives from config.
 _SKIPPED = {"rope_freqs.weight"}
+# LongRoPE's per-dimension factors (Phi-3), which HF keeps in config.json's rope_scaling: read
+# into the config, not loaded as parameters
+_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 
 
 class GGUFError(ValueError):
     """A file that is not a readable GGUF checkpoint of a supported model."""
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The HF parameter name of a llama.cpp tensor name; GGUFError if it has none."""
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str:
+    """The HF parameter name of a llama.cpp tensor name (in a GGUF of architecture `arch`);
+    GGUFError if it has none."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = _ARCH_LAYER_NAMES.get(arch, {})
+    if m and (m.group(2) in names or m.group(2) in _LAYER_NAMES):
+        return f"model.layers.{m.group(1)}.{names.get(m.group(2)) or _LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     raise GGUFError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
 
 
@@ -262,6 +284,7 @@ class GGUFCheckpoint(GGUFFile):
             embd = next((t for _, t in self.all_tensors() if t.name == "token_embd.weight"), None)
             vocab = int(embd.shape[-1]) if embd is not None else None
         head_dim = key("attention.key_length") or hidden // heads
+        rope_dim = key("rope.dimension_count")
 
         cfg: dict[str, Any] = {
             "architectures": [hf_arch],
@@ -282,12 +305,16 @@ class GGUFCheckpoint(GGUFFile):
         if model_type in ("llama", "mistral"):
             cfg["attention_bias"] = "blk.0.attn_q.bias" in names
             cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
+        if rope_dim and rope_dim != head_dim:  # Phi-4-mini rotates 96 of its 128 dims
+            cfg["partial_rotary_factor"] = rope_dim / head_dim
         sliding = key("attention.sliding_window")
-        if sliding:
+        if sliding:  # llama.cpp writes 0 for none (Phi-4-mini)
             cfg["sliding_window"] = sliding
         rope_scaling = self._rope_scaling(arch)
         if rope_scaling:
             cfg["rope_scaling"] = rope_scaling
+        if arch in _NORM_PLUS_ONE:
+            cfg.update(_gemma_config(arch, key, cfg))
         for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                                  ("padding_token_id", "pad_token_id")):
             value = self.get(f"tokenizer.ggml.{gguf_key}")
@@ -297,9 +324,12 @@ class GGUFCheckpoint(GGUFFile):
 
     def _rope_scaling(self, arch: str) -> dict[str, Any] | None:
         kind = self.get(f"{arch}.rope.scaling.type")
+        factors = self._rope_factors()
+        if factors:  # llama.cpp writes Phi-3's LongRoPE as its factor tensors, with no scaling type
+            kind = "longrope"
         if kind in (None, "none"):
             return None
-        scaling: dict[str, Any] = {"rope_type": kind}
+        scaling: dict[str, Any] = {"rope_type": kind, **factors}
         factor = self.get(f"{arch}.rope.scaling.factor")
         if factor is not None:
             scaling["factor"] = factor
@@ -311,6 +341,21 @@ class GGUFCheckpoint(GGUFFile):
             if value is not None:
                 scaling[name.removeprefix("yarn_").replace("attn_factor", "attention_factor")] = value
         return scaling
+
+    def _rope_factors(self) -> dict[str, list[float]]:
+        """short_factor and long_factor from the rope_factors_* tensors (none: {})."""
+        from gguf import GGMLQuantizationType as Q
+
+        factors = {}
+        for path, t in self.all_tensors():
+            if t.name in _ROPE_FACTORS:
+                if t.tensor_type not in (Q.F32, Q.F16):
+                    raise GGUFError(f"{path}: {t.name} is {t.tensor_type.name}, not F32 or F16")
+                factors[_ROPE_FACTORS[t.name]] = np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
+        if len(factors) == 1:
+            raise GGUFError(f"{self.path}: LongRoPE needs both rope_factors_short and rope_factors_long, "
+                            f"it has only {next(iter(factors)).replace('_factor', '')}")
+        return factors
 
     @property
     def num_tensors(self) -> int:
@@ -332,8 +377,10 @@ class GGUFCheckpoint(GGUFFile):
                 log.warning("%s: skipping %s (no HF parameter; rope scaling from it is not applied)",
                             path.name, t.name)
                 continue
+            if t.name in _ROPE_FACTORS:  # in the config already
+                continue
             _check_dequantizable(t, path)
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, self.architecture)
             begin, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
             if end > sizes[path]:
                 raise CheckpointError(f"{path}: tensor {t.name} ({name}) lies at [{begin}, {end}), "
@@ -342,6 +389,8 @@ class GGUFCheckpoint(GGUFFile):
             proj = name.rsplit(".", 2)[-2] if permute else None
             decode = partial(_decode, qtype=t.tensor_type, shape=shape, name=t.name,
                              unpermute_heads=heads.get(proj))
+            if self.architecture in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+                decode = partial(_minus_one, decode)
             records.append(TensorRecord(name, path, begin, end, shape, torch.float32, decode))
         return records
 
@@ -364,9 +413,10 @@ class GGUFCheckpoint(GGUFFile):
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         for _, t in self.all_tensors():
-            if t.tensor_type not in kinds or t.name in _SKIPPED or not t.name.endswith(".weight"):
+            if (t.tensor_type not in kinds or t.name in _SKIPPED or t.name in _ROPE_FACTORS
+                    or not t.name.endswith(".weight")):
                 continue
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, self.architecture)
             rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
             packed = BlockQuantized.from_gguf(kinds[t.tensor_type], t.data, rows)
             proj = name.rsplit(".", 2)[-2]
@@ -391,6 +441,38 @@ def _check_dequantizable(t, path: Path) -> None:
     supported = sorted(q.name for q in plain | quantized)
     raise GGUFError(f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}, which the "
                     f"installed gguf package cannot dequantize; supported: {', '.join(supported)}")
+
+
+def _minus_one(decode, raw: torch.Tensor) -> torch.Tensor:
+    """A Gemma norm weight as transformers holds it: llama.cpp's 1 + w, less 1 (_NORM_PLUS_ONE)."""
+    return decode(raw).sub_(1.0)
+
+
+def _gemma_config(arch: str, key, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config.json keys of a Gemma 2 / 3 GGUF beyond the Llama ones. llama.cpp's converter writes
+    neither the attention scale, the local/global layer pattern nor (Gemma 3) the local layers' RoPE
+    base; llama.cpp assumes them by architecture (src/llama-model.cpp), and so does this."""
+    out: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    scale = key("attention.scale")
+    if scale:
+        out["query_pre_attn_scalar"] = scale**-2
+    else:  # the 27B models scale by hidden_size / heads (46 and 62 layers), the others by head_dim
+        big = cfg["num_hidden_layers"] == (46 if arch == "gemma2" else 62)
+        out["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]
+    pattern = key("attention.sliding_window_pattern")
+    if not cfg.get("sliding_window"):  # no window: llama.cpp makes every layer global
+        out["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    elif isinstance(pattern, list):  # one flag per layer, true: a sliding-window layer
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:  # every pattern-th layer global
+        out["sliding_window_pattern"] = pattern or (2 if arch == "gemma2" else 6)
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if key(name):
+            out[name] = key(name)
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = key("rope.freq_base_swa", 10000.0)
+        out["rope_theta"] = key("rope.freq_base", 1_000_000.0)
+    return out
 
 
 def _decode(raw: torch.Tensor, *, qtype, shape: tuple[int, ...], name: str,

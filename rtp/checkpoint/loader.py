@@ -276,6 +276,8 @@ def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
         if layer is None or not hasattr(layer, "quant"):
             continue
         order = getattr(layer, "shard_order", ()) or (None,)
+        if set(parts) == {None}:
+            order = (None,)  # one tensor fused as the layer is (Phi-3's attn_qkv, ffn_up)
         if set(parts) != set(order):
             continue
         blocks = BlockQuantized.cat([parts[s] for s in order])

@@ -19,6 +19,9 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("rtp.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("rtp.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("rtp.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("rtp.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("rtp.models.gemma", "GemmaForCausalLM"),
+    "Phi3ForCausalLM": ("rtp.models.phi3", "Phi3ForCausalLM"),
 }
 
 

@@ -114,8 +114,9 @@ def get_forward_context() -> AttentionMetadata:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     sliding_window: int | None) -> torch.Tensor:
-    """One query token per row. q [B, H, D] -> [B, H, D]."""
+                     sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+    """One query token per row. q [B, H, D] -> [B, H, D]. softcap: scores -> softcap * tanh(scores /
+    softcap) before the mask (Gemma 2's attention logit softcapping)."""
     b, h, d = q.shape
     kv_heads = k_cache.shape[2]
     # index_select on the flat table: 2-3x faster than advanced indexing on the CPU
@@ -124,6 +125,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v = v_cache.index_select(0, flat).view(b, -1, kv_heads, d)
     q = q.view(b, kv_heads, h // kv_heads, d)
     scores = torch.einsum("bhgd,blhd->bhgl", q, k).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     pos = torch.arange(k.shape[1], device=q.device)
     lens = seq_lens.clamp_min(1)[:, None]  # padded rows (length 0) read the null block, not NaN
     visible = pos[None, :] < lens
@@ -135,24 +138,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      row: PrefillRow, scale: float, sliding_window: int | None) -> torch.Tensor:
+                      row: PrefillRow, scale: float, sliding_window: int | None,
+                      softcap: float | None = None) -> torch.Tensor:
     """A chunk of n query tokens at the end of a context of row.context_len. q [n, H, D]."""
     length = row.context_len
     k = k_cache[row.block_ids].flatten(0, 1)[:length]  # [L, Hkv, D]
     v = v_cache[row.block_ids].flatten(0, 1)[:length]
-    return causal_attention(q, k, v, scale, sliding_window)
+    return causal_attention(q, k, v, scale, sliding_window, softcap)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """n query tokens at the end of a context of L tokens: q [n, H, D], k [L, Hkv, D],
-    v [L, Hkv, Dv] -> [n, H, Dv]."""
+    v [L, Hkv, Dv] -> [n, H, Dv]. softcap: as decode_attention's (SDPA has none: plain matmuls)."""
     n, length = q.shape[0], k.shape[0]
     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
     # A leading batch dim of 1: with 4-D operands torch takes its flash kernel on the CPU;
     # the 3-D path falls back to the unfused math kernel.
     qh, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, n, D], [1, Hkv, L, D]
-    if n == length and sliding_window is None:
+    if n == length and sliding_window is None and softcap is None:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         q_pos = torch.arange(length - n, length, device=q.device)[:, None]
@@ -160,7 +164,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            rep = qh.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            scores = (qh @ k.transpose(-1, -2)).float() * scale
+            scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+            out = torch.softmax(scores, dim=-1).to(v.dtype) @ v
     return out[0].transpose(0, 1)
 
 
@@ -168,13 +179,16 @@ class PagedAttention(nn.Module):
     """Writes this step's K/V into the layer's cache, then attends over the cache."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        # attention logit softcapping (Gemma 2): rtp's attention kernels have none, so such a
+        # layer always attends through the torch paths below
+        self.softcap = softcap
         # bound by the runner once the cache is allocated: [2, blocks, block_size, Hkv, D]
         self.kv_cache: torch.Tensor | None = None
 
@@ -183,10 +197,10 @@ class PagedAttention(nn.Module):
         return KVCacheSpec(2, self.num_kv_heads, self.head_dim)
 
     def can_rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, rotary) -> bool:
-        """Whether rope_and_store takes this fused qkv output (rtp's CPU kernel)."""
-        return (rotary.rotary_dim == self.head_dim and qkv.shape[-1] == (self.num_heads + 2 * self.num_kv_heads)
-                * self.head_dim and cpu_kernels.rope_supported(qkv, self.kv_cache, rotary.cos_sin_cache,
-                                                                positions, self.head_dim))
+        """Whether rope_and_store takes this fused qkv output (rtp's CPU kernel; a rotary_dim below
+        head_dim, Phi-4-mini's partial rotary, passes the other dims through as RotaryEmbedding does)."""
+        return (qkv.shape[-1] == (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+                and cpu_kernels.rope_supported(qkv, self.kv_cache, rotary.cos_sin_cache, positions, self.head_dim))
 
     def rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
         """Rotate q and k of qkv [T, (H + 2 Hkv) D] in one pass, write k and v into the cache;
@@ -206,8 +220,8 @@ class PagedAttention(nn.Module):
             flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
         q = q.to(k_cache.dtype)
         nd = meta.num_decode
-        args = (meta.prefill_kernel_args() if meta.prefill and cpu_kernels.prefill_attention_supported(q, k_cache)
-                else None)
+        args = (meta.prefill_kernel_args() if meta.prefill and self.softcap is None
+                and cpu_kernels.prefill_attention_supported(q, k_cache) else None)
         if args is not None:  # every prefill row in one call, written in place after the decode rows
             out = cpu_kernels.prefill_attention(q, k_cache, v_cache, args[0], args[1], self.scale,
                                                 self.sliding_window or 0)
@@ -217,14 +231,14 @@ class PagedAttention(nn.Module):
         parts = [self._decode(q[:nd], k_cache, v_cache, meta)] if nd else []
         for row in meta.prefill:
             parts.append(prefill_attention(q[row.query_start:row.query_end], k_cache, v_cache, row,
-                                           self.scale, self.sliding_window))
+                                           self.scale, self.sliding_window, self.softcap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        if cpu_kernels.attention_supported(q, k_cache):
+        if self.softcap is None and cpu_kernels.attention_supported(q, k_cache):
             return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                       meta.decode_seq_lens, self.scale, self.sliding_window or 0)
         return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                self.scale, self.sliding_window)
+                                self.scale, self.sliding_window, self.softcap)

@@ -3,7 +3,7 @@
 One module, `RotaryEmbedding`, holds a precomputed fp32 `cos_sin_cache`
 [max_position, rotary_dim] (cos in the first half of each row, sin in the second)
 and rotates q and k by indexing it with the step's positions. The variants
-(default, linear, dynamic NTK, YaRN, llama3) differ only in the inverse
+(default, linear, dynamic NTK, YaRN, llama3, LongRoPE) differ only in the inverse
 frequencies and the attention factor the cache is built from; each is a small
 function below whose numbers follow transformers' `modeling_rope_utils`
 operation for operation in fp32, so rtp and HF agree to the last bits or so.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 class RotaryEmbedding(nn.Module):
@@ -114,10 +114,11 @@ def rope_config_from_hf(config: dict[str, Any]) -> tuple[float, dict | None, flo
     wins over `rope_parameters` when both are set, and a value inside the dict wins
     over the same key at the top level. The returned scaling dict has `rope_type`
     set and gets the defaults HF fills in from the config:
-    `original_max_position_embeddings` (from `max_position_embeddings`) for yarn and
-    llama3, a top-level `original_max_position_embeddings` overriding it (Phi-3's
-    layout), yarn's `factor` from the ratio of the two when absent, and for dynamic
-    the length HF actually scales against, `max_position_embeddings`.
+    `original_max_position_embeddings` (from `max_position_embeddings`) for yarn,
+    llama3 and longrope, a top-level `original_max_position_embeddings` overriding it
+    (Phi-3's layout), yarn's and longrope's `factor` from the ratio of the two when
+    absent, and for dynamic the length HF actually scales against,
+    `max_position_embeddings`. Phi-3's legacy rope type "su" comes back as "longrope".
     """
     params = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if params and not {"rope_type", "type", "rope_theta"} & params.keys() \
@@ -126,6 +127,8 @@ def rope_config_from_hf(config: dict[str, Any]) -> tuple[float, dict | None, flo
     params = dict(params)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if rope_type == "su":
+        rope_type = "longrope"  # what the first Phi-3 configs called it; transformers reads it so too
     base = params.pop("rope_theta", None)
     base = config.get("rope_theta", 10000.0) if base is None else base
     partial = params.pop("partial_rotary_factor", None)
@@ -134,12 +137,12 @@ def rope_config_from_hf(config: dict[str, Any]) -> tuple[float, dict | None, flo
         return float(base), None, float(partial)
     params["rope_type"] = rope_type
     max_pos = config.get("max_position_embeddings")
-    if rope_type in ("yarn", "llama3"):
+    if rope_type in ("yarn", "llama3", "longrope"):
         if config.get("original_max_position_embeddings") is not None:
             params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
         elif max_pos is not None:
             params.setdefault("original_max_position_embeddings", max_pos)
-        if rope_type == "yarn" and params.get("factor") is None and max_pos is not None:
+        if rope_type in ("yarn", "longrope") and params.get("factor") is None and max_pos is not None:
             params["factor"] = max_pos / params["original_max_position_embeddings"]
     elif rope_type == "dynamic" and max_pos is not None:
         # HF's dynamic NTK scales against max_position_embeddings, never a key in the dict
@@ -282,4 +285,37 @@ def _llama3(base: float, dim: int, max_position: int, scaling: dict) -> tuple[to
     return torch.where(medium, smoothed, scaled), 1.0
 
 
-_INV_FREQ = {"default": _default, "linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3}
+def _longrope(base: float, dim: int, max_position: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    # LongRoPE (Phi-3, Phi-4-mini): each frequency divided by a factor of its own, from one
+    # set for sequences up to original_max_position_embeddings (short_factor) and another for
+    # longer ones (long_factor); both scaled by one attention factor. transformers picks the
+    # set per forward from the batch's longest sequence, and when a generation crosses the
+    # threshold it drops its KV cache and recomputes every key with the long set.
+    #
+    # rtp's paged cache keeps each key as rotated when written (and shares prefixes between
+    # sequences of any length), so one set must serve every position of every sequence. As
+    # for dynamic NTK, rtp applies transformers' rule once, to max_position (the longest
+    # sequence the cache serves); vLLM decides the same way, by its max_model_len:
+    #   max_position <= original: the short set, equal to HF for every sequence that fits;
+    #   max_position >  original: the long set, equal to HF for sequences longer than
+    #       original; shorter ones rotate by the long set where HF would use the short one
+    #       (what Phi-3-128k / Phi-4-mini get: a little short-context quality for the long context).
+    short_factor, long_factor = _required(scaling, "short_factor"), _required(scaling, "long_factor")
+    original = _required(scaling, "original_max_position_embeddings")
+    for name, factors in (("short_factor", short_factor), ("long_factor", long_factor)):
+        if len(factors) != dim // 2:
+            raise ValueError(f"longrope {name} needs one factor per rotary frequency ({dim // 2}), "
+                             f"got {len(factors)}")
+    # HF's default factor is the context extension, config max_position_embeddings / original
+    factor = scaling.get("factor")
+    factor = max_position / original if factor is None else factor
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(long_factor if max_position > original else short_factor, dtype=torch.float32, device="cpu")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
+    return 1.0 / (ext * base ** exponents), float(attention_factor)  # HF's order of operations, in fp32
+
+
+_INV_FREQ = {"default": _default, "linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3,
+             "longrope": _longrope}

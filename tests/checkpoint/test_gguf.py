@@ -271,7 +271,7 @@ def test_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GGUFError, match=r"'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(GGUFError, match=r"'gpt2' is not supported; supported: gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3"):
         GGUFCheckpoint(path)
 
 

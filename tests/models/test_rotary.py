@@ -210,7 +210,7 @@ def test_compiles_fullgraph_without_recompiling():
     torch.compiler.set_stance("default")
 
 
-@pytest.mark.parametrize("scaling", [{"rope_type": "longrope", "factor": 2.0}, {"type": "su"}])
+@pytest.mark.parametrize("scaling", [{"rope_type": "proportional", "factor": 2.0}, {"type": "su"}])
 def test_unknown_rope_type(scaling):
     with pytest.raises(ValueError, match=r"unsupported rope_type .*default, linear, dynamic, yarn, llama3"):
         get_rope(HEAD_DIM, None, MAX_POS, 10000.0, scaling)

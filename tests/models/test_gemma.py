@@ -1,0 +1,353 @@
+"""Gemma 3 (text) and Gemma 2 against transformers, logit for logit (fp32, tiny random configs).
+
+Every config mixes sliding-window (local) and global layers with a window of 8 tokens and
+prompts of up to 40, so local layers really attend to their window only, in prefill (whole
+and chunked) and decode; local and global layers rotate with different RoPE bases, the
+attention scale is query_pre_attn_scalar's (not head_dim's), and the norm weights are drawn
+away from zero so Gemma's x * (1 + w) shows. References are transformers' fp32 eager
+attention: logits through rtp's runtime (tests/tiny_models.run_rtp), greedy generation
+through rtp's LLM on the saved safetensors directory, and GGUF files written the way
+llama.cpp's converter writes Gemma (norm weights stored as 1 + w).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from tiny_models import hf_reference, run_rtp, write_word_tokenizer
+
+from rtp.checkpoint.loader import load_model
+from rtp.config import ModelConfig
+from rtp.kernels import cpu_kernels
+
+VOCAB = 160
+S, F = "sliding_attention", "full_attention"
+BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 112, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "sliding_window": 8, "query_pre_attn_scalar": 24}
+
+# the local layers' RoPE base apart from the global layers', which are also scaled (linear)
+GEMMA3_ROPE = {S: {"rope_type": "default", "rope_theta": 100.0},
+               F: {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+
+CONFIGS = {
+    "gemma3": (transformers.Gemma3TextConfig,
+               {"num_hidden_layers": 5, "layer_types": [S, F, S, S, F], "rope_parameters": GEMMA3_ROPE}),
+    # untied head, one kv head, wider heads, a local layer last
+    "gemma3-untied-mqa": (transformers.Gemma3TextConfig,
+                          {"num_hidden_layers": 4, "layer_types": [F, S, F, S], "num_key_value_heads": 1,
+                           "head_dim": 32, "tie_word_embeddings": False, "rope_parameters": GEMMA3_ROPE}),
+    # both softcaps, small enough to bite; every other layer local
+    "gemma2": (transformers.Gemma2Config,
+               {"num_hidden_layers": 4, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 3.0}),
+}
+
+
+def random_gemma(config) -> torch.nn.Module:
+    """transformers' fp32 model, seeded; matrices drawn wider than the default init, and the norm
+    weights (zeros at init: x * (1 + 0)) drawn too."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08 if p.dim() > 1 else 0.3)
+    return model
+
+
+def make_gemma(kind: str, path, **overrides):
+    cfg_cls, extra = CONFIGS[kind]
+    model = random_gemma(cfg_cls(**{**BASE, **extra, **overrides}))
+    model.save_pretrained(path)
+    return path, model
+
+
+def prompts_of(lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, VOCAB, n).tolist() for n in lengths]
+
+
+# -- logits through the runtime ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_logits_match_transformers(kind, tmp_path):
+    path, hf = make_gemma(kind, tmp_path)
+    prompts = prompts_of((5, 23, 40), seed=1)  # all but one longer than the window
+    refs = hf_reference(hf, prompts)
+    worst, _ = run_rtp(path, prompts, refs)
+    assert worst < 1e-4, f"{kind}: max abs logit difference {worst}"
+    # prompts in chunks of at most 16 tokens, the window crossing chunk and block boundaries
+    worst, _ = run_rtp(path, prompts, refs, max_batched=16)
+    assert worst < 1e-4, f"{kind} chunked: max abs logit difference {worst}"
+
+
+def test_each_feature_shows(tmp_path):
+    """The test above would catch each Gemma feature done wrong: the same checkpoint with the
+    window, the local RoPE base or the attention scale changed is far off transformers."""
+    path, hf = make_gemma("gemma3", tmp_path / "ckpt")
+    prompts = prompts_of((23, 40), seed=2)
+    refs = hf_reference(hf, prompts)
+    config = json.loads((path / "config.json").read_text())
+    wrong = {"no window": {"sliding_window": None},
+             "one RoPE base": {"rope_parameters": {S: GEMMA3_ROPE[F], F: GEMMA3_ROPE[F]}},
+             "head_dim scale": {"query_pre_attn_scalar": None}}
+    for what, change in wrong.items():
+        other = tmp_path / what.replace(" ", "-")
+        shutil.copytree(path, other)
+        (other / "config.json").write_text(json.dumps({**config, **change}))
+        worst, _ = run_rtp(other, prompts, refs)
+        assert worst > 0.05, f"{what}: {worst}"
+
+
+def test_transformers_4_config_layout(tmp_path):
+    """Hub configs written by transformers 4.x: rope_theta, rope_scaling (global layers),
+    rope_local_base_freq, sliding_window_pattern instead of layer_types, and no
+    tie_word_embeddings (transformers' default: tied)."""
+    path, hf = make_gemma("gemma3", tmp_path, num_hidden_layers=6, layer_types=[S, S, F, S, S, F])
+    config = json.loads((path / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "tie_word_embeddings"):
+        del config[key]
+    config |= {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+               "rope_local_base_freq": 100.0, "sliding_window_pattern": 3, "transformers_version": "4.52.4"}
+    (path / "config.json").write_text(json.dumps(config))
+    prompts = prompts_of((9, 30), seed=3)
+    worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts))
+    assert worst < 1e-4, worst
+
+
+# -- greedy generation through LLM --------------------------------------------------------------------
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2"])
+def test_greedy_generation_matches_transformers(kind, tmp_path):
+    from rtp import LLM, SamplingParams
+
+    path, hf = make_gemma(kind, tmp_path)
+    write_word_tokenizer(path, VOCAB)
+    prompts = prompts_of((3, 12, 30), seed=4)
+    want = [hf_greedy(hf, p, 32) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm = LLM(model=str(path), dtype="float32", compile=False, max_model_len=128, kv_cache_memory=1 << 22,
+              block_size=4)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert batched == want
+    assert alone == want
+
+
+# -- bf16: rtp's C kernels (windowed prefill and decode attention, fused add + norm) -------------------
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="rtp's CPU kernels need AVX-512 BF16")
+def test_bf16_kernels_keep_the_window(tmp_path, monkeypatch):
+    """In bf16 the layers attend through rtp's prefill and decode kernels (head_dim 32), a local
+    layer's window passed as the kernels' argument: close to transformers' fp32 logits, far from
+    them with the window dropped."""
+    from rtp.engine.runner import ModelRunner
+
+    path, hf = make_gemma("gemma3-untied-mqa", tmp_path)
+    prompts = prompts_of((20, 40), seed=5)
+    refs = hf_reference(hf, prompts)
+    calls = []  # (kernel, its window argument)
+
+    def spy(name: str):
+        real = getattr(cpu_kernels, name)
+
+        def call(*args):
+            calls.append((name, args[-1]))
+            return real(*args)
+        return call
+
+    for name in ("paged_decode_attention", "prefill_attention"):
+        monkeypatch.setattr(cpu_kernels, name, spy(name))
+
+    def worst(window: bool) -> float:
+        calls.clear()
+        model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
+        if not window:
+            for layer in model.attention_layers():
+                layer.sliding_window = None
+        worst = _run_bf16(model, prompts, refs, ModelRunner)
+        assert {kernel for kernel, _ in calls} == {"paged_decode_attention", "prefill_attention"}
+        assert {w for _, w in calls} == ({0, 8} if window else {0})
+        return worst
+
+    good, bad = worst(True), worst(False)
+    assert good < 0.15, good
+    assert bad > 4 * good, (good, bad)
+
+
+def _run_bf16(model, prompts, refs, ModelRunner, warmup=False):
+    """run_rtp's loop over an already loaded bf16 model: the worst logit difference."""
+    from tiny_models import NEW_TOKENS
+
+    from rtp.runtime import BlockAllocator, RadixCache, Scheduler
+
+    alloc = BlockAllocator(256, 4)
+    runner = ModelRunner(model, num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                         max_model_len=128, kv_dtype=torch.bfloat16, device=torch.device("cpu"))
+    if warmup:  # CPU graphs: captured where the forward is all rtp's kernels
+        runner.warmup(progress=False)
+    sched = Scheduler(alloc, runner.plan, cache=RadixCache(alloc), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_model_len=128)
+    for i, p in enumerate(prompts):
+        sched.add_request(i, p, max_tokens=NEW_TOKENS, ignore_eos=True)
+    length = {i: len(p) for i, p in enumerate(prompts)}
+    worst = 0.0
+    while sched.has_unfinished:
+        sched.schedule()
+        logits = runner.forward()
+        feed = np.zeros(len(logits), dtype=np.int64)
+        for k, rid in enumerate(runner.sample_req_ids().tolist()):
+            seq, ref = refs[rid]
+            pos = length[rid] - 1
+            worst = max(worst, (logits[k] - ref[pos]).abs().max().item())
+            feed[k] = seq[pos + 1]
+            length[rid] += 1
+        sched.update(feed)
+    return worst
+
+
+# -- GGUF, as llama.cpp's converter writes Gemma -------------------------------------------------------
+
+_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gemma_gguf(file, hf, arch: str, quantize: bool = False) -> None:
+    """What convert_hf_to_gguf.py writes for Gemma2Model / Gemma3Model: its metadata keys only (no
+    attention scale, layer pattern or local RoPE base: llama.cpp assumes those), every
+    *norm.weight stored as 1 + w, no output.weight when tied, q/k rows as they are."""
+    gguf = pytest.importorskip("gguf")
+    c = hf.config
+    writer = gguf.GGUFWriter(str(file), arch)
+    writer.add_architecture()
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_vocab_size(c.vocab_size)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    else:
+        writer.add_rope_freq_base(c.rope_parameters[F]["rope_theta"])
+        if c.rope_parameters[F]["rope_type"] == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(c.rope_parameters[F]["factor"])
+    for name, w in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        w = w.float().numpy()
+        if name.endswith("norm.weight"):
+            w = w + 1
+        stem = name.removesuffix(".weight")
+        if stem in ("model.embed_tokens", "model.norm", "lm_head"):
+            gguf_name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[stem]
+        else:
+            _, _, layer, rest = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{_TO_GGUF[rest]}"
+        if quantize and w.ndim == 2 and w.shape[1] % 32 == 0:
+            q = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name + ".weight", gguf.quants.quantize(w, q), raw_dtype=q)
+        else:
+            writer.add_tensor(gguf_name + ".weight", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# what llama.cpp assumes and the converter does not write: scale by head_dim, every 6th layer global
+# (Gemma 3) or every 2nd (Gemma 2), Gemma 3's local layers at RoPE base 10000
+GGUF_CASES = {
+    "gemma3": ("gemma3", {"num_hidden_layers": 7, "layer_types": [S, S, S, S, S, F, S], "query_pre_attn_scalar": 16,
+                          "rope_parameters": {S: {"rope_type": "default", "rope_theta": 10000.0},
+                                              F: {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}}),
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 16}),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_gguf_matches_transformers(case, tmp_path):
+    arch, overrides = GGUF_CASES[case]
+    _, hf = make_gemma(case, tmp_path / "hf", **overrides)
+    file = tmp_path / f"{case}.gguf"
+    write_gemma_gguf(file, hf, arch)
+    from rtp.checkpoint.gguf import GGUFCheckpoint
+
+    ckpt = GGUFCheckpoint(file)
+    config = ModelConfig.from_hf(ckpt.config)
+    assert config.architecture == hf.config.architectures[0] and config.hidden_act == "gelu_pytorch_tanh"
+    got = dict(ckpt.tensors())
+    for name, w in hf.state_dict().items():  # the norms read back as transformers holds them: 1 + w the same
+        if name.endswith("norm.weight"):
+            assert torch.equal(got[name] + 1, w + 1), name
+            assert torch.allclose(got[name], w, atol=1e-7), name
+    prompts = prompts_of((9, 30), seed=6)
+    worst, _ = run_rtp(file, prompts, hf_reference(hf, prompts))
+    assert worst < 1e-4, worst
+
+
+def test_quantized_gguf_generates(tmp_path, caplog):
+    """A Q8_0 Gemma 3 GGUF in bf16: the quantized linears' kernels, close to transformers.
+    Decode steps run eagerly (logged: Gemma's ops have no CPU-graph kernels)."""
+    _, hf = make_gemma("gemma3", tmp_path / "hf", **{**GGUF_CASES["gemma3"][1], "head_dim": 32,
+                                                     "query_pre_attn_scalar": 32})
+    file = tmp_path / "q8.gguf"
+    write_gemma_gguf(file, hf, "gemma3", quantize=True)
+    from rtp.engine.runner import ModelRunner
+
+    model, _ = load_model(file, torch.bfloat16, torch.device("cpu"))
+    prompts = prompts_of((9, 30), seed=7)
+    with caplog.at_level(logging.INFO, logger="rtp"):
+        worst = _run_bf16(model, prompts, hf_reference(hf, prompts), ModelRunner, warmup=True)
+    assert worst < 0.3, worst
+    assert sum(layer.quant is not None for layer in model.modules() if hasattr(layer, "quant")) > 0
+    assert "decode steps run eagerly" in caplog.text
+
+
+# -- config ------------------------------------------------------------------------------------------
+
+def test_config_errors(tmp_path):
+    path, _ = make_gemma("gemma3", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError, match="hidden_act 'relu'"):
+        ModelConfig.from_hf({**config, "hidden_activation": "relu"})
+    (path / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": True}))
+    with pytest.raises(ValueError, match="causal"):
+        load_model(path, torch.float32, torch.device("cpu"))
+    (path / "config.json").write_text(json.dumps({**config, "layer_types": [S, F]}))
+    with pytest.raises(ValueError, match="layer_types"):
+        load_model(path, torch.float32, torch.device("cpu"))
+
+
+def test_compiled_decode_matches_transformers(tmp_path):
+    """torch.compile'd decode steps (rtp's CUDA path, on the CPU here): Gemma 2's softcapped,
+    windowed attention traced into the graph, mixed with eager prefill chunks."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    path, hf = make_gemma("gemma2", tmp_path)
+    prompts = prompts_of((3, 30, 9), seed=3)
+    worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts), compile=True, max_num_seqs=2, max_batched=16)
+    assert worst < 1e-4, worst
