@@ -403,13 +403,16 @@ class GGUFCheckpoint(GGUFFile):
             yield record.name, tensor
 
     def quantized(self) -> Iterator[tuple[str, "BlockQuantized"]]:
-        """(HF name, packed blocks) of every Q4_1 / Q8_0 weight matrix, q/k rows unpermuted
-        like `tensors()`: the checkpoint's own bytes, for rtp's small-batch CPU kernels."""
+        """(HF name, packed blocks) of every weight matrix rtp's small-batch CPU kernels multiply
+        from its blocks, q/k rows unpermuted like `tensors()`: Q4_1 and Q8_0 as the file has them,
+        Q4_K and Q4_0 repacked exactly into q4_1 (rtp/kernels/quant.py). Other types (Q5_*, Q6_K)
+        are multiplied from their dequantized weights."""
         from gguf import GGMLQuantizationType as Q
 
         from rtp.kernels.quant import BlockQuantized
 
-        kinds = {Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
+        kinds = {Q.Q4_1: partial(BlockQuantized.from_gguf, "q4_1"), Q.Q8_0: partial(BlockQuantized.from_gguf, "q8_0"),
+                 Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0}
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         for _, t in self.all_tensors():
@@ -418,7 +421,7 @@ class GGUFCheckpoint(GGUFFile):
                 continue
             name = hf_tensor_name(t.name, self.architecture)
             rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
-            packed = BlockQuantized.from_gguf(kinds[t.tensor_type], t.data, rows)
+            packed = kinds[t.tensor_type](t.data, rows)
             proj = name.rsplit(".", 2)[-2]
             if permute and proj in heads:
                 packed = packed.rows(_unpermute_qk(torch.arange(rows), heads[proj]))

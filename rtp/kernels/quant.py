@@ -1,6 +1,7 @@
 """Block-quantized weights kept in the checkpoint's own format for decode batches.
 
-A GGUF checkpoint stores most matrices as Q4_1 or Q8_0 blocks of 32 weights. The
+A GGUF checkpoint stores most matrices as blocks of 32 weights (Q4_1, Q8_0; Q4_K and Q4_0
+are repacked into Q4_1 exactly, see from_q4_k; Q5_*/Q6_K have no kernel yet). The
 model is built with dequantized weights (exact in fp32, rounded to bf16), which
 oneDNN multiplies fast for prefill. A decode step is instead bound by reading the
 weights, so the linear layers also keep the packed blocks (a third to a half of
@@ -37,6 +38,20 @@ AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 ti
 AMX_MAX_ROWS = 64    # past this oneDNN's bf16 GEMM reuses each weight over more rows
 
 
+def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and mins packed in a K-quant's 12 scale bytes, as float32:
+    blocks 0-3 take the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); blocks 4-7 take
+    a nibble of bytes 8-11 and their top 2 bits from the top of bytes 0-3 / 4-7."""
+    s = scales.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), dtype=np.float32)
+    mn = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
 @dataclass
 class BlockQuantized:
     kind: str                   # "q4_1" or "q8_0"
@@ -62,6 +77,34 @@ class BlockQuantized:
             return cls(kind, qs, d, m)
         qs = torch.from_numpy(np.ascontiguousarray(b[:, :, 2:]).reshape(rows, -1).view(np.int8))
         return cls(kind, qs, d, None)
+
+    @classmethod
+    def from_q4_0(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
+        """GGUF Q4_0 (w = d * (q - 8)) as q4_1, exactly: the same nibbles, m = -8 d."""
+        b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, 18)
+        d = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        qs = np.ascontiguousarray(b[:, :, 2:]).reshape(rows, -1)
+        return cls("q4_1", torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(-8.0 * d))
+
+    @classmethod
+    def from_q4_k(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
+        """GGUF Q4_K as q4_1, exactly. A Q4_K super-block of 256 weights is eight blocks of 32,
+        each w = (d * sc) q - (dmin * mn) with 6-bit sc and mn: that is q4_1's w = d' q + m' per
+        block of 32, with d' and m' exact in fp32 (11-bit fp16 mantissas times 6-bit integers).
+        Only the nibbles move: Q4_K keeps two blocks in the low and high halves of 32 bytes,
+        q4_1 one block in 16 bytes (byte j: weight j low, weight j + 16 high)."""
+        b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, 144)   # [N, K/256, 144]
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        sc, mn = _q4_k_scales(b[..., 4:16])                            # [N, K/256, 8] each
+        qs = b[..., 16:].reshape(rows, -1, 4, 32)                      # 4 pairs of blocks
+        low, high = qs & 0x0F, qs >> 4                                 # block 2p, block 2p + 1
+        blocks = np.stack([low, high], axis=3).reshape(rows, -1, 8, 32)  # [N, K/256, 8, 32] values
+        packed = blocks[..., :16] | (blocks[..., 16:] << 4)
+        d_block = (d[..., None] * sc).reshape(rows, -1)
+        m_block = (-(dmin[..., None] * mn)).reshape(rows, -1)
+        return cls("q4_1", torch.from_numpy(np.ascontiguousarray(packed.reshape(rows, -1))),
+                   torch.from_numpy(np.ascontiguousarray(d_block)), torch.from_numpy(np.ascontiguousarray(m_block)))
 
     def rows(self, index: torch.Tensor | slice) -> "BlockQuantized":
         """A row subset or permutation (rows are independent: blocks never span two)."""
