@@ -1,7 +1,8 @@
 """Block-quantized weights kept in the checkpoint's own format for decode batches.
 
 A GGUF checkpoint stores most matrices as blocks of 32 weights (Q4_1, Q8_0; Q4_K and Q4_0
-are repacked into Q4_1 exactly, see from_q4_k; Q5_*/Q6_K have no kernel yet). The
+are repacked into Q4_1 exactly, Q5_0 into Q8_0, see from_q4_k; Q5_1, Q5_K and Q6_K have no
+kernel yet and run on their dequantized weights). The
 model is built with dequantized weights (exact in fp32, rounded to bf16), which
 oneDNN multiplies fast for prefill. A decode step is instead bound by reading the
 weights, so the linear layers also keep the packed blocks (a third to a half of
@@ -85,6 +86,21 @@ class BlockQuantized:
         d = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
         qs = np.ascontiguousarray(b[:, :, 2:]).reshape(rows, -1)
         return cls("q4_1", torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(-8.0 * d))
+
+    @classmethod
+    def from_q5_0(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
+        """GGUF Q5_0 (w = d * (q - 16), q of 5 bits: a nibble in qs, the fifth bit in qh) as q8_0,
+        exactly: the int8 q - 16 with the same d. 8.5 bits a weight instead of 5.5, a third more
+        bytes than the file, half of bf16's, and multiplied by the q8_0 kernels."""
+        b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, 22)
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        high = np.ascontiguousarray(b[..., 2:6]).view("<u4")[..., 0]           # bit j: weight j's fifth bit
+        qs = b[..., 6:22]
+        nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)  # weights 0-15, 16-31
+        fifth = (high[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+        q = (nibbles | (fifth.astype(np.int16) << 4)) - 16
+        return cls("q8_0", torch.from_numpy(np.ascontiguousarray(q.astype(np.int8).reshape(rows, -1))),
+                   torch.from_numpy(np.ascontiguousarray(d)), None)
 
     @classmethod
     def from_q4_k(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
