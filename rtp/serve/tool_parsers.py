@@ -65,6 +65,14 @@ class _BadCall(Exception):
     pass
 
 
+def _json(text: str):
+    """A JSON value of the call's text; what does not parse is not a call."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise _BadCall(text) from None
+
+
 class _CallScanner:
     """The calls in one JSON value, read as it arrives: an object {"name": ..., "arguments": ...}
     (array=False) or an array of them. Reports each call's name once it is whole, and the raw text
@@ -114,7 +122,7 @@ class _CallScanner:
                 elif c == '"':
                     self.in_string = False
                     if self.depth == at_call and self.value_start < 0:
-                        self.key = json.loads(buf[self.key_start:i + 1])
+                        self.key = _json(buf[self.key_start:i + 1])
                 continue
             if c in " \t\r\n":
                 continue
@@ -127,6 +135,10 @@ class _CallScanner:
                 self.awaiting_value, self.value_start = False, i
                 if self.key in self.argument_keys:
                     self.args_start = i
+            elif self.depth < at_call and c not in "{,]":
+                raise _BadCall(c)  # between the calls of an array: only calls and commas
+            elif self.depth == at_call and self.value_start < 0 and c not in '":,}':
+                raise _BadCall(c)  # between a call's keys and values: JSON's punctuation only
             if c == '"':
                 self.in_string = True
                 if self.depth == at_call and self.value_start < 0:
@@ -153,10 +165,7 @@ class _CallScanner:
     def _end_value(self, end: int, events: list) -> None:
         value = self.buf[self.value_start:end].rstrip()
         if self.key == "name":
-            try:
-                self.name = json.loads(value)
-            except ValueError:
-                raise _BadCall(value) from None
+            self.name = _json(value)
             if not isinstance(self.name, str):
                 raise _BadCall(value)
         elif self.key in self.argument_keys:
@@ -175,7 +184,10 @@ class _CallScanner:
             # arguments given as a JSON string (some models do): sent decoded, once whole
             if whole and not self.args_sent:
                 self.args_sent = 1
-                events.append(CallArguments(self.index, json.loads(self.buf[self.args_start:self.args_end])))
+                arguments = _json(self.buf[self.args_start:self.args_end])
+                if not isinstance(arguments, str):
+                    raise _BadCall("arguments")
+                events.append(CallArguments(self.index, arguments))
             return
         # the scanned text, less trailing whitespace (it may be the value's end: sent once it is not)
         end = self.args_end if whole else self.args_start + len(self.buf[self.args_start:self.pos].rstrip())
@@ -247,6 +259,8 @@ class ToolParser:
                 events.extend(self.scanner.feed(text))
                 if not self.scanner.done:
                     return
+                if self.scanner.index == self.calls:
+                    raise _BadCall("no call in it")  # "[]": text, not an empty list of calls
                 self.calls, self.pending = self.scanner.index, self.scanner.rest
                 self.scanner, self.awaiting_end = None, bool(self.end)
         except _BadCall:

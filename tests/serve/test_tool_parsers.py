@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rtp.errors import InvalidRequest
 from rtp.serve.tool_parsers import (
@@ -156,3 +158,26 @@ def test_assistant_calls_render_with_object_arguments():
     assert calls == [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
     with pytest.raises(InvalidRequest, match="not JSON"):
         message_tool_calls(1, [{"function": {"name": "f", "arguments": "{oops"}}])
+
+
+# -- any text, any pieces: the parsers never raise, and streaming agrees with the whole --------------
+
+_FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "<|python_tag|>", '{"name": "f"', ', "arguments": ',
+              '"parameters": ', "{", "}", "[", "]", '"', "\\", ":", ",", ";", " ", "\n", "x", "é", "{}", '"a"', "1"]
+
+
+@given(parts=st.lists(st.sampled_from(_FRAGMENTS), max_size=30), cuts=st.lists(st.integers(1, 7), max_size=40),
+       parser=st.sampled_from([HermesParser, Llama3JsonParser, MistralParser, RequiredCallsParser]))
+def test_any_text_in_any_pieces(parts, cuts, parser):
+    text = "".join(parts)
+    whole = parser().parse(text)
+    p, events, at = parser(), [], 0
+    for cut in cuts:
+        events += p.feed(text[at:at + cut])
+        at += cut
+    events += p.feed(text[at:]) + p.finish()
+    streamed = assemble(events, text)
+    if whole.calls:  # what the whole text parses to, a client assembling the stream gets too
+        assert [(c.name, c.arguments) for c in streamed.calls] == [(c.name, c.arguments) for c in whole.calls]
+    if not any(isinstance(e, CallStart) for e in events):
+        assert "".join(e.text for e in events if isinstance(e, Content)) == text
