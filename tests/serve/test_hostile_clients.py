@@ -223,6 +223,19 @@ junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dict
                                                                                         max_size=3), max_leaves=6)
 
 
+schemas = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "frob"])},
+                          optional={"maxLength": st.integers(-1, 8), "enum": st.lists(st.text(max_size=3), max_size=2)}),
+    lambda inner: st.one_of(
+        st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(st.text(max_size=4), inner,
+                                                                                        max_size=3)},
+                              optional={"required": st.lists(st.text(max_size=4), max_size=2),
+                                        "additionalProperties": st.booleans()}),
+        st.fixed_dictionaries({"type": st.just("array"), "items": inner}, optional={"maxItems": st.integers(-1, 3)}),
+        st.fixed_dictionaries({"anyOf": st.lists(inner, min_size=1, max_size=2)})),
+    max_leaves=5)
+
+
 def field(strategy):
     return st.one_of(strategy, strategy, strategy, junk)  # mostly well-typed, sometimes anything
 
@@ -247,22 +260,40 @@ SAMPLING = {
     "stream": st.booleans(),
     "logit_bias": field(st.dictionaries(st.integers(-1, VOCAB + 1).map(str), floats, max_size=2)),
     "user": field(texts),
+    # grammars: schemas of any shape (some no JSON Schema), regexes and grammars of any text
+    "guided_json": field(schemas),
+    "guided_regex": field(texts),
+    "guided_choice": field(st.lists(texts, max_size=3)),
+    "guided_grammar": field(st.one_of(texts, st.just('root ::= "a" | "b"'))),
 }
 COMPLETION = st.fixed_dictionaries(
     {"prompt": field(st.one_of(texts, st.lists(token_ids, max_size=6), st.lists(texts, min_size=1, max_size=3),
                                st.lists(st.lists(token_ids, max_size=4), max_size=2)))},
     optional={**SAMPLING, "logprobs": field(st.one_of(st.integers(0, 5), ints)), "echo": field(st.booleans()),
               "suffix": field(texts), "best_of": field(ints)})
-message = st.fixed_dictionaries({"role": field(st.sampled_from(["user", "assistant", "system"])),
+message = st.fixed_dictionaries({"role": field(st.sampled_from(["user", "assistant", "system", "tool"])),
                                  "content": field(st.one_of(texts, st.lists(st.fixed_dictionaries(
                                      {"type": st.sampled_from(["text", "image_url"]), "text": texts}), max_size=2)))},
-                                optional={"name": field(texts)})
+                                optional={"name": field(texts), "tool_call_id": field(texts),
+                                          "tool_calls": field(st.lists(st.fixed_dictionaries(
+                                              {"id": texts, "type": st.just("function"), "function": st.fixed_dictionaries(
+                                                  {"name": texts, "arguments": st.one_of(texts, st.just("{}"))})}),
+                                              max_size=2))})
 CHAT = st.fixed_dictionaries(
     {"messages": field(st.lists(message, max_size=3))},
     optional={**SAMPLING, "logprobs": field(st.booleans()), "top_logprobs": field(st.one_of(st.integers(0, 5), ints)),
               "max_completion_tokens": field(st.one_of(st.integers(0, 70), ints)),
-              "add_generation_prompt": field(st.booleans()), "tool_choice": field(texts),
-              "response_format": field(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}))})
+              "add_generation_prompt": field(st.booleans()),
+              "tool_choice": field(st.one_of(texts, st.sampled_from(["none", "auto", "required"]),
+                                             st.fixed_dictionaries({"type": st.just("function"),
+                                                                    "function": st.fixed_dictionaries({"name": texts})}))),
+              "tools": field(st.lists(st.fixed_dictionaries(
+                  {"type": st.just("function"), "function": st.fixed_dictionaries(
+                      {"name": st.one_of(texts, st.just("f"))}, optional={"parameters": schemas})}), max_size=2)),
+              "response_format": field(st.one_of(
+                  st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "yaml"])}),
+                  st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+                      {"name": texts, "schema": schemas}, optional={"strict": st.booleans()})})))})
 
 ALLOWED = {200, 400, 413, 415}
 
