@@ -75,3 +75,18 @@ def test_bench_decode_step_times_every_kernel_of_a_replayed_step(default_gguf):
     assert 0 < res["step_utilisation"] < 1
     ref = res["onednn_linears"]  # oneDNN over the same 30 x 4 linears + LM head, the same rows
     assert ref["rows"] == 3 and ref["matrices"] == 121 and 0 < ref["utilisation"] < 1
+
+
+def test_bench_quant_times_each_type_and_prints_a_json_last_line(tmp_path, default_gguf):
+    out = subprocess.run([sys.executable, "tools/bench_quant.py", "--types", "Q4_K,Q6_K,BF16", "--layers", "1",
+                          "--hidden", "256", "--ffn", "512", "--heads", "4", "--kv-heads", "2", "--batch", "2",
+                          "--tokens", "3", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {r["type"]: r for r in figures["rows"]}
+    assert set(rows) == {"Q4_K", "Q6_K", "BF16"} and rows["BF16"]["one_row_vs_bf16"] == 1.0
+    # Q4_K is multiplied from its blocks where rtp's kernels run; Q6_K has no kernel yet
+    assert rows["Q6_K"]["packed_layers"] == 0
+    assert (rows["Q4_K"]["packed_layers"] > 0) == cpu_kernels.available()
+    assert not list(tmp_path.glob("*.gguf"))  # each model removed once measured
