@@ -199,10 +199,11 @@ def _convert(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     from rtp.checkpoint.convert import DTYPES, convert
+    from rtp.checkpoint.hub import resolve_model
     from rtp.checkpoint.loader import LoadOptions
 
     try:
-        summary = convert(Path(args.src).expanduser(), Path(args.dst).expanduser(), DTYPES.get(args.dtype),
+        summary = convert(resolve_model(args.src), Path(args.dst).expanduser(), DTYPES.get(args.dtype),
                           args.shard_size, LoadOptions(chunk_bytes=args.chunk_size))
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         print(f"rtp convert: {e}", file=sys.stderr)

@@ -59,11 +59,16 @@ class LLM:
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template; `tools`
+        (OpenAI's function list) and `chat_template_kwargs` reach the template, as vLLM's LLM.chat."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=True) for c in conversations]
+                                                      tokenize=True, **extra) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _next_id(self) -> str:

@@ -344,7 +344,9 @@ def main(args: argparse.Namespace) -> int:
     from rtp.checkpoint.tokenizer import Tokenizer
 
     if args.tokenizer:
-        tokenizer = Tokenizer.from_pretrained(args.tokenizer)
+        from rtp.checkpoint.hub import resolve_model
+
+        tokenizer = Tokenizer.from_pretrained(resolve_model(args.tokenizer))
     else:
         from rtp.checkpoint.default_model import default_model_path
 

@@ -119,3 +119,24 @@ def test_bad_grammars_are_refused_before_queueing(llm):
         with pytest.raises(InvalidRequest):
             one(llm, "hi", SamplingParams(max_tokens=5, structured_outputs=bad))
     idle(llm)
+
+
+def test_offline_chat_takes_tools_and_a_required_call_is_a_json_array(default_gguf):
+    """LLM.chat(tools=...) renders them through --chat-template's template; the grammar the server
+    uses for tool_choice "required" works offline too."""
+    from rtp.serve.tools import plan_tools
+
+    llm = LLM(model=str(default_gguf), dtype="float32", compile=False, max_model_len=512,
+              chat_template="chatml-tools")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    plan = plan_tools(tools, "required", False, parser=None, template=llm.tokenizer.chat_template, structured=False)
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = llm.chat(question, SamplingParams(max_tokens=1))[0]
+    out = llm.chat(question, SamplingParams(temperature=0, max_tokens=100, structured_outputs=plan.grammar),
+                   tools=tools)[0]
+    assert len(out.prompt_token_ids) > len(plain.prompt_token_ids)  # the tools are in the prompt
+    calls = json.loads(out.outputs[0].text)
+    assert out.outputs[0].finish_reason == "stop" and len(calls) == 1  # parallel_tool_calls false: one
+    assert calls[0]["name"] == "get_weather" and len(calls[0]["parameters"]["city"]) <= 12
