@@ -49,7 +49,7 @@ from rtp.models.layers import (
     VocabParallelEmbedding,
     _copy_checked,
 )
-from rtp.models.llama import LlamaForCausalLM
+from rtp.models.llama import LlamaAttention, LlamaForCausalLM
 from rtp.models.rotary import get_rope, rope_config_from_hf
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -103,9 +103,12 @@ def rope_for(config: ModelConfig, kind: str) -> tuple[float, dict | None, float]
     return rope_config_from_hf(raw)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """Llama's attention step (fused qkv, q/k norm before RoPE, paged attention) over Gemma's parts:
+    its own scale, per-kind window and RoPE base, (1 + w) q/k norms, logit softcapping."""
+
     def __init__(self, config: ModelConfig, kind: str):
-        super().__init__()
+        nn.Module.__init__(self)  # the parts differ from Llama's throughout: built here, not there
         raw = config.raw
         d = config.head_dim
         bias = bool(raw.get("attention_bias", False))
@@ -125,22 +128,6 @@ class GemmaAttention(nn.Module):
         scale = float(raw.get("query_pre_attn_scalar") or d) ** -0.5
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale, window or None,
                                    softcap=raw.get("attn_logit_softcapping") or None)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if self.q_norm is None and self.attn.can_rope_and_store(qkv, positions, self.rotary_emb):
-            q = self.attn.rope_and_store(qkv, positions, self.rotary_emb)
-            return self.o_proj(self.attn(q, None, None))
-        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                             self.num_kv_heads * self.head_dim], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
 
 
 class GemmaMLP(nn.Module):
