@@ -147,11 +147,20 @@ def run_rtp(path, prompts, refs, *, block_size=4, max_batched=64, prefix_cache=T
     cache, chunked prefill), fed transformers' greedy tokens: the worst logit difference from
     refs over every sampled row, and the scheduler."""
     model, config = load_model(path, torch.float32, torch.device("cpu"))
-    alloc = BlockAllocator(256, block_size)
-    runner = ModelRunner(model, num_blocks=256, block_size=block_size, max_num_seqs=max_num_seqs,
+    return run_model(model, prompts, refs, block_size=block_size, max_batched=max_batched,
+                     prefix_cache=prefix_cache, compile=compile, max_num_seqs=max_num_seqs)
+
+
+def run_model(model, prompts, refs, *, kv_dtype=torch.float32, num_blocks=256, block_size=4, max_batched=64,
+              prefix_cache=True, compile=False, max_num_seqs=8, warmup=True, decode_only=False):
+    """run_rtp for a model already loaded (in any dtype). decode_only: the worst difference over
+    the rows that decode, not those that end a prompt."""
+    alloc = BlockAllocator(num_blocks, block_size)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_batched, max_model_len=128,
-                         kv_dtype=torch.float32, device=torch.device("cpu"), compile=compile)
-    runner.warmup(progress=False)
+                         kv_dtype=kv_dtype, device=torch.device("cpu"), compile=compile)
+    if warmup:  # CPU graphs (and compiled graphs): captured where the forward allows
+        runner.warmup(progress=False)
     sched = Scheduler(alloc, runner.plan, cache=RadixCache(alloc) if prefix_cache else None,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=128)
     for i, p in enumerate(prompts):
@@ -166,7 +175,8 @@ def run_rtp(path, prompts, refs, *, block_size=4, max_batched=64, prefix_cache=T
         for k, rid in enumerate(runner.sample_req_ids().tolist()):
             seq, ref = refs[rid]
             pos = length[rid] - 1
-            worst = max(worst, (logits[k] - ref[pos]).abs().max().item())
+            if not decode_only or length[rid] > len(prompts[rid]):
+                worst = max(worst, (logits[k] - ref[pos]).abs().max().item())
             compared += 1
             feed[k] = seq[pos + 1]
             length[rid] += 1

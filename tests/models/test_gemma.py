@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import hf_reference, run_rtp, write_word_tokenizer
+from tiny_models import hf_reference, run_model, run_rtp, write_word_tokenizer
 
 from rtp.checkpoint.loader import load_model
 from rtp.config import ModelConfig
@@ -153,8 +153,6 @@ def test_bf16_kernels_keep_the_window(tmp_path, monkeypatch):
     """In bf16 the layers attend through rtp's prefill and decode kernels (head_dim 32), a local
     layer's window passed as the kernels' argument: close to transformers' fp32 logits, far from
     them with the window dropped."""
-    from rtp.engine.runner import ModelRunner
-
     path, hf = make_gemma("gemma3-untied-mqa", tmp_path)
     prompts = prompts_of((20, 40), seed=5)
     refs = hf_reference(hf, prompts)
@@ -177,7 +175,7 @@ def test_bf16_kernels_keep_the_window(tmp_path, monkeypatch):
         if not window:
             for layer in model.attention_layers():
                 layer.sliding_window = None
-        worst = _run_bf16(model, prompts, refs, ModelRunner)
+        worst, _ = run_model(model, prompts, refs, kv_dtype=torch.bfloat16, warmup=False)
         assert {kernel for kernel, _ in calls} == {"paged_decode_attention", "prefill_attention"}
         assert {w for _, w in calls} == ({0, 8} if window else {0})
         return worst
@@ -185,37 +183,6 @@ def test_bf16_kernels_keep_the_window(tmp_path, monkeypatch):
     good, bad = worst(True), worst(False)
     assert good < 0.15, good
     assert bad > 4 * good, (good, bad)
-
-
-def _run_bf16(model, prompts, refs, ModelRunner, warmup=False):
-    """run_rtp's loop over an already loaded bf16 model: the worst logit difference."""
-    from tiny_models import NEW_TOKENS
-
-    from rtp.runtime import BlockAllocator, RadixCache, Scheduler
-
-    alloc = BlockAllocator(256, 4)
-    runner = ModelRunner(model, num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                         max_model_len=128, kv_dtype=torch.bfloat16, device=torch.device("cpu"))
-    if warmup:  # CPU graphs: captured where the forward is all rtp's kernels
-        runner.warmup(progress=False)
-    sched = Scheduler(alloc, runner.plan, cache=RadixCache(alloc), max_num_seqs=8, max_num_batched_tokens=64,
-                      max_model_len=128)
-    for i, p in enumerate(prompts):
-        sched.add_request(i, p, max_tokens=NEW_TOKENS, ignore_eos=True)
-    length = {i: len(p) for i, p in enumerate(prompts)}
-    worst = 0.0
-    while sched.has_unfinished:
-        sched.schedule()
-        logits = runner.forward()
-        feed = np.zeros(len(logits), dtype=np.int64)
-        for k, rid in enumerate(runner.sample_req_ids().tolist()):
-            seq, ref = refs[rid]
-            pos = length[rid] - 1
-            worst = max(worst, (logits[k] - ref[pos]).abs().max().item())
-            feed[k] = seq[pos + 1]
-            length[rid] += 1
-        sched.update(feed)
-    return worst
 
 
 # -- GGUF, as llama.cpp's converter writes Gemma -------------------------------------------------------
@@ -315,12 +282,10 @@ def test_quantized_gguf_generates(tmp_path, caplog):
                                                      "query_pre_attn_scalar": 32})
     file = tmp_path / "q8.gguf"
     write_gemma_gguf(file, hf, "gemma3", quantize=True)
-    from rtp.engine.runner import ModelRunner
-
     model, _ = load_model(file, torch.bfloat16, torch.device("cpu"))
     prompts = prompts_of((9, 30), seed=7)
     with caplog.at_level(logging.INFO, logger="rtp"):
-        worst = _run_bf16(model, prompts, hf_reference(hf, prompts), ModelRunner, warmup=True)
+        worst, _ = run_model(model, prompts, hf_reference(hf, prompts), kv_dtype=torch.bfloat16)
     assert worst < 0.3, worst
     assert sum(layer.quant is not None for layer in model.modules() if hasattr(layer, "quant")) > 0
     assert "decode steps run eagerly" in caplog.text

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import NEW_TOKENS, hf_reference, prompts_of, random_hf_model, run_rtp, write_word_tokenizer
+from tiny_models import hf_reference, prompts_of, random_hf_model, run_model, run_rtp, write_word_tokenizer
 
 from rtp.checkpoint.loader import CheckpointError, load_model
 from rtp.models.rotary import get_rope, rope_config_from_hf
@@ -293,33 +293,6 @@ def test_gguf_gives_the_same_logits(kind, tmp_path):
     assert worst < 1e-4, f"{kind}: max abs logit difference {worst}"
 
 
-def _bf16_worst(model, prompts, refs) -> float:
-    """run_rtp for a model already loaded (here in bf16), fed transformers' greedy tokens: the worst
-    logit difference from refs over the decode rows (the small batches GGUF blocks serve)."""
-    from rtp.engine.runner import ModelRunner
-    from rtp.runtime import BlockAllocator, Scheduler
-
-    alloc = BlockAllocator(128, 4)
-    runner = ModelRunner(model, num_blocks=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=128,
-                         max_model_len=128, kv_dtype=torch.bfloat16, device=torch.device("cpu"))
-    sched = Scheduler(alloc, runner.plan, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128)
-    for i, p in enumerate(prompts):
-        sched.add_request(i, p, max_tokens=NEW_TOKENS, ignore_eos=True)
-    length, worst = {i: len(p) for i, p in enumerate(prompts)}, 0.0
-    while sched.has_unfinished:
-        sched.schedule()
-        logits = runner.forward()
-        feed = np.zeros(len(logits), dtype=np.int64)
-        for k, rid in enumerate(runner.sample_req_ids().tolist()):
-            seq, ref = refs[rid]
-            if length[rid] > len(prompts[rid]):
-                worst = max(worst, (logits[k] - ref[length[rid] - 1]).abs().max().item())
-            feed[k] = seq[length[rid]]
-            length[rid] += 1
-        sched.update(feed)
-    return worst
-
-
 def test_quantized_gguf_keeps_its_fused_blocks_for_decode(tmp_path, monkeypatch):
     """A Q8_0 Phi-3 GGUF in bf16 on a CPU with rtp's kernels: the fused attn_qkv and ffn_up blocks
     go to qkv_proj and gate_up_proj whole, and decode rows through them give transformers' logits on
@@ -357,7 +330,9 @@ def test_quantized_gguf_keeps_its_fused_blocks_for_decode(tmp_path, monkeypatch)
 
     for method in ("linear", "silu_mul"):  # silu_mul: gate_up's blocks in AMX's interleaved tiles
         monkeypatch.setattr(BlockQuantized, method, spy(getattr(BlockQuantized, method)))
-    with_blocks = _bf16_worst(model, prompts, refs)
+    # the decode rows: the small batches GGUF blocks serve
+    with_blocks, _ = run_model(model, prompts, refs, kv_dtype=torch.bfloat16, num_blocks=128, max_num_seqs=4,
+                               max_batched=128, prefix_cache=False, warmup=False, decode_only=True)
     assert {id(m.quant) for m in fused} <= used  # the decode rows went through them
     # bf16 rounding: about 0.02 here; gate and up blocks in the wrong order: above 1
     assert with_blocks < 0.1, with_blocks
