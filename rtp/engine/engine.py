@@ -148,8 +148,8 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params)
         spec = params.structured_outputs
-        if spec is not None:  # compiled now, unless the server already waited for it off this thread
-            self.compile_grammar(spec).result()
+        # compiled now, unless the server already waited for it off this thread; each choice runs a copy
+        grammar = None if spec is None else self.compile_grammar(spec).result()
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         prompt_ids = np.asarray(ids, dtype=np.int32)
         rids = []
@@ -160,7 +160,7 @@ class LLMEngine:
                                            stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
                                            prefill_only=kv_sink is not None)
                 rids.append(rid)
-                self._admit_slot(rid, params, index)
+                self._admit_slot(rid, params, index, grammar)
         except BaseException as e:
             for rid in rids:  # all choices or none
                 self.scheduler.abort(rid)
@@ -173,13 +173,13 @@ class LLMEngine:
         if kv_sink is not None:
             self.handoff.add_sink(rids[0], kv_sink)
 
-    def _admit_slot(self, rid: int, params: SamplingParams, index: int) -> None:
-        """What a request keeps by its runtime slot: its sampling settings and its grammar's matcher."""
+    def _admit_slot(self, rid: int, params: SamplingParams, index: int, grammar) -> None:
+        """What a request keeps by its runtime slot: its sampling settings and a matcher of its own,
+        copied from the compiled `grammar` (None: unconstrained)."""
         slot = self.scheduler.slot_of_request(rid)
         # choice i of a seeded request draws from seed + i, so n > 1 choices differ
         self.sampling.set(slot, params, None if params.seed is None else params.seed + index)
-        spec = params.structured_outputs
-        self.grammars.set(slot, None if spec is None else self.compile_grammar(spec).result().deep_copy())
+        self.grammars.set(slot, None if grammar is None else grammar.deep_copy())
 
     def compile_grammar(self, spec):
         """A future of the compiled grammar of a StructuredOutputs (rtp/engine/grammar.py); the
@@ -332,11 +332,11 @@ class LLMEngine:
                                  "max_tokens")
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         rid = next(self._next_rid)
-        if params.structured_outputs is not None:
-            self.compile_grammar(params.structured_outputs).result()
+        spec = params.structured_outputs
+        grammar = None if spec is None else self.compile_grammar(spec).result()
         blocks = self.handoff.reserve(request_id, rid, prompt, max_tokens=max_tokens, min_tokens=params.min_tokens,
                                       stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
-        self._admit_slot(rid, params, 0)
+        self._admit_slot(rid, params, 0, grammar)
         self.outputs.add(request_id, prompt_ids, params, [rid])
         return blocks
 

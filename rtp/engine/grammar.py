@@ -85,10 +85,6 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return future
 
-    def matcher(self, spec: StructuredOutputs):
-        """A matcher of its own for one request (choice): a copy of the compiled template."""
-        return self.compile(spec).result().deep_copy()
-
     def _build(self, spec: StructuredOutputs):
         start = time.perf_counter()
         try:
@@ -193,7 +189,8 @@ class GrammarSlots:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="rtp-bitmask")
-        self._prefetched = (slots.copy(), self._pool.submit(self._fill, slots.copy()))
+        kept = slots.copy()  # the plan's array is rewritten by the next schedule()
+        self._prefetched = (kept, self._pool.submit(self._fill, kept))
 
     def fill(self, slots: np.ndarray) -> np.ndarray:
         """Fill the bitmask for the constrained rows among `slots` (one per sampling row); their

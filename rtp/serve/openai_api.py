@@ -53,7 +53,7 @@ from rtp.serve.protocol import (
 )
 from rtp.serve.render import ChatRender, CompletionRender
 from rtp.serve.streams import EventStream
-from rtp.serve.structured import logit_bias, structured_outputs, structured_outputs_field
+from rtp.serve.structured import logit_bias, structured_outputs
 from rtp.serve.tools import message_tool_calls, plan_tools
 
 log = logging.getLogger("rtp.serve")
@@ -236,10 +236,10 @@ class OpenAIServing:
         model = self._model(body.model)
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
-        params = self._params(body, body.max_tokens, body.logprobs)
+        params, grammar_field = self._params(body, body.max_tokens, body.logprobs)
         texts, prompts = await self._completion_prompts(body.prompt)
         for ids in prompts:
-            await self._check(body, ids, params, "prompt")
+            await self._check(ids, params, "prompt", grammar_field)
         stream = await self._start(request, "cmpl", prompts, params)
         echo = [t if t is not None else self.tokenizer.decode(p) for t, p in zip(texts, prompts)] \
             if body.echo else None
@@ -253,21 +253,20 @@ class OpenAIServing:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        params, grammar_field = self._params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         try:
             tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                                parser=self.tool_call_parser, template=self.tokenizer.chat_template,
                                structured=params.structured_outputs is not None)
         except InvalidRequest as e:
             raise APIError(400, str(e), e.param) from None
-        grammar_field = None
         if tools is not None and tools.grammar is not None:
             params.structured_outputs, grammar_field = tools.grammar, "tools"
         if tools is not None and tools.choice == "auto" and tools.parser != "hermes":
             params.skip_special_tokens = False  # [TOOL_CALLS] and <|python_tag|> are special tokens
         ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                       tools.tools if tools is not None else None)
-        await self._check(body, ids, params, "messages", grammar_field)
+        await self._check(ids, params, "messages", grammar_field)
         stream = await self._start(request, "chatcmpl", [ids], params)
         render = ChatRender(stream.request_id, model, self.tokenizer, [ids], params.n,
                             top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, tools=tools)
@@ -339,12 +338,13 @@ class OpenAIServing:
         except Exception as e:  # the template rejected these messages (raise_exception, bad roles)
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
 
-    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> tuple[SamplingParams, str | None]:
+        """The request's SamplingParams, and the field its structured output came from (to name)."""
         def given(value, default):
             return default if value is None else value
 
         try:
-            spec, _ = structured_outputs(body)
+            spec, field = structured_outputs(body)
             return SamplingParams(
                 logit_bias=logit_bias(body.logit_bias), structured_outputs=spec,
                 n=body.n, temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
@@ -355,12 +355,11 @@ class OpenAIServing:
                 max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
                 stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=body.skip_special_tokens,
-                include_stop_str_in_output=body.include_stop_str_in_output)
+                include_stop_str_in_output=body.include_stop_str_in_output), field
         except InvalidRequest as e:
             raise APIError(400, str(e), e.param) from None
 
-    async def _check(self, body, ids: list[int], params: SamplingParams, param: str,
-                     grammar_field: str | None = None) -> None:
+    async def _check(self, ids: list[int], params: SamplingParams, param: str, grammar_field: str | None) -> None:
         """The engine's own admission checks, here before anything is queued: the request against
         the model (LLMEngine.check_request), and its grammar compiled (off this loop and off the
         engine thread; once per distinct grammar), so that one the backend cannot build is a 400
@@ -370,12 +369,8 @@ class OpenAIServing:
             if params.structured_outputs is not None:
                 await asyncio.wrap_future(self.engine.compile_grammar(params.structured_outputs))
         except InvalidRequest as e:
-            # name the field the grammar came from (response_format, guided_json, ...)
-            if e.param == "structured_outputs":
-                param = grammar_field or structured_outputs_field(body)
-            else:
-                param = e.param
-            raise APIError(400, str(e), param) from None
+            # name the field the grammar came from (response_format, guided_json, ..., tools)
+            raise APIError(400, str(e), grammar_field if e.param == "structured_outputs" else e.param) from None
 
     async def _start(self, request: Request, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
         """Run the request here, or on a prefill node through its decode node (rtp/serve/pd/)."""

@@ -96,8 +96,3 @@ def logit_bias(value) -> dict[int, float] | None:
             raise InvalidRequest(f"logit_bias values must be numbers, got {bias!r}", "logit_bias")
         out[token] = float(bias)
     return out
-
-
-def structured_outputs_field(body) -> str | None:
-    """The field a request's structured output came from."""
-    return structured_outputs(body)[1]
