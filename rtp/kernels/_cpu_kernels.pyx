@@ -11,7 +11,7 @@ rtp/kernels/cpu_graph.py to replay with ``run_calls``.
 """
 from array import array
 
-from libc.stdint cimport int32_t, int64_t, intptr_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, intptr_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 cdef extern from "cpu_kernels.h":
@@ -32,6 +32,7 @@ cdef extern from "cpu_kernels.h":
     void rtp_argmax_rows(const float *x, int64_t ldx, int64_t t, int64_t n, int64_t *out) nogil
     void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
                                  int64_t r, int64_t n) nogil
+    uint64_t rtp_stream_read(const void *buf, int64_t nbytes) nogil
     int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns) nogil
     int rtp_call_rows_word(int64_t op) nogil
     uint32_t rtp_call_address_words(int64_t op) nogil
@@ -222,3 +223,12 @@ def argmax_rows(intptr_t x, int64_t ldx, int64_t t, int64_t n, intptr_t out) -> 
     """out int64 [t] = each row's argmax of x fp32 [t, n] (first on ties; first NaN if any)."""
     with nogil:
         rtp_argmax_rows(<const float *>x, ldx, t, n, <int64_t *>out)
+
+
+def stream_read(intptr_t buf, int64_t nbytes) -> int:
+    """Read nbytes (a multiple of 256, 64-byte aligned) at buf once, on every thread; returns the
+    words folded by xor (tools/bench_roofline.py times it as the memory bandwidth)."""
+    cdef uint64_t folded
+    with nogil:
+        folded = rtp_stream_read(<const void *>buf, nbytes)
+    return folded

@@ -202,6 +202,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def stream_read(buf: torch.Tensor) -> int:
+    """Read buf (contiguous, 64-byte aligned, a multiple of 256 bytes) once on every thread: a
+    streaming read for measuring memory bandwidth (tools/bench_roofline.py)."""
+    nbytes = buf.numel() * buf.element_size()
+    if not buf.is_contiguous() or buf.data_ptr() % 64 or nbytes % 256:
+        raise ValueError("stream_read takes a contiguous, 64-byte aligned buffer of a multiple of 256 bytes")
+    return _k.stream_read(buf.data_ptr(), nbytes)
+
+
 # -- structured outputs: a token bitmask over logits rows ------------------------------------------
 
 def apply_token_bitmask(x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:

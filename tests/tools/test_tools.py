@@ -90,3 +90,24 @@ def test_bench_quant_times_each_type_and_prints_a_json_last_line(tmp_path, defau
     assert rows["Q6_K"]["packed_layers"] == 0
     assert (rows["Q4_K"]["packed_layers"] > 0) == cpu_kernels.available()
     assert not list(tmp_path.glob("*.gguf"))  # each model removed once measured
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (the streaming-read kernel)")
+def test_bench_roofline_sets_every_shape_against_its_limit(default_gguf):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_roofline.py"), "--rows", "3", "--contexts", "20",
+                          "--prefill-tokens", "48", "--repeats", "1", "--kv-cache-gib", "0.1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    shapes = {r["shape"]: r for r in res["shapes"]}
+    assert set(shapes) == {"prefill 48", "decode 3 @ 20", "mixed 20 + 2 decode", "decode 2 @ 20", "decode 1 @ 20"}
+    assert shapes["prefill 48"]["tokens"] == 48 and shapes["prefill 48"]["decode_rows"] == 0
+    mixed = shapes["mixed 20 + 2 decode"]
+    assert mixed["decode_rows"] == 2 and mixed["prefill_rows"] == 1 and mixed["tokens"] == 22
+    assert shapes["decode 1 @ 20"]["path"] == "CPU graph"
+    for r in shapes.values():
+        assert r["ms"] > 0 and r["limit_ms"] > 0 and r["bound"] in ("compute", "memory")
+        assert r["of_limit"] == pytest.approx(r["limit_ms"] / r["ms"], rel=0.01)
+    limits = res["limits"]
+    assert limits["bf16_gflops"] > 0 and all(v > 0 for v in limits["stream_gb_s"].values())
+    assert limits["weights_mib"]["parameters"] > 0

@@ -29,6 +29,7 @@ void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const int32_
 void rtp_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out);
 void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
                              int64_t R, int64_t N);
+uint64_t rtp_stream_read(const void *buf, int64_t bytes);
 void rtp_silu_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t T, int64_t I);
 int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                int64_t tok_stride, const int32_t *seqs, const int32_t *tables, uint16_t *out,

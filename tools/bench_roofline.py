@@ -1,0 +1,394 @@
+#!/usr/bin/env python3
+"""Every step shape beside the limit this machine sets it: a roofline report.
+
+For each step shape the engine runs -- decode at 1, 16 and 64 rows (contexts 256 and
+2,048), one 2,048-token prefill chunk, a mixed step (one 256-token prompt beside 63
+decode rows) -- this tool builds the step through the real engine (real requests, the
+real scheduler and KV cache), times the runner's forward of that very plan (the median of
+--repeats runs: a forward is idempotent, it rewrites the same KV slots), and sets it
+against two limits measured in the same run:
+
+  compute  the step's FLOPs (linear layers 2 x tokens x N x K, the LM head over the rows
+           that sample, attention 4 x heads x head_dim per query-key pair) at the bf16
+           matmul rate of this machine (2048^3 torch.matmul: AMX through oneDNN where the
+           CPU has it); the int8 rate (torch._int_mm) is printed beside it;
+  memory   the step's bytes -- weights as rtp stores them for the kernels that run them
+           (GGUF blocks in tile order, else bf16), KV read (each row's whole context once)
+           and written, activations in and out of every linear and the fp32 residual
+           stream -- at the streaming-read bandwidth of rtp's own read kernel on both cores,
+           measured over a buffer of the step's own size (a buffer past the caches is DRAM,
+           one the size of the weights is whatever share of L3 this VM gets: both printed).
+
+The limit is the larger of the two times; "% of limit" is limit / measured, and "bound"
+names the resource that sets the limit. The table, then (last line of stdout) one JSON.
+
+    python tools/bench_roofline.py
+    python tools/bench_roofline.py --repeats 5 --shapes prefill,mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_offline import CpuWatch, bench_matmul, note  # noqa: E402
+
+from rtp.kernels import cpu_kernels  # noqa: E402
+
+STREAM_MIB = (32, 128, 512, 2048)   # streaming-read buffer sizes; 2 GiB is past any L3 seen here
+
+
+# -- the machine's limits --------------------------------------------------------------------------
+
+def bench_int8_matmul(n: int = 2048, repeats: int = 6) -> float | None:
+    """torch._int_mm GOP/s at n^3 (None where this torch has no CPU int8 matmul)."""
+    a = torch.randint(-64, 64, (n, n), dtype=torch.int8)
+    b = torch.randint(-64, 64, (n, n), dtype=torch.int8)
+    try:
+        torch._int_mm(a, b)
+    except (RuntimeError, AttributeError):
+        return None
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch._int_mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def bench_stream(mib: int, repeats: int = 5) -> float:
+    """GB/s of rtp's streaming-read kernel over a buffer of `mib` MiB, both cores (best of repeats)."""
+    buf = torch.empty((mib << 20) + 64, dtype=torch.uint8)
+    off = (-buf.data_ptr()) % 64
+    view = buf[off: off + (mib << 20)]
+    view.fill_(1)  # fault every page in before timing
+    cpu_kernels.stream_read(view)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        cpu_kernels.stream_read(view)
+        best = min(best, time.perf_counter() - t)
+    return (mib << 20) / best / 1e9
+
+
+def weight_memory(model: torch.nn.Module) -> dict[str, float]:
+    """MiB of each form the linear weights are kept in: the model's parameters, oneDNN's prepacked
+    bf16 copies, GGUF blocks as the one-row kernels read them, the same blocks in AMX tile order."""
+    seen: set[int] = set()
+    mib = {"parameters": 0.0, "onednn_packed": 0.0, "blocks": 0.0, "amx_tiles": 0.0}
+
+    def add(key: str, t: torch.Tensor | None) -> None:
+        if t is None or t.device.type != "cpu":
+            return
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # an opaque oneDNN tensor
+            ptr = id(t)
+        if ptr in seen or (ptr == 0 and key != "onednn_packed"):
+            return
+        seen.add(ptr)
+        size = t.untyped_storage().nbytes() if key != "onednn_packed" else t.numel() * t.element_size()
+        mib[key] += size / (1 << 20)
+
+    for p in model.parameters():
+        add("parameters", p.data)
+    for m in model.modules():
+        add("onednn_packed", getattr(m, "packed", None))
+        quant = getattr(m, "quant", None)
+        if quant is not None:
+            for t in (quant.qs, quant.d, quant.m):
+                add("blocks", t)
+            add("amx_tiles", quant.tiles)
+    return {k: round(v, 1) for k, v in mib.items()}
+
+
+def rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / (1 << 20)
+    return float("nan")
+
+
+# -- what a step costs -----------------------------------------------------------------------------
+
+@dataclass
+class ModelCost:
+    layers: int
+    hidden: int
+    heads: int
+    head_dim: int
+    kv_bytes_per_token: int       # one layer's K and V
+    linear_nk: list[tuple[int, int]]   # one layer's linears (N, K)
+    layer_weight_bytes: float     # one layer's linear weights as stored
+    vocab: int
+    head_weight_bytes: float      # the LM head as stored
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> "ModelCost":
+        from rtp.models.layers import LinearBase
+
+        config = model.config
+        layer0 = model.model.layers[0]
+        linears = [m for m in layer0.modules() if isinstance(m, LinearBase)]
+        head = model.lm_head
+        kv = kv_caches[0]
+        return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                   kv_bytes_per_token=int(kv[:, 0, 0].numel() * kv.element_size()),
+                   linear_nk=[tuple(m.weight.shape) for m in linears],
+                   layer_weight_bytes=sum(stored_bytes(m) for m in linears), vocab=config.vocab_size,
+                   head_weight_bytes=stored_bytes(head))
+
+
+def stored_bytes(layer) -> float:
+    """Bytes of a linear's weights as the kernels that multiply them read them."""
+    quant = getattr(layer, "quant", None)
+    if quant is not None:
+        if quant.tiles is not None:
+            return quant.tiles.numel()
+        return sum(t.numel() * t.element_size() for t in (quant.qs, quant.d, quant.m) if t is not None)
+    return layer.weight.numel() * layer.weight.element_size()
+
+
+@dataclass
+class StepCost:
+    tokens: int
+    samples: int
+    decode_rows: int
+    prefill_rows: int
+    mean_context: float
+    flop: float
+    bytes: float
+    streamed_bytes: float   # weights + KV: what the bandwidth is measured at
+
+    @classmethod
+    def of(cls, plan, cost: ModelCost) -> "StepCost":
+        t, ns, nd, nr = plan.num_tokens, plan.num_samples, plan.num_decode_rows, plan.num_rows
+        qsl, lens = plan.query_start_loc[: nr + 1].astype(np.int64), plan.seq_lens[:nr].astype(np.int64)
+        q = qsl[1:] - qsl[:-1]
+        keys = q * (lens - q) + q * (q + 1) // 2  # causal: query i of a chunk sees the prefix and i + 1
+        per_layer_mm = sum(n * k for n, k in cost.linear_nk)
+        flop = cost.layers * (2.0 * t * per_layer_mm + 4.0 * cost.heads * cost.head_dim * float(keys.sum()))
+        flop += 2.0 * ns * cost.vocab * cost.hidden
+        weights = cost.layers * cost.layer_weight_bytes + cost.head_weight_bytes
+        kv = cost.layers * cost.kv_bytes_per_token * float(lens.sum() + t)  # every context read once, new KV written
+        acts = cost.layers * (sum(2.0 * t * (n + k) for n, k in cost.linear_nk) + 4.0 * t * cost.hidden * 4)
+        acts += ns * (2.0 * cost.hidden + 4.0 * cost.vocab)
+        return cls(t, ns, nd, nr - nd, float(lens.mean()), flop, weights + kv + acts, weights + kv)
+
+
+# -- driving the engine to each shape --------------------------------------------------------------
+
+class ForwardTimer:
+    """Wraps the runner's forward: when the planned step has the awaited shape, the forward runs
+    warm-up + repeats times over that same plan and the times are kept."""
+
+    def __init__(self, runner, repeats: int):
+        self.runner, self.repeats = runner, repeats
+        self.forward = runner.forward
+        self.want: tuple[int, int, int] | None = None  # (rows, decode rows, tokens); -1: any
+        self.times: list[float] = []
+        self.cost = None
+        self.path = ""
+        runner.forward = self
+
+    def expect(self, rows: int, decode_rows: int, tokens: int = -1) -> None:
+        self.want, self.times = (rows, decode_rows, tokens), []
+
+    def _matches(self, plan) -> bool:
+        if self.want is None:
+            return False
+        got = (plan.num_rows, plan.num_decode_rows, plan.num_tokens)
+        return all(w < 0 or w == g for w, g in zip(self.want, got))
+
+    def __call__(self):
+        plan = self.runner.plan
+        if not self._matches(plan):
+            return self.forward()
+        self.want = None
+        graphs = self.runner.graph_steps
+        for _ in range(2):
+            out = self.forward()
+        self.path = "CPU graph" if self.runner.graph_steps > graphs else "eager"
+        for _ in range(self.repeats):
+            t = time.perf_counter()
+            out = self.forward()
+            self.times.append(time.perf_counter() - t)
+        self.plan_snapshot = plan
+        return out
+
+
+def run_until(engine, timer: ForwardTimer, limit: int = 400) -> None:
+    for _ in range(limit):
+        if timer.times:
+            return
+        engine.step()
+    raise SystemExit(f"the engine never ran the awaited step shape {timer.want}")
+
+
+def add_prompts(engine, n: int, length: int, rng: np.random.Generator, tag: str) -> list[str]:
+    from rtp import SamplingParams
+
+    vocab = engine.model.config.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    ids = []
+    for r in range(n):
+        rid = f"{tag}-{r}"
+        engine.add_request(rid, rng.integers(100, vocab - 100, length).tolist(), sp)
+        ids.append(rid)
+    return ids
+
+
+def fill_decode(engine, n: int, context: int, rng, tag: str) -> list[str]:
+    """n requests of `context`-token prompts, stepped until all of them decode together."""
+    ids = add_prompts(engine, n, context, rng, tag)
+    plan = engine.scheduler.plan
+    for _ in range(20 * n + 200):
+        engine.step()
+        if plan.num_rows == n == plan.num_decode_rows:
+            return ids
+    raise SystemExit(f"the engine never ran {n} rows as one decode step (KV memory?)")
+
+
+def abort(engine, ids: list[str]) -> None:
+    for rid in ids:
+        engine.abort_request(rid)
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+def row_for(name: str, timer: ForwardTimer, model_cost: ModelCost, limits: dict) -> dict:
+    cost = StepCost.of(timer.plan_snapshot, model_cost)
+    measured = statistics.median(timer.times)
+    bw = next((limits["stream_gb_s"][m] for m in STREAM_MIB if (m << 20) >= cost.streamed_bytes),
+              limits["stream_gb_s"][STREAM_MIB[-1]])
+    t_compute = cost.flop / (limits["bf16_gflops"] * 1e9)
+    t_memory = cost.bytes / (bw * 1e9)
+    limit = max(t_compute, t_memory)
+    return {"shape": name, "path": timer.path, "tokens": cost.tokens, "decode_rows": cost.decode_rows,
+            "prefill_rows": cost.prefill_rows, "mean_context": round(cost.mean_context, 1),
+            "ms": round(measured * 1e3, 3), "gflop": round(cost.flop / 1e9, 3),
+            "gflops": round(cost.flop / measured / 1e9, 1), "mb": round(cost.bytes / 1e6, 1),
+            "gb_s": round(cost.bytes / measured / 1e9, 1), "bandwidth_gb_s": round(bw, 1),
+            "limit_ms": round(limit * 1e3, 3), "bound": "compute" if t_compute >= t_memory else "memory",
+            "of_limit": round(limit / measured, 4)}
+
+
+def print_table(rows: list[dict], limits: dict) -> None:
+    s = limits["stream_gb_s"]
+    int8 = f"{limits['int8_gops']:,.0f} GOP/s" if limits.get("int8_gops") else "n/a"
+    print(f"\nthis machine: bf16 matmul {limits['bf16_gflops']:,.0f} GFLOP/s, int8 matmul {int8}; streaming read "
+          + ", ".join(f"{v:.1f} GB/s at {m} MiB" for m, v in s.items()) + f"; RSS {limits['rss_gib']:.2f} GiB")
+    print("weights (MiB): " + ", ".join(f"{k.replace('_', ' ')} {v:,.1f}" for k, v in limits["weights_mib"].items()))
+    head = (f"{'shape':<26} {'path':<9} {'tokens':>6} {'ms':>9} {'GFLOP':>8} {'GFLOP/s':>8} {'MB':>8} "
+            f"{'GB/s':>6} {'limit ms':>9} {'bound':>8} {'of limit':>8}")
+    print(head)
+    for r in rows:
+        print(f"{r['shape']:<26} {r['path']:<9} {r['tokens']:>6} {r['ms']:>9.2f} {r['gflop']:>8.1f} "
+              f"{r['gflops']:>8,.0f} {r['mb']:>8.1f} {r['gb_s']:>6.1f} {r['limit_ms']:>9.2f} {r['bound']:>8} "
+              f"{r['of_limit']:>8.1%}")
+
+
+SHAPES = ("decode", "prefill", "mixed")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", default=None, help="checkpoint directory, GGUF file or ID (default: SmolLM2-135M)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed forwards per shape (default 7)")
+    ap.add_argument("--rows", type=int, default=64, help="the largest decode batch; 16 and 1 are measured too "
+                                                         "(default 64)")
+    ap.add_argument("--contexts", default="256,2048", help="decode contexts; the mixed step runs at the first "
+                                                           "(default 256,2048)")
+    ap.add_argument("--prefill-tokens", type=int, default=2048, help="the prefill chunk (default 2048)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="which of decode, prefill, mixed (default all)")
+    ap.add_argument("--kv-cache-gib", type=float, default=4,
+                    help="KV cache: --rows rows at the longest context, with room (default 4; SmolLM2-135M "
+                         "needs 3.3)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    shapes = set(args.shapes.split(","))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if shapes - set(SHAPES) or args.repeats < 1 or args.rows < 2 or min(contexts) < 1:
+        ap.error(f"--shapes takes {', '.join(SHAPES)}; --repeats at least 1, --rows at least 2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_kernels.available():
+        raise SystemExit("rtp's CPU kernels are not available here (they need AVX-512 BF16)")
+
+    from rtp import LLM
+
+    top = max(contexts + [args.prefill_tokens])
+    budget = max(2048, args.prefill_tokens)
+    note("loading the model, bf16")
+    llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=args.rows, max_num_batched_tokens=budget,
+              max_model_len=top + 512, kv_cache_memory=int(args.kv_cache_gib * (1 << 30)),
+              enable_prefix_caching=False)
+    engine = llm.engine
+    limits = {"rss_gib": rss_gib(), "weights_mib": weight_memory(engine.model)}
+    note("measuring this machine: bf16 and int8 matmul, streaming reads")
+    limits["bf16_gflops"] = bench_matmul(2048, torch.bfloat16)
+    limits["int8_gops"] = bench_int8_matmul()
+    limits["stream_gb_s"] = {m: bench_stream(m) for m in STREAM_MIB}
+    timer = ForwardTimer(engine.runner, args.repeats)
+    cost = ModelCost.of(engine.model, engine.runner.kv_caches)
+    rng = np.random.default_rng(args.seed)
+    rows: list[dict] = []
+    batches = sorted({args.rows, min(16, args.rows - 1), 1}, reverse=True)
+    with CpuWatch() as cpu:
+        if "prefill" in shapes:
+            note(f"prefill: one {args.prefill_tokens:,}-token chunk")
+            timer.expect(1, 0, args.prefill_tokens)
+            ids = add_prompts(engine, 1, args.prefill_tokens, rng, "prefill")
+            run_until(engine, timer)
+            rows.append(row_for(f"prefill {args.prefill_tokens}", timer, cost, limits))
+            abort(engine, ids)
+            engine.step()
+        for context in contexts:
+            mixed = "mixed" in shapes and context == contexts[0]
+            if "decode" not in shapes and not mixed:
+                continue
+            note(f"filling {args.rows} rows at context {context}")
+            ids = fill_decode(engine, args.rows, context, rng, f"ctx{context}")
+            if "decode" in shapes:
+                timer.expect(args.rows, args.rows, args.rows)
+                run_until(engine, timer)
+                rows.append(row_for(f"decode {args.rows} @ {context}", timer, cost, limits))
+            if mixed:
+                abort(engine, ids[:1])
+                ids = ids[1:]
+                timer.expect(args.rows, args.rows - 1)
+                ids += add_prompts(engine, 1, context, rng, "mixed")
+                run_until(engine, timer)
+                rows.append(row_for(f"mixed {context} + {args.rows - 1} decode", timer, cost, limits))
+            if "decode" in shapes:
+                for keep in batches[1:]:
+                    abort(engine, ids[keep:])
+                    ids = ids[:keep]
+                    engine.step()  # the aborts take effect
+                    timer.expect(keep, keep, keep)
+                    run_until(engine, timer)
+                    rows.append(row_for(f"decode {keep} @ {context}", timer, cost, limits))
+            abort(engine, ids)
+            engine.step()
+    limits["other_cpu_s"] = cpu.other_cpu_s
+    print_table(rows, limits)
+    print(json.dumps({"limits": {**limits, "stream_gb_s": {str(k): round(v, 1) for k, v in
+                                                             limits["stream_gb_s"].items()}}, "shapes": rows}))
+
+
+if __name__ == "__main__":
+    main()
