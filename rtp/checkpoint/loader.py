@@ -223,6 +223,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, options: Lo
     model.eval()
     if checkpoint.gguf is not None and dtype == torch.bfloat16 and device.type == "cpu":
         _attach_quantized(model, checkpoint.gguf)
+        _drop_dense_weights(model)
     _pack_cpu_weights(model)
     log.info("loaded %.2f GB in %.2f s (%.2f GB/s): %s (%s, %.1f M params), ready in %.1f s", total / 1e9, read_s,
              total / 1e9 / max(read_s, 1e-9), path.name, config.architecture,
@@ -241,16 +242,38 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _pack_cpu_weights(model: torch.nn.Module) -> None:
-    """Give bf16 CPU linears (and the LM head) a oneDNN-prepacked weight (rtp/kernels/packed.py)."""
+    """Give bf16 CPU linears (and the LM head) a oneDNN-prepacked weight (rtp/kernels/packed.py),
+    unless their GGUF blocks serve every batch."""
     from rtp.kernels import packed
 
     count = 0
     for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if quant is not None and quant.serves_every_batch:
+            continue
         if hasattr(module, "packed") and packed.supported(module.weight):
             module.packed = packed.pack(module.weight)
             count += 1
     if count:
         log.info("prepacked %d bf16 linear weights for oneDNN", count)
+
+
+def _drop_dense_weights(model: torch.nn.Module) -> None:
+    """Free the dense bf16 weights of layers whose GGUF blocks serve every batch (AMX tiles): nothing
+    multiplies them, and they were most of the weights' memory. The parameter stays, on the meta
+    device (its shape and dtype, no storage), so a path that would still read it fails loudly. A
+    weight the layer shares (a tied LM head's, the embedding's) stays."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Module)
+                  and not hasattr(m, "quant") and isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
+    freed = 0
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if quant is None or not quant.serves_every_batch or id(module.weight) in embeddings:
+            continue
+        freed += module.weight.numel() * module.weight.element_size()
+        module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+    if freed:
+        log.info("dropped %.1f MB of dense weights that the GGUF blocks replace", freed / 1e6)
 
 
 def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:

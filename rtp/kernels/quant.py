@@ -1,17 +1,18 @@
-"""Block-quantized weights kept in the checkpoint's own format for decode batches.
+"""Block-quantized weights kept in the checkpoint's own format, multiplied from their blocks.
 
 A GGUF checkpoint stores most matrices as blocks of 32 weights (Q4_1, Q8_0; Q4_K and Q4_0
 are repacked into Q4_1 exactly, Q5_0 into Q8_0, see from_q4_k; Q5_1, Q5_K and Q6_K have no
-kernel yet and run on their dequantized weights). The
-model is built with dequantized weights (exact in fp32, rounded to bf16), which
-oneDNN multiplies fast for prefill. A decode step is instead bound by reading the
-weights, so the linear layers also keep the packed blocks (a third to a half of
-bf16's bytes) and multiply them directly with rtp's CPU kernels:
+kernel yet and run on their dequantized weights). A decode step is bound by reading the
+weights, so the linear layers keep the packed blocks (a third to a half of bf16's bytes) and
+multiply them directly with rtp's CPU kernels:
   - one row: the AVX-512 kernel over the blocks, exact fp32 weights (cpu_kernels.c);
-  - 2 to AMX_MAX_ROWS rows, on CPUs with AMX: the blocks in tile order, dequantized
-    to the model's bf16 weights in L1 and multiplied on the AMX unit (amx_linear.c);
-    past that oneDNN's GEMM, which reuses each weight over more rows, wins.
-Without AMX, the AVX-512 kernel serves up to QUANT_MAX_ROWS rows.
+  - on CPUs with AMX, every batch of 2 rows or more: the blocks in tile order, dequantized
+    to the model's bf16 weights in L1 and multiplied on the AMX unit -- decode batches
+    (amx_linear.c) and prompt-sized ones, prefill chunks and mixed steps, as a GEMM that
+    dequantizes each tile once for all the rows (amx_gemm.c). Such a layer then needs no
+    dense bf16 copy of its weights (serves_every_batch): the loader drops it.
+Without AMX, the AVX-512 kernel serves up to QUANT_MAX_ROWS rows and oneDNN's bf16 GEMM, on
+the dense weights, the rest.
 
 Packed layout (per matrix of N rows by K columns, K a multiple of 32):
   q4_1: qs uint8 [N, K/2], d fp32 [N, K/32], m fp32 [N, K/32]   (w = d * q + m)
@@ -36,7 +37,6 @@ _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
 # Row ranges where each kernel measured fastest (docs/benchmarks.md, "Decode step").
 QUANT_MAX_ROWS = 4   # the AVX-512 kernel, when there is no AMX
 AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 tile round trip)
-AMX_MAX_ROWS = 64    # past this oneDNN's bf16 GEMM reuses each weight over more rows
 
 
 def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -186,16 +186,21 @@ class BlockQuantized:
             w = self.qs.view(n, k // BLOCK, BLOCK).float() * self.d[..., None]
         return w.reshape(n, k)
 
+    @property
+    def serves_every_batch(self) -> bool:
+        """Whether these blocks multiply any number of rows (AMX tiles): the layer needs no dense copy."""
+        return self.tiles is not None
+
     def takes(self, rows: int) -> bool:
-        """Whether a batch of `rows` rows is faster through the blocks than through oneDNN."""
+        """Whether a batch of `rows` rows is multiplied from the blocks (else from dense bf16 weights)."""
         if self.tiles is not None:
-            # interleaved tiles serve silu_mul only: a plain product past one row goes to oneDNN
-            return rows < AMX_MIN_ROWS if self.glu else rows <= AMX_MAX_ROWS
+            # interleaved tiles serve silu_mul only: a plain product is the one-row kernel's
+            return rows < AMX_MIN_ROWS if self.glu else True
         return rows <= QUANT_MAX_ROWS
 
     def takes_silu_mul(self, rows: int) -> bool:
-        """Whether silu_mul serves a batch of `rows` rows (tiles made with glu, AMX's row range)."""
-        return self.glu and AMX_MIN_ROWS <= rows <= AMX_MAX_ROWS
+        """Whether silu_mul serves a batch of `rows` rows (tiles made with glu, 2 rows or more)."""
+        return self.glu and rows >= AMX_MIN_ROWS
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """silu(gate) * up of these [gate | up] blocks (glu tiles) for x, bf16 [M, N/2], one kernel."""

@@ -43,7 +43,7 @@ needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs a 
 
 @needs_amx
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 15, 17, 64, 65, 100])
+@pytest.mark.parametrize("rows", [1, 2, 15, 17, 64, 65, 100, 256, 300, 529])
 def test_amx_linear_equals_the_models_bf16_weights(kind, rows):
     """The AMX kernel multiplies exactly the model's bf16 weights (the dequantized blocks,
     rounded once) with fp32 accumulation: fp32-rounding-level error, any row count."""
@@ -64,7 +64,7 @@ def test_amx_linear_equals_the_models_bf16_weights(kind, rows):
 
 @needs_amx
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [2, 15, 17, 64, 65])
+@pytest.mark.parametrize("rows", [2, 15, 17, 64, 65, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_silu_mul_equals_the_projection_then_the_activation(kind, rows, bias):
     """The fused MLP kernel (gate and up tiles interleaved, silu(gate) * up as the tiles leave
@@ -83,8 +83,9 @@ def test_amx_silu_mul_equals_the_projection_then_the_activation(kind, rows, bias
     ref = x.float() @ fused.dequantize().bfloat16().float().T + (b if bias else 0)
     gate, up = ref.bfloat16().float().chunk(2, dim=-1)
     assert torch.allclose(got.float(), torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
-    # the interleaved tiles serve only silu_mul: a plain product of 2+ rows goes to oneDNN
-    assert fused.takes_silu_mul(rows) == (rows <= 64) and not fused.takes(rows) and fused.takes(1)
+    # the interleaved tiles serve only silu_mul, at any batch of 2+ rows; one row: the plain blocks
+    assert fused.takes_silu_mul(rows) and not fused.takes(rows) and fused.takes(1) and not fused.takes_silu_mul(1)
+    assert plain.takes(rows) and plain.takes(1) and plain.serves_every_batch
 
 
 @needs_amx

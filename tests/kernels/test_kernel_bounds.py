@@ -149,11 +149,11 @@ def test_quantized_linears_write_only_their_outputs(kind, m, n, k, out_bf16):
 
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs a CPU with AMX-BF16")
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("m", [1, 15, 17, 64, 65, 100])
+@pytest.mark.parametrize("m", [1, 15, 17, 64, 65, 100, 300, 529])  # past 64 rows: the GEMM (amx_gemm.c)
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("x_fp32", [False, True])
 def test_amx_linear_writes_only_its_output(kind, m, glu, x_fp32):
-    """The AMX kernel stores tiles with _tile_stored, which AddressSanitizer does not see."""
+    """The AMX kernels store tiles with _tile_stored, which AddressSanitizer does not see."""
     from rtp.kernels.quant import BlockQuantized
 
     if glu and x_fp32:

@@ -218,9 +218,11 @@ def test_bad_structured_requests_are_400s_naming_the_field(client, body, field):
 
 def test_constrained_greedy_output_is_the_same_alone_and_batched(server, client):
     """The grammar's rows of the bitmask are its own: beside unconstrained rows (and other
-    grammars) a constrained greedy request writes what it writes alone. The outputs are kept
-    short: rtp's bf16 kernels are not batch-invariant, so a long unconstrained-like run can meet
-    a near-tie that batching flips whatever the grammar does."""
+    grammars) a constrained greedy request writes what it writes alone. "Alone" is beside one
+    unconstrained companion that outlives it: a one-row step multiplies the GGUF's exact fp32
+    weights (the AVX-512 kernel), every larger one their bf16 rounding (AMX, bit for bit the same
+    at any row count), so a request that decoded some steps alone would meet near-ties that a
+    batched run flips whatever the grammar does."""
     schema = openai.lib._pydantic.to_strict_json_schema(Review)
     prompts = ["Review a phone as JSON.", "Review a laptop.", "Review a hotel in Rome.", "Review the film Up."]
 
@@ -228,18 +230,29 @@ def test_constrained_greedy_output_is_the_same_alone_and_batched(server, client)
         return c.chat.completions.create(model=MODEL, messages=ask(prompt), max_tokens=120, temperature=0,
                                          extra_body={"guided_json": schema})
 
-    alone = [constrained(client, p).choices[0].message.content for p in prompts]
+    def companion(aclient):
+        return aclient.completions.create(model=MODEL, prompt="Count from one to a thousand:", max_tokens=200,
+                                          temperature=0, extra_body={"ignore_eos": True})
+
+    def async_client() -> openai.AsyncOpenAI:  # one per asyncio.run: a client is bound to its event loop
+        return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def alone(prompt):
+        aclient = async_client()
+        results = await asyncio.gather(companion(aclient), constrained(aclient, prompt))
+        return results[1].choices[0].message.content
 
     async def batched():
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        aclient = async_client()
         free = [aclient.chat.completions.create(model=MODEL, messages=ask(f"Tell me about {t}."), max_tokens=60,
                                                 temperature=0.9 if t == "owls" else 0)
                 for t in ("owls", "rivers", "tea")]
-        results = await asyncio.gather(*free, *(constrained(aclient, p) for p in prompts))
-        return [r.choices[0].message.content for r in results[len(free):]]
+        results = await asyncio.gather(companion(aclient), *free, *(constrained(aclient, p) for p in prompts))
+        return [r.choices[0].message.content for r in results[1 + len(free):]]
 
-    assert asyncio.run(batched()) == alone
-    for text in alone:
+    want = [asyncio.run(alone(p)) for p in prompts]
+    assert asyncio.run(batched()) == want
+    for text in want:
         jsonschema.validate(json.loads(text), schema)
 
 

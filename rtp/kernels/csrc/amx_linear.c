@@ -24,6 +24,7 @@
  * model holds. Products are exact in fp32 and accumulated in fp32; out fp32 or bf16.
  */
 #include "cpu_kernels.h"
+#include "amx_blocks.h"
 #include "amx_tiles.h"
 #include "prefetch.h"
 #include "vec_math.h"
@@ -36,9 +37,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
+/* More rows than this go to amx_gemm.c: a pass here is MT_MAX row tiles, and from 80 rows on the GEMM,
+ * dequantizing each weight tile once for all rows, was as fast or faster on every SmolLM2 shape. */
+#define RTP_AMX_GEMM_MIN_ROWS 64
 #define MT_MAX 4 /* row tiles (of 16) per pass: C tiles 0-3, A tile 4, B tile 5 */
 
 int rtp_amx_supported(void) {
@@ -52,44 +55,6 @@ int rtp_amx_supported(void) {
     return state;
 }
 
-
-/* The weights in tile order (rtp/kernels/quant.py, BlockQuantized.amx_layout): for each group
- * of 16 output rows and k block, one contiguous record: Q4_1: the 16 rows' 16 quant bytes,
- * then their 16 d, then their 16 m (fp32): 384 bytes. Q8_0: 16 x 32 quant bytes, 16 d: 576.
- * Read front to back, the weights are one sequential stream for the hardware prefetcher;
- * in GGUF's row order a tile gathered from 16 rows x 3 arrays, 48 streams, and stalled. */
-static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : 576; }
-
-/* One 16 x 32 weight tile from its record, as bf16 rows of 64 bytes.
- * Q4_1: a row has only 16 distinct weights, q * d + m for q = 0..15, so they are computed once
- * per row (the same fp32 then bf16 values as dequantizing each weight) and vpermw looks the
- * 32 nibbles up in that table: 7 vector ops a row where converting each nibble took 13, and
- * the dequantization shares the vector ports with the AMX loads. */
-AMX_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_t *tile) {
-    const float *d = (const float *)(rec + (kind == 0 ? 256 : 512));
-    const float *mn = d + 16;
-    if (kind == 0) {
-        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        for (int64_t r = 0; r < 16; r++) {
-            __m512 w = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d[r])), _mm512_set1_ps(mn[r]));
-            __m512i table = (__m512i)_mm512_cvtne2ps_pbh(w, w); /* words 16-31 repeat 0-15 */
-            /* byte j holds weight j (low nibble) and weight j + 16 (high nibble). vpermw reads the
-             * low 5 bits of each index, so a whole byte indexes its low nibble: the repeated
-             * table makes bit 4 a don't-care. */
-            __m256i bytes = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(rec + r * 16)));
-            __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
-            _mm512_store_si512((void *)(tile + r * 32), _mm512_permutexvar_epi16(index, table));
-        }
-        return;
-    }
-    for (int64_t r = 0; r < 16; r++) { /* Q8_0: 32 signed bytes */
-        __m512 dv = _mm512_set1_ps(d[r]);
-        const int8_t *q = (const int8_t *)rec + r * 32;
-        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)q))), dv);
-        __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16)))), dv);
-        _mm512_store_si512((void *)(tile + r * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-}
 
 /* x rows [m0, m0 + 16) of k block kb in the B layout: row r = the pairs (x[m][2r], x[m][2r+1])
  * of m = m0..m0+15 (zero past M); x bf16, or fp32 rounded to bf16 here (nearest even). */
@@ -131,12 +96,6 @@ AMX_TARGET static inline void store_tile(const float *c, int64_t M, int64_t m0, 
         else
             _mm512_storeu_ps((float *)out + m * ldo + n0, v);
     }
-}
-
-/* v rounded to bf16 (nearest even) and widened back. */
-AMX_TARGET static inline __m512 round_bf16(__m512 v) {
-    __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
 
 /* One tile pair's silu(gate) * up, in place in the gate tile (still 16 features x 16 rows: the
@@ -215,6 +174,7 @@ AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, 
                               const float *bias, void *out, int64_t ldo, int out_bf16,
                               int64_t M, int64_t N, int64_t K, int glu) {
     if (glu && (!out_bf16 || N % 32)) return 0;
+    if (M > RTP_AMX_GEMM_MIN_ROWS) return rtp_gemm_amx(x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, M, N, K, glu);
     int64_t nk = K / 32, nmt = (M + 15) / 16, ntiles = N / 16, rb = record_bytes(kind);
     int64_t steps = glu ? ntiles / 2 : ntiles; /* output tiles: one weight tile each, or a pair */
     int ok = 1;

@@ -24,6 +24,8 @@ int rtp_amx_supported(void);
 int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                    const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K,
                    int glu);
+int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
+                 const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K, int glu);
 void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const int32_t *ids, float *out,
                     int64_t ldo, int64_t T, int64_t H);
 void rtp_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out);

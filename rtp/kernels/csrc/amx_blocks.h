@@ -1,0 +1,56 @@
+/* What rtp's two AMX linear kernels share (amx_linear.c: decode rows; amx_gemm.c: prompt rows):
+ * the weight records in tile order, and their dequantization into bf16 tiles. One definition,
+ * so that both multiply exactly the same bf16 weights. */
+#ifndef RTP_AMX_BLOCKS_H
+#define RTP_AMX_BLOCKS_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+/* The weights in tile order (rtp/kernels/quant.py, BlockQuantized.amx_layout): for each group
+ * of 16 output rows and k block, one contiguous record: Q4_1: the 16 rows' 16 quant bytes,
+ * then their 16 d, then their 16 m (fp32): 384 bytes. Q8_0: 16 x 32 quant bytes, 16 d: 576.
+ * Read front to back, the weights are one sequential stream for the hardware prefetcher;
+ * in GGUF's row order a tile gathered from 16 rows x 3 arrays, 48 streams, and stalled. */
+static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : 576; }
+
+/* One 16 x 32 weight tile from its record, as bf16 rows of 64 bytes.
+ * Q4_1: a row has only 16 distinct weights, q * d + m for q = 0..15, so they are computed once
+ * per row (the same fp32 then bf16 values as dequantizing each weight) and vpermw looks the
+ * 32 nibbles up in that table: 7 vector ops a row where converting each nibble took 13, and
+ * the dequantization shares the vector ports with the AMX loads. */
+AMX_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_t *tile) {
+    const float *d = (const float *)(rec + (kind == 0 ? 256 : 512));
+    const float *mn = d + 16;
+    if (kind == 0) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (int64_t r = 0; r < 16; r++) {
+            __m512 w = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d[r])), _mm512_set1_ps(mn[r]));
+            __m512i table = (__m512i)_mm512_cvtne2ps_pbh(w, w); /* words 16-31 repeat 0-15 */
+            /* byte j holds weight j (low nibble) and weight j + 16 (high nibble). vpermw reads the
+             * low 5 bits of each index, so a whole byte indexes its low nibble: the repeated
+             * table makes bit 4 a don't-care. */
+            __m256i bytes = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(rec + r * 16)));
+            __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+            _mm512_store_si512((void *)(tile + r * 32), _mm512_permutexvar_epi16(index, table));
+        }
+        return;
+    }
+    for (int64_t r = 0; r < 16; r++) { /* Q8_0: 32 signed bytes */
+        __m512 dv = _mm512_set1_ps(d[r]);
+        const int8_t *q = (const int8_t *)rec + r * 32;
+        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)q))), dv);
+        __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16)))), dv);
+        _mm512_store_si512((void *)(tile + r * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* v rounded to bf16 (nearest even) and widened back. */
+AMX_TARGET static inline __m512 round_bf16(__m512 v) {
+    __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+#endif

@@ -1,0 +1,225 @@
+/* Linear layers over GGUF blocks with Intel AMX, for prompt-sized batches (prefill chunks and
+ * mixed steps): a GEMM from the blocks, with no bf16 copy of the weights kept beside them.
+ *
+ * amx_linear.c serves decode batches (up to a few tiles of rows): there every weight tile is
+ * dequantized for one pass over all the rows, and the activations are packed into AMX's pair
+ * layout. With hundreds of rows the roles swap back to a GEMM's:
+ *   - the activations are the "A" operand, loaded as they lie (16 rows of 32 bf16, the row
+ *     stride of x): no packing;
+ *   - each weight tile is dequantized once per call into the "B" layout (row r: the pairs
+ *     (w[n][2r], w[n][2r + 1]) of its 16 output features: dequant_tile's rows, transposed as
+ *     16 x 16 pairs), and kept, per thread, for every chunk of BM rows: its cost is spread over
+ *     all the rows of the call;
+ *   - 2 x 2 register blocking: two row tiles meet two weight tiles (four accumulators, each
+ *     loaded tile used twice), over all k blocks;
+ *   - the accumulators are rows of outputs, so the epilogue (bias, bf16 rounding, and for an
+ *     MLP's interleaved gate and up tiles silu(gate) * up) writes output rows directly.
+ * The rows are walked in chunks of BM so that a chunk of x stays in L2 while every weight tile of
+ * the thread passes over it; the threads split the weight tiles (each reads every chunk).
+ *
+ * Numerics: the same bf16 weights as amx_linear.c (dequant_tile), products exact, sums in fp32;
+ * glu rounds gate and up to bf16 before silu * up as the decode kernel does.
+ */
+#include "cpu_kernels.h"
+#include "amx_blocks.h"
+#include "amx_tiles.h"
+#include "vec_math.h"
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Rows per chunk: 16 row tiles. A chunk of x at K = 1,536 is 768 KiB, in L2 while every weight tile
+ * of the thread passes over it; 128 and 512 measured slower at 2,048 rows, one chunk of all the rows
+ * (x from L3) half the speed. Issuing a block's products before the previous block's epilogue, so
+ * that the two might overlap, measured no faster: this machine's tile unit and vector ports do not
+ * overlap (prefill_attention.c saw the same). */
+#define BM 256
+
+/* The 16 x 16 matrix of uint32 at in (rows of 16) transposed into out. */
+AMX_TARGET static inline void transpose16x16(const uint32_t *in, uint32_t *out) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512((const void *)(in + 16 * i));
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_store_si512((void *)(out + 16 * i), r[i]);
+}
+
+/* The nk weight tiles of one record column as B tiles, 1 KiB each. */
+AMX_TARGET static void dequant_column(int kind, const uint8_t *recs, int64_t nk, uint32_t *b) {
+    uint16_t rows[16 * 32] __attribute__((aligned(64)));
+    int64_t rb = record_bytes(kind);
+    for (int64_t kb = 0; kb < nk; kb++) {
+        dequant_tile(kind, recs + kb * rb, rows);
+        transpose16x16((const uint32_t *)rows, b + kb * 256);
+    }
+}
+
+/* Scratch kept per thread from call to call (OpenMP's threads live as long as the process; a
+ * fresh allocation per call over glibc's mmap threshold would page-fault every call). */
+static __thread uint32_t *weight_scratch;
+static __thread size_t weight_scratch_bytes;
+static __thread uint16_t *rows_scratch;
+static __thread size_t rows_scratch_bytes;
+
+static void *grow(void **p, size_t *have, size_t bytes) {
+    if (bytes > *have) {
+        free(*p);
+        *p = aligned_alloc(64, bytes);
+        *have = *p ? bytes : 0;
+    }
+    return *p;
+}
+
+/* Rows [m0, m0 + rows) of x as bf16 rows of K, zero up to a multiple of 16 rows. */
+AMX_TARGET static void copy_rows(const void *x, int x_fp32, int64_t ldx, int64_t m0, int64_t rows, int64_t K,
+                                 uint16_t *dst) {
+    int64_t padded = (rows + 15) / 16 * 16;
+    for (int64_t m = 0; m < rows; m++) {
+        uint16_t *d = dst + m * K;
+        if (!x_fp32) {
+            memcpy(d, (const uint16_t *)x + (m0 + m) * ldx, (size_t)K * 2);
+            continue;
+        }
+        const float *s = (const float *)x + (m0 + m) * ldx;
+        for (int64_t k = 0; k < K; k += 16)
+            _mm256_store_si256((__m256i *)(d + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + k)));
+    }
+    memset(dst + rows * K, 0, (size_t)((padded - rows) * K) * 2);
+}
+
+/* Up to 2 x 2 output tiles: row tiles at a (and a + 16 rows, when two_m), weight tiles b0 (and b1,
+ * when two_n), over nk k blocks; the fp32 results into c[0] (a x b0), c[1] (a x b1), c[2], c[3]. */
+AMX_TARGET static void tile_block(const uint16_t *a, int64_t lda, int two_m, const uint32_t *b0,
+                                  const uint32_t *b1, int two_n, int64_t nk, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < nk; kb++) {
+        _tile_loadd(4, a + kb * 32, lda * 2);
+        _tile_loadd(6, b0 + kb * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_n) {
+            _tile_loadd(7, b1 + kb * 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_m) {
+            _tile_loadd(5, a + 16 * lda + kb * 32, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_n) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+}
+
+/* Output rows of one accumulator (16 rows x 16 features at n0) + bias, for its valid rows. */
+AMX_TARGET static inline void store_rows(const float *c, int64_t m0, int64_t valid, int64_t n0, const float *bias,
+                                         void *out, int64_t ldo, int out_bf16) {
+    __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int64_t j = 0; j < valid; j++) {
+        __m512 v = _mm512_add_ps(_mm512_load_ps(c + 16 * j), b);
+        if (out_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + j) * ldo + n0), (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_storeu_ps((float *)out + (m0 + j) * ldo + n0, v);
+    }
+}
+
+/* silu(gate + bg) * (up + bu) of one pair of accumulators into bf16 output rows (features n0..). */
+AMX_TARGET static inline void store_glu_rows(const float *cg, const float *cu, int64_t m0, int64_t valid,
+                                             int64_t n0, const float *bias_g, const float *bias_u, uint16_t *out,
+                                             int64_t ldo) {
+    __m512 bg = bias_g ? _mm512_loadu_ps(bias_g + n0) : _mm512_setzero_ps();
+    __m512 bu = bias_u ? _mm512_loadu_ps(bias_u + n0) : _mm512_setzero_ps();
+    for (int64_t j = 0; j < valid; j++) {
+        __m512 g = round_bf16(_mm512_add_ps(_mm512_load_ps(cg + 16 * j), bg));
+        __m512 u = round_bf16(_mm512_add_ps(_mm512_load_ps(cu + 16 * j), bu));
+        _mm256_storeu_si256((__m256i *)(out + (m0 + j) * ldo + n0), (__m256i)_mm512_cvtneps_pbh(silu_mul_ps(g, u)));
+    }
+}
+
+/* rtp_linear_amx's contract (amx_linear.c), for any number of rows. */
+AMX_TARGET int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
+                            const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K,
+                            int glu) {
+    if (glu && (!out_bf16 || N % 32)) return 0;
+    int64_t nk = K / 32, ntiles = N / 16, rb = record_bytes(kind);
+    int64_t units = (ntiles + 1) / 2; /* two weight tiles each (glu: gate and up); the last may be one */
+    int64_t nchunks = (M + BM - 1) / BM;
+    int keep = nchunks > 1; /* weights dequantized once for every chunk, else per unit */
+    int ok = 1;
+#pragma omp parallel
+    {
+        int nth = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t u0 = units * me / nth, u1 = units * (me + 1) / nth;
+        size_t wbytes = (size_t)(keep ? u1 - u0 : 1) * 2 * (size_t)nk * 1024;
+        uint32_t *wb = grow((void **)&weight_scratch, &weight_scratch_bytes, wbytes > 0 ? wbytes : 64);
+        int copy_any = x_fp32 || M % 16 || ldx % 2;
+        uint16_t *xb = copy_any ? grow((void **)&rows_scratch, &rows_scratch_bytes, (size_t)BM * K * 2) : NULL;
+        float cbuf[4 * 256] __attribute__((aligned(64)));
+        if (!wb || (copy_any && !xb)) {
+#pragma omp atomic write
+            ok = 0;
+        } else {
+            rtp_configure_tiles(8);
+            for (int64_t c = 0; c < nchunks; c++) {
+                int64_t m0 = c * BM, rows = M - m0 < BM ? M - m0 : BM, nmt = (rows + 15) / 16;
+                const uint16_t *xa = (const uint16_t *)x + m0 * ldx;
+                int64_t lda = ldx;
+                if (x_fp32 || rows % 16 || ldx % 2) {
+                    copy_rows(x, x_fp32, ldx, m0, rows, K, xb);
+                    xa = xb;
+                    lda = K;
+                }
+                for (int64_t u = u0; u < u1; u++) {
+                    uint32_t *w = wb + (keep ? u - u0 : 0) * 2 * nk * 256;
+                    int two_n = 2 * u + 1 < ntiles;
+                    if (c == 0 || !keep) {
+                        dequant_column(kind, weights + 2 * u * nk * rb, nk, w);
+                        if (two_n) dequant_column(kind, weights + (2 * u + 1) * nk * rb, nk, w + nk * 256);
+                    }
+                    for (int64_t mt = 0; mt < nmt; mt += 2) {
+                        int two_m = mt + 1 < nmt;
+                        tile_block(xa + mt * 16 * lda, lda, two_m, w, w + nk * 256, two_n, nk, cbuf);
+                        for (int64_t h = 0; h <= two_m; h++) {
+                            int64_t r0 = (mt + h) * 16, valid = rows - r0 < 16 ? rows - r0 : 16;
+                            const float *c0 = cbuf + h * 512, *c1 = c0 + 256;
+                            if (glu) {
+                                store_glu_rows(c0, c1, m0 + r0, valid, u * 16, bias, bias ? bias + N / 2 : NULL,
+                                               out, ldo);
+                                continue;
+                            }
+                            store_rows(c0, m0 + r0, valid, 2 * u * 16, bias, out, ldo, out_bf16);
+                            if (two_n) store_rows(c1, m0 + r0, valid, (2 * u + 1) * 16, bias, out, ldo, out_bf16);
+                        }
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+    return ok;
+}
