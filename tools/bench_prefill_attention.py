@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rtp.kernels import cpu_kernels  # noqa: E402
-from rtp.models.attention import PrefillRow, prefill_attention  # noqa: E402
+from rtp.models.attention import AttentionMetadata, PrefillRow, prefill_attention  # noqa: E402
 
 
 def busy_seconds() -> float:
@@ -56,24 +56,24 @@ def own_seconds() -> float:
 
 def make_step(tokens: int, chunk: int, heads: int, kv_heads: int, dim: int, block_size: int, seed: int):
     """q, a paged cache holding every prompt's K/V, the rows as PagedAttention sees them, and the
-    kernel's (seqs, tables)."""
+    kernel's plan arrays (AttentionMetadata.prefill_kernel_args)."""
     g = torch.Generator().manual_seed(seed)
     lens = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
     blocks = sum(-(-n // block_size) for n in lens) + 1
     kv = torch.randn(2, blocks, block_size, kv_heads, dim, generator=g).bfloat16()
     order = (torch.randperm(blocks - 1, generator=g) + 1).to(torch.int32)
     q = torch.randn(tokens, heads, dim, generator=g).bfloat16()
-    rows, seqs, start, used = [], [], 0, 0
+    rows, start, used = [], 0, 0
     for n in lens:
         width = -(-n // block_size)
         rows.append(PrefillRow(start, start + n, n, order[used:used + width]))
-        seqs.append([start, n, n, used])
         start, used = start + n, used + width
-    return q, kv, rows, torch.tensor(seqs, dtype=torch.int32), order[:used].contiguous()
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_size=block_size, prefill=rows)
+    return q, kv, rows, meta.prefill_kernel_args()
 
 
 def run_case(tokens: int, chunk: int, args) -> dict:
-    q, kv, rows, seqs, tables = make_step(tokens, chunk, args.heads, args.kv_heads, args.head_dim,
+    q, kv, rows, plan = make_step(tokens, chunk, args.heads, args.kv_heads, args.head_dim,
                                           args.block_size, args.seed)
     scale = args.head_dim**-0.5
 
@@ -82,7 +82,7 @@ def run_case(tokens: int, chunk: int, args) -> dict:
                           for r in rows])
 
     def new():
-        return cpu_kernels.prefill_attention(q, kv[0], kv[1], seqs, tables, scale, 0, amx=args.amx)
+        return cpu_kernels.prefill_attention(q, kv[0], kv[1], *plan, scale, 0, amx=args.amx)
 
     diff = (old().float() - new().float()).abs().max().item()  # also the warm-up
     times = {"old": [], "new": []}

@@ -43,7 +43,7 @@ from rtp.engine.kv_cache import allocate_kv_cache
 from rtp.engine.kv_transfer import LayerTaps
 from rtp.kernels import cpu_kernels
 from rtp.kernels.cpu_graph import CaptureRefused, CPUGraph, capture
-from rtp.models.attention import AttentionMetadata, PrefillRow, forward_context
+from rtp.models.attention import AttentionMetadata, PlanRows, PrefillRow, forward_context
 from rtp.runtime import StepPlan, plan_array_shapes
 
 log = logging.getLogger("rtp.runner")
@@ -93,6 +93,8 @@ class ModelRunner:
         self._want_cpu_graphs = (device.type == "cpu" and not compile and cpu_kernels.available()
                                  and world_size() == 1 and os.environ.get("RTP_CPU_GRAPHS", "1") != "0")
         self.graph_steps = 0  # steps replayed from a CPU graph
+        # the step graph: any step, prompt chunks and decode rows alike (captured in warmup())
+        self.step_graph: CPUGraph | None = None
         self.taps: LayerTaps | None = None  # set by the engine on a node that prefills for others
 
     # -- compiled decode -------------------------------------------------------------------
@@ -185,15 +187,53 @@ class ModelRunner:
             for name in names:
                 self.host[name].copy_(saved[name])
         self.cpu_graphs = [g for g in graphs if g[2] is not None]
+        self.step_graph = self._capture_step_graph()
         seconds = time.perf_counter() - start
         if not self.cpu_graphs and len(set(refused.values())) == 1:  # e.g. fp32: one reason, one line
             log.info("no CPU graphs (%s): decode steps run eagerly", next(iter(refused.values())))
             return seconds
         for size, why in refused.items():
             log.info("no CPU graph for %d-row decode steps (%s): they run eagerly", size, why)
-        log.info("captured %d CPU graphs for decode steps of %s rows in %.2f s", len(self.cpu_graphs),
-                 ", ".join(f"{lo}-{hi}" if lo < hi else str(hi) for lo, hi, _ in self.cpu_graphs), seconds)
+        log.info("captured %d CPU graphs for decode steps of %s rows%s in %.2f s", len(self.cpu_graphs),
+                 ", ".join(f"{lo}-{hi}" if lo < hi else str(hi) for lo, hi, _ in self.cpu_graphs),
+                 ", and one for every other step" if self.step_graph is not None else "", seconds)
         return seconds
+
+    @torch.inference_mode()
+    def _capture_step_graph(self) -> CPUGraph | None:
+        """Capture one step of every kind at once: the plan's whole token budget, one decode row and one
+        prompt chunk (of no length: the buffers hold zeros, nothing is attended to), the sampling rows
+        gathered by the plan's logits_indices. A replay patches each call's rows -- tokens, samples,
+        decode and prefill rows -- to the step at hand, so mixed steps, prefill chunks and decode
+        batches without a graph of their own all run from C (None, with the reason logged, when the
+        forward leaves rtp's kernels: the steps then run eagerly)."""
+        names = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "query_start_loc",
+                 "logits_indices")
+        tokens = self.host["input_ids"].shape[0]
+        samples = min(self._max_num_seqs, tokens)
+        if tokens < 2 or self.host["seq_lens"].shape[0] < 2:
+            return None
+        saved = {name: self.host[name].clone() for name in names}
+        for name in names:
+            self.host[name].zero_()
+        try:
+            tables = self.host["block_tables"]
+            meta = AttentionMetadata(slot_mapping=self.host["slot_mapping"][:tokens], block_size=self.block_size,
+                                     num_decode=1, decode_block_tables=tables[:1],
+                                     decode_seq_lens=self.host["seq_lens"][:1],
+                                     prefill=[PrefillRow(1, tokens, 0, tables[1, :0])],
+                                     plan=PlanRows(self.host["query_start_loc"], self.host["seq_lens"], tables))
+            ids, pos = self.host["input_ids"][:tokens], self.host["positions"][:tokens]
+            rows = self.host["logits_indices"][:samples]
+            with forward_context(meta):
+                return capture(lambda: self.model(ids, pos), tokens,
+                               samples=lambda hidden: self.model.compute_logits(cpu_kernels.gather_rows(hidden, rows)))
+        except (CaptureRefused, ValueError) as e:
+            log.info("no CPU graph for prefill and mixed steps (%s): they run eagerly", e)
+            return None
+        finally:
+            for name in names:
+                self.host[name].copy_(saved[name])
 
     def cpu_graph(self, rows: int) -> CPUGraph | None:
         """The captured CPU graph that replays decode steps of `rows` rows, if there is one."""
@@ -254,6 +294,8 @@ class ModelRunner:
         qsl = p.query_start_loc
         slots = self._to_device("slot_mapping", p.num_tokens)[first_token:]
         meta = AttentionMetadata(slot_mapping=slots, block_size=bs, num_decode=0 if first_token else nd)
+        if not first_token and self.device.type == "cpu":  # the prefill kernel reads the plan's own arrays
+            meta.plan = PlanRows(self.host["query_start_loc"], self.host["seq_lens"], self.host["block_tables"])
         if meta.num_decode:
             meta.decode_block_tables = self._to_device("block_tables", (nd, self._decode_width()))
             meta.decode_seq_lens = self._to_device("seq_lens", nd)
@@ -282,6 +324,9 @@ class ModelRunner:
             if graph is not None:  # a decode-only step: row r is token r and sample r
                 self.graph_steps += 1
                 return graph.replay(nd)
+        if self.step_graph is not None and 0 < p.num_tokens <= self.step_graph.rows:
+            self.graph_steps += 1
+            return self.step_graph.replay_step(p.num_tokens, p.num_samples, nd, p.num_rows - nd)
         if self._compiled is not None and 0 < nd <= max(self.graphs):
             return self._forward_compiled(taps)
         return self._forward_eager(taps=taps)
@@ -301,6 +346,8 @@ class ModelRunner:
         rows = self._to_device("logits_indices", p.num_samples)[first_sample:]
         if first_token:
             rows = rows - first_token
+        if cpu_kernels.available() and hidden.device.type == "cpu" and hidden.dim() == 2 and hidden.stride(1) == 1:
+            return self.model.compute_logits(cpu_kernels.gather_rows(hidden, rows.contiguous()))
         return self.model.compute_logits(hidden[rows])
 
     def sample_req_ids(self) -> np.ndarray:

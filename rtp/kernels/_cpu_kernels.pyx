@@ -11,7 +11,7 @@ rtp/kernels/cpu_graph.py to replay with ``run_calls``.
 """
 from array import array
 
-from libc.stdint cimport int32_t, int64_t, intptr_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, intptr_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 cdef extern from "cpu_kernels.h":
@@ -28,12 +28,20 @@ cdef extern from "cpu_kernels.h":
         RTP_OP_EMBED_ROWS
         RTP_OP_SILU_MUL
         RTP_OP_PREFILL_ATTENTION
+        RTP_OP_GATHER_ROWS
+        RTP_COUNT_AS_RECORDED
+        RTP_COUNT_TOKENS
+        RTP_COUNT_SAMPLES
+        RTP_COUNT_DECODE_ROWS
+        RTP_COUNT_PREFILL_ROWS
     int rtp_run_call(const int64_t *call) nogil
     void rtp_argmax_rows(const float *x, int64_t ldx, int64_t t, int64_t n, int64_t *out) nogil
     void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
                                  int64_t r, int64_t n) nogil
     uint64_t rtp_stream_read(const void *buf, int64_t nbytes) nogil
     int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns) nogil
+    int64_t rtp_run_step_calls(const int64_t *calls, int64_t n, const int8_t *classes, const int64_t *counts,
+                               int64_t *ns) nogil
     int rtp_call_rows_word(int64_t op) nogil
     uint32_t rtp_call_address_words(int64_t op) nogil
 
@@ -42,7 +50,11 @@ CALL_WORDS = RTP_CALL_WORDS
 OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8_0: "linear_q8_0", RTP_OP_LINEAR_AMX: "linear_amx",
             RTP_OP_ADD_RMS_NORM: "add_rms_norm", RTP_OP_ROPE_STORE_KV: "rope_store_kv",
             RTP_OP_DECODE_ATTENTION: "decode_attention", RTP_OP_EMBED_ROWS: "embed_rows",
-            RTP_OP_SILU_MUL: "silu_mul", RTP_OP_PREFILL_ATTENTION: "prefill_attention"}
+            RTP_OP_SILU_MUL: "silu_mul", RTP_OP_PREFILL_ATTENTION: "prefill_attention",
+            RTP_OP_GATHER_ROWS: "gather_rows"}
+# what a step graph's call counts its rows in (rtp_run_step_calls)
+COUNT_AS_RECORDED, COUNT_TOKENS, COUNT_SAMPLES = RTP_COUNT_AS_RECORDED, RTP_COUNT_TOKENS, RTP_COUNT_SAMPLES
+COUNT_DECODE_ROWS, COUNT_PREFILL_ROWS = RTP_COUNT_DECODE_ROWS, RTP_COUNT_PREFILL_ROWS
 
 cdef object _recording = None  # array('q') of the calls made since record_start(), or None
 
@@ -99,6 +111,13 @@ def record_start() -> None:
     _recording = array("q")
 
 
+def record_peek():
+    """The calls recorded since record_start(), recording on."""
+    if _recording is None:
+        raise RuntimeError("not recording kernel calls")
+    return _recording
+
+
 def record_stop():
     """The calls made since record_start(): array('q') of CALL_WORDS words per call."""
     global _recording
@@ -126,6 +145,20 @@ def run_calls(intptr_t calls, int64_t n, int64_t rows, intptr_t ns=0) -> None:
     if done != n:
         e = _failure(<const int64_t *>calls + done * RTP_CALL_WORDS, rows)
         raise type(e)(f"replayed call {done}: {e}")
+
+
+def run_step_calls(intptr_t calls, int64_t n, intptr_t classes, int64_t tokens, int64_t samples,
+                   int64_t decode_rows, int64_t prefill_rows, intptr_t ns=0) -> None:
+    """Run n recorded calls of a step graph over this step's counts; classes: the address of int8 [n],
+    each call's count (COUNT_*); see rtp_run_step_calls in kernel_calls.c."""
+    cdef int64_t counts[5]
+    cdef int64_t done
+    counts[:5] = [0, tokens, samples, decode_rows, prefill_rows]
+    with nogil:
+        done = rtp_run_step_calls(<const int64_t *>calls, n, <const int8_t *>classes, counts, <int64_t *>ns)
+    if done != n:
+        e = _failure(<const int64_t *>calls + done * RTP_CALL_WORDS, 0)
+        raise type(e)(f"replayed call {done} of a step graph (tokens {tokens}, samples {samples}): {e}")
 
 
 def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, intptr_t bias,
@@ -201,14 +234,24 @@ def silu_mul(intptr_t x, int64_t ldx, intptr_t out, int64_t ldo, int64_t t, int6
     _run(c, 7)
 
 
-def prefill_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride, intptr_t seqs,
-                           intptr_t tables, intptr_t out, int64_t nseq, int64_t h, int64_t hkv, int64_t d,
-                           int64_t block_size, float scale, int64_t window, bint amx) -> None:
-    """Causal varlen attention of packed query chunks over paged bf16 K/V; see prefill_attention.c."""
+def prefill_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride, intptr_t qsl,
+                           intptr_t seq_lens, intptr_t tables, int64_t ldt, int64_t first_row, int64_t nseq,
+                           intptr_t out, int64_t h, int64_t hkv, int64_t d, int64_t block_size, float scale,
+                           int64_t window, bint amx) -> None:
+    """Causal varlen attention of a step plan's rows [first_row, first_row + nseq) over paged bf16 K/V;
+    see prefill_attention.c."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:16] = [RTP_OP_PREFILL_ATTENTION, q, k_cache, v_cache, tok_stride, seqs, tables, out, nseq, h, hkv, d,
-              block_size, _float_word(scale), window, amx]
-    _run(c, 16)
+    c[:19] = [RTP_OP_PREFILL_ATTENTION, q, k_cache, v_cache, tok_stride, qsl, seq_lens, tables, ldt, first_row, nseq,
+              out, h, hkv, d, block_size, _float_word(scale), window, amx]
+    _run(c, 19)
+
+
+def gather_rows(intptr_t src, int64_t src_stride, intptr_t idx, int64_t n, intptr_t out, int64_t out_stride,
+                int64_t row_bytes) -> None:
+    """out row i = src row idx[i] (int32), row_bytes each, strides in bytes."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:8] = [RTP_OP_GATHER_ROWS, src, src_stride, idx, n, out, out_stride, row_bytes]
+    _run(c, 8)
 
 
 def apply_token_bitmask(intptr_t x, int64_t ldx, intptr_t mask, int64_t ldm, intptr_t rows, int64_t r,

@@ -78,13 +78,16 @@ class _CaptureMode(TorchDispatchMode):
 
 
 class CPUGraph:
-    """Recorded kernel calls over an arena of their own; replay(rows) reruns them."""
+    """Recorded kernel calls over an arena of their own; replay(rows) reruns them. A step graph
+    (capture(..., samples_from=k)) replays any step instead, replay_step(...)."""
 
-    def __init__(self, calls: np.ndarray, rows: int, arena: torch.Tensor, output: torch.Tensor):
+    def __init__(self, calls: np.ndarray, rows: int, arena: torch.Tensor, output: torch.Tensor,
+                 classes: np.ndarray | None = None):
         self.calls = calls           # int64 [n, CALL_WORDS], contiguous
         self.rows = rows             # rows at capture: the most a replay takes
         self.arena = arena           # the intermediates' memory (addresses in calls point here)
         self.output = output
+        self.classes = classes       # step graphs: int8 [n], what each call counts its rows in
 
     def replay(self, rows: int) -> torch.Tensor:
         """Rerun the step over the first `rows` rows of its inputs; returns output[:rows]."""
@@ -99,6 +102,17 @@ class CPUGraph:
         cpu_kernels.run_calls(self.calls, rows, times)
         return times
 
+    def replay_step(self, tokens: int, samples: int, decode_rows: int, prefill_rows: int,
+                    times: np.ndarray | None = None) -> torch.Tensor:
+        """Rerun a step graph over a step of `tokens` tokens whose first `decode_rows` rows decode and
+        whose next `prefill_rows` rows are prompt chunks, `samples` of them sampling; returns
+        output[:samples]."""
+        if self.classes is None:
+            raise ValueError("replay_step replays step graphs (captured with samples_from)")
+        self._check_rows(tokens)
+        cpu_kernels.run_step_calls(self.calls, self.classes, tokens, samples, decode_rows, prefill_rows, times)
+        return self.output[:samples]
+
     def _check_rows(self, rows: int) -> None:
         if not 0 < rows <= self.rows:
             raise ValueError(f"a graph captured over {self.rows} rows cannot replay {rows}")
@@ -109,25 +123,36 @@ class CPUGraph:
         return [_call_signature(c) for c in self.calls]
 
 
-def capture(forward: Callable[[], torch.Tensor], rows: int) -> CPUGraph:
+def capture(forward: Callable[[], torch.Tensor], rows: int,
+            samples: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CPUGraph:
     """Capture forward() (over `rows` rows of static inputs; it returns one tensor) as a CPUGraph.
-    Raises CaptureRefused when the forward leaves rtp's kernels."""
+    With `samples`, a step graph: forward() returns the hidden states of every token, samples(hidden)
+    the logits of the rows that sample; the calls of the first count their rows in tokens, those of
+    the second in samples (replay_step). Raises CaptureRefused when the forward leaves rtp's kernels."""
     mode = _CaptureMode()
     cpu_kernels.record_start()
+    split = -1
     try:
         with mode:
             output = forward()
+            if samples is not None:
+                split = len(cpu_kernels.record_peek()) // cpu_kernels.CALL_WORDS
+                output = samples(output)
     finally:
         recorded = cpu_kernels.record_stop()
     calls = np.frombuffer(recorded, dtype=np.int64).reshape(-1, cpu_kernels.CALL_WORDS).copy()
     if not len(calls):
         raise CaptureRefused("the forward made no kernel call")
+    classes = None
+    if samples is not None:
+        classes = np.full(len(calls), cpu_kernels.COUNT_TOKENS, dtype=np.int8)
+        classes[split:] = cpu_kernels.COUNT_SAMPLES
     out_storage = output.untyped_storage().data_ptr()
     buffers = sorted({(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
                       for t in mode.allocations if t.untyped_storage().data_ptr() != out_storage
                       and t.untyped_storage().nbytes()})
     arena = _relocate(calls, buffers)
-    return CPUGraph(calls, rows, arena, output)
+    return CPUGraph(calls, rows, arena, output, classes)
 
 
 def _call_signature(call: np.ndarray) -> tuple:

@@ -284,12 +284,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            window: int) -> torch.Tensor:
     """q [B, H, D] bf16 over k/v_cache [blocks, block_size, Hkv, D] bf16 -> [B, H, D] bf16.
     window 0: no sliding window."""
+    return paged_decode_attention_into(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                       torch.empty_like(q.contiguous()))
+
+
+def paged_decode_attention_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
+                                out: torch.Tensor) -> torch.Tensor:
+    """paged_decode_attention written into out ([B, H, D] bf16, contiguous: the decode rows of a step's
+    attention output, which the prefill kernel fills after them); returns out."""
     q = q.contiguous()
     b, h, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     lens = seq_lens.contiguous()
-    out = torch.empty_like(q)
+    if not out.is_contiguous() or out.shape != q.shape or out.dtype != torch.bfloat16:
+        raise ValueError("paged_decode_attention_into writes a contiguous bf16 tensor of q's shape")
     _k.paged_decode_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                    k_cache.stride(1), tables.data_ptr(), tables.stride(0),
                                    lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size,
@@ -305,6 +315,11 @@ CALL_WORDS = _k.CALL_WORDS if _AVAILABLE else 16
 def record_start() -> None:
     """Record every kernel call from now on (they still run), until record_stop()."""
     _k.record_start()
+
+
+def record_peek():
+    """The calls recorded so far (array('q')), recording on."""
+    return _k.record_peek()
 
 
 def record_stop():
@@ -325,6 +340,33 @@ def op_name(op: int) -> str:
 def rows_word(op: int) -> int:
     """The word of an `op` call that holds its row count."""
     return _k.rows_word(op)
+
+
+COUNT_AS_RECORDED, COUNT_TOKENS, COUNT_SAMPLES = (getattr(_k, n, i) if _AVAILABLE else i for i, n in enumerate(
+    ("COUNT_AS_RECORDED", "COUNT_TOKENS", "COUNT_SAMPLES")))
+
+
+def run_step_calls(calls, classes, tokens: int, samples: int, decode_rows: int, prefill_rows: int,
+                   times=None) -> None:
+    """Run a step graph's calls (numpy int64 [n, CALL_WORDS]; classes int8 [n], each call's COUNT_*)
+    over a step of `tokens` tokens, `samples` sampling rows, `decode_rows` decode rows and then
+    `prefill_rows` prompt chunks; times as run_calls'."""
+    if classes.dtype != np.int8 or classes.shape != (calls.shape[0],) or not classes.flags.c_contiguous:
+        raise ValueError("classes must be a contiguous int8 array, one per call")
+    _k.run_step_calls(calls.ctypes.data, calls.shape[0], classes.ctypes.data, tokens, samples, decode_rows,
+                      prefill_rows, 0 if times is None else times.ctypes.data)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for x [T, C] (rows contiguous) and index int32 [n] (one rtp kernel call, so that a
+    captured step graph gathers its sampling rows too)."""
+    if x.dim() != 2 or x.stride(1) != 1 or index.dtype != torch.int32 or not index.is_contiguous():
+        raise ValueError("gather_rows takes x [T, C] with contiguous rows and a contiguous int32 index")
+    out = torch.empty(index.shape[0], x.shape[1], dtype=x.dtype)
+    size = x.element_size()
+    _k.gather_rows(x.data_ptr(), x.stride(0) * size, index.data_ptr(), index.shape[0], out.data_ptr(),
+                   x.shape[1] * size, x.shape[1] * size)
+    return out
 
 
 def run_calls(calls, rows: int, times=None) -> None:
@@ -352,22 +394,28 @@ def prefill_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and heads // kv_heads <= 16 and k_cache.stride(-1) == 1 and k_cache.stride(-2) == d)
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: torch.Tensor,
-                      tables: torch.Tensor, scale: float, window: int, out: torch.Tensor | None = None,
-                      amx: bool | None = None) -> torch.Tensor:
-    """Causal attention of packed query chunks over the paged cache. q [T, H, D] bf16; seqs int32
-    [n, 4] per chunk: its first token in q, its token count, its context length (keys, the chunk's
-    own included, already in the cache) and the offset of its block ids in tables (int32, flat).
-    Writes the chunks' rows of out ([T, H, D] bf16, allocated when None) and returns it.
-    window 0: no sliding window. amx None: the tiles where this CPU has them."""
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, first_row: int, rows: int, scale: float,
+                      window: int, out: torch.Tensor | None = None, amx: bool | None = None) -> torch.Tensor:
+    """Causal attention of a step plan's prompt chunks over the paged cache: rows [first_row, first_row +
+    rows) of the plan's arrays (int32; query_start_loc [R + 1], seq_lens [R], block_tables [R, W] with
+    rows contiguous), each row's query tokens [qsl[r], qsl[r + 1]) of q [T, H, D] bf16, attending to its
+    seq_lens[r] keys (the chunk's own included, already in the cache). Writes those rows of out ([T, H,
+    D] bf16, allocated when None) and returns it. window 0: no sliding window. amx None: the tiles
+    where this CPU has them."""
     q = q.contiguous()
     t, h, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     if out is None:
         out = torch.empty_like(q)
-    seqs = seqs.contiguous()
-    tables = tables.contiguous()
+    for a in (query_start_loc, seq_lens, block_tables):
+        if a.dtype != torch.int32 or a.stride(-1) != 1:
+            raise ValueError("prefill_attention takes the plan's int32 arrays with contiguous rows")
+    if not (0 <= first_row and first_row + rows <= seq_lens.shape[0] and query_start_loc.shape[0] > first_row + rows
+            and block_tables.shape[0] >= first_row + rows):
+        raise ValueError(f"rows [{first_row}, {first_row + rows}) lie outside the plan's arrays")
     _k.prefill_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1),
-                              seqs.data_ptr(), tables.data_ptr(), out.data_ptr(), seqs.shape[0], h, hkv, d,
-                              block_size, scale, window, _AMX if amx is None else amx and _AMX)
+                              query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
+                              block_tables.stride(0), first_row, rows, out.data_ptr(), h, hkv, d, block_size, scale,
+                              window, _AMX if amx is None else amx and _AMX)
     return out

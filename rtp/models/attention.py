@@ -65,6 +65,16 @@ class PrefillRow:
 
 
 @dataclass
+class PlanRows:
+    """A step plan's per-row arrays (rtp/runtime/step_plan.pyx), as the runner holds them: what rtp's
+    prefill kernel reads directly, so that a captured step replays whatever rows the next step has."""
+
+    query_start_loc: torch.Tensor   # int32 [R + 1]: row r's tokens are [qsl[r], qsl[r + 1])
+    seq_lens: torch.Tensor          # int32 [R]: keys row r attends to, this step's included
+    block_tables: torch.Tensor      # int32 [R, W], rows contiguous
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor            # [T] int64
     block_size: int
@@ -72,24 +82,36 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None   # [Bd, W] int32, zero past each row's blocks
     decode_seq_lens: torch.Tensor | None = None       # [Bd] int32
     prefill: list[PrefillRow] = field(default_factory=list)
+    # the plan's arrays, when its prefill rows follow its decode rows token after token (the runner's
+    # steps); prefill rows are then plan rows num_decode .. num_decode + len(prefill)
+    plan: PlanRows | None = None
     _prefill_args: tuple | None = field(default=None, repr=False)
 
-    def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The prefill rows as rtp's prefill kernel takes them (built once a step, every layer
-        reuses them): int32 [rows, 4] of (first token, tokens, context length, offset of the
-        row's block ids) and the block ids back to back. None when the rows do not follow the
-        decode rows token after token (the kernel writes its rows in place)."""
+    def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None:
+        """The prefill rows as rtp's prefill kernel takes them: (query_start_loc, seq_lens, block_tables,
+        first row, rows), the plan's own arrays when the runner gave them, else built once from the
+        rows (every layer reuses them). None when the rows do not follow the decode rows token after
+        token (the kernel writes its rows in place)."""
+        if self.plan is not None:
+            p = self.plan
+            return p.query_start_loc, p.seq_lens, p.block_tables, self.num_decode, len(self.prefill)
         if self._prefill_args is None:
-            seqs, offset, next_token = [], 0, self.num_decode
+            next_token = self.num_decode
             for row in self.prefill:
                 if row.query_start != next_token:
                     self._prefill_args = ()
                     return None
-                seqs.append((row.query_start, row.query_end - row.query_start, row.context_len, offset))
-                offset += row.block_ids.shape[0]
                 next_token = row.query_end
-            tables = torch.cat([row.block_ids for row in self.prefill]).to(torch.int32)
-            self._prefill_args = (torch.tensor(seqs, dtype=torch.int32), tables)
+            nd, n = self.num_decode, len(self.prefill)
+            width = max(int(row.block_ids.shape[0]) for row in self.prefill)
+            qsl = torch.zeros(nd + n + 1, dtype=torch.int32)
+            lens = torch.zeros(nd + n, dtype=torch.int32)
+            tables = torch.zeros(nd + n, max(width, 1), dtype=torch.int32)
+            for i, row in enumerate(self.prefill):
+                qsl[nd + i], qsl[nd + i + 1] = row.query_start, row.query_end
+                lens[nd + i] = row.context_len
+                tables[nd + i, : row.block_ids.shape[0]] = row.block_ids
+            self._prefill_args = (qsl, lens, tables, nd, n)
         return self._prefill_args or None
 
 
@@ -223,11 +245,11 @@ class PagedAttention(nn.Module):
         args = (meta.prefill_kernel_args() if meta.prefill and self.softcap is None
                 and cpu_kernels.prefill_attention_supported(q, k_cache) else None)
         if args is not None:  # every prefill row in one call, written in place after the decode rows
-            out = cpu_kernels.prefill_attention(q, k_cache, v_cache, args[0], args[1], self.scale,
-                                                self.sliding_window or 0)
+            out = torch.empty_like(q)
             if nd:
-                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
-            return out[: meta.prefill[-1].query_end].reshape(-1, self.num_heads * self.head_dim)
+                self._decode(q[:nd], k_cache, v_cache, meta, out=out[:nd])
+            cpu_kernels.prefill_attention(q, k_cache, v_cache, *args, self.scale, self.sliding_window or 0, out=out)
+            return out.reshape(-1, self.num_heads * self.head_dim)
         parts = [self._decode(q[:nd], k_cache, v_cache, meta)] if nd else []
         for row in meta.prefill:
             parts.append(prefill_attention(q[row.query_start:row.query_end], k_cache, v_cache, row,
@@ -236,9 +258,18 @@ class PagedAttention(nn.Module):
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode rows' attention, written into out when given (rows of the step's output)."""
         if self.softcap is None and cpu_kernels.attention_supported(q, k_cache):
+            if out is not None:
+                return cpu_kernels.paged_decode_attention_into(q, k_cache, v_cache, meta.decode_block_tables,
+                                                               meta.decode_seq_lens, self.scale,
+                                                               self.sliding_window or 0, out)
             return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                       meta.decode_seq_lens, self.scale, self.sliding_window or 0)
-        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                self.scale, self.sliding_window, self.softcap)
+        result = decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                  self.scale, self.sliding_window, self.softcap)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result

@@ -101,14 +101,14 @@ def test_a_one_token_prompt_replayed_from_a_cpu_graph_hands_over_every_layer(eng
 
 def test_the_same_steps_run_eagerly_hand_over_the_same_kv(engine):
     runner = engine.runner
-    graphs, runner.cpu_graphs = runner.cpu_graphs, []
+    graphs, step, runner.cpu_graphs, runner.step_graph = runner.cpu_graphs, runner.step_graph, [], None
     try:
         before = runner.graph_steps
         sink, held, shape = _prefill(engine, "one-token-eager", [6004])
         cached, cached_held, cached_shape = _prefill(engine, "cached-eager", CACHED)
         assert runner.graph_steps == before and shape == cached_shape == (1, 1)
     finally:
-        runner.cpu_graphs = graphs
+        runner.cpu_graphs, runner.step_graph = graphs, step
     _check_all_layers(engine, sink, held, 1)
     _check_all_layers(engine, cached, cached_held, len(CACHED))
     if graphs:  # the replay runs the eager step's own kernels: the same bytes

@@ -272,29 +272,40 @@ def test_silu_mul_matches_fp32_torch(tokens):
 
 def _prefill_batch(heads, kv_heads, dim, rows, block_size, seed=0):
     """Random bf16 q and a paged cache holding each row's whole context (its chunk's K/V included,
-    as after rope_and_store); rows: (query tokens, context length). Returns q, kv, seqs, tables."""
+    as after rope_and_store); rows: (query tokens, context length). Returns q, kv and the rows as
+    PrefillRows (token after token, from token 0)."""
+    from rtp.models.attention import PrefillRow
+
     g = torch.Generator().manual_seed(seed)
     blocks = sum(-(-ctx // block_size) for _, ctx in rows) + 3
     kv = (torch.randn(2, blocks, block_size, kv_heads, dim, generator=g) * 2).bfloat16()
     order = (torch.randperm(blocks - 1, generator=g) + 1).to(torch.int32)  # scattered, never block 0
     q = (torch.randn(sum(n for n, _ in rows), heads, dim, generator=g) * 2).bfloat16()
-    seqs, tables, start, used = [], [], 0, 0
+    chunks, start, used = [], 0, 0
     for n, ctx in rows:
         width = -(-ctx // block_size)
-        seqs.append([start, n, ctx, used])
-        tables.append(order[used:used + width])
+        chunks.append(PrefillRow(start, start + n, ctx, order[used:used + width]))
         start, used = start + n, used + width
-    return q, kv, torch.tensor(seqs, dtype=torch.int32), torch.cat(tables)
+    return q, kv, chunks
 
 
-def _causal_reference(q, kv, seqs, tables, block_size, scale, window, dtype):
+def _kernel_args(chunks, block_size, num_decode=0):
+    """The plan arrays rtp's prefill kernel reads, as AttentionMetadata builds them from rows."""
+    from rtp.models.attention import AttentionMetadata
+
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_size=block_size,
+                             num_decode=num_decode, prefill=chunks)
+    return meta.prefill_kernel_args()
+
+
+def _causal_reference(q, kv, chunks, block_size, scale, window, dtype):
     from rtp.models.attention import causal_attention
 
     outs = []
-    for start, n, ctx, off in seqs.tolist():
-        ids = tables[off:off + -(-ctx // block_size)].long()
-        k, v = (kv[i][ids].flatten(0, 1)[:ctx].to(dtype) for i in (0, 1))
-        outs.append(causal_attention(q[start:start + n].to(dtype), k, v, scale, window or None).float())
+    for row in chunks:
+        ids = row.block_ids.long()
+        k, v = (kv[i][ids].flatten(0, 1)[:row.context_len].to(dtype) for i in (0, 1))
+        outs.append(causal_attention(q[row.query_start:row.query_end].to(dtype), k, v, scale, window or None).float())
     return torch.cat(outs)
 
 
@@ -308,11 +319,11 @@ def test_prefill_attention_matches_fp32_reference(heads, kv_heads, dim, window, 
     if amx and not cpu_kernels.amx_available():
         pytest.skip("no AMX here")
     rows = [(37, 37), (1, 50), (100, 300), (16, 16), (65, 129), (1, 1), (150, 400)]
-    q, kv, seqs, tables = _prefill_batch(heads, kv_heads, dim, rows, block_size)
+    q, kv, chunks = _prefill_batch(heads, kv_heads, dim, rows, block_size)
     scale = dim**-0.5
-    out = cpu_kernels.prefill_attention(q, kv[0], kv[1], seqs, tables, scale, window, amx=amx)
-    ref = _causal_reference(q, kv, seqs, tables, block_size, scale, window, torch.float32)
-    sdpa = _causal_reference(q, kv, seqs, tables, block_size, scale, window, torch.bfloat16)
+    out = cpu_kernels.prefill_attention(q, kv[0], kv[1], *_kernel_args(chunks, block_size), scale, window, amx=amx)
+    ref = _causal_reference(q, kv, chunks, block_size, scale, window, torch.float32)
+    sdpa = _causal_reference(q, kv, chunks, block_size, scale, window, torch.bfloat16)
     err, sdpa_err = (out.float() - ref).abs(), (sdpa - ref).abs()
     # bf16 inputs, P rounded to bf16 and a bf16 output, as torch's SDPA on the same inputs: as
     # close to fp32 as it is (the largest errors are the output's rounding of values near 4, the

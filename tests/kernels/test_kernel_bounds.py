@@ -351,14 +351,17 @@ def test_prefill_attention_writes_only_its_chunks_rows(heads, kv_heads, dim, blo
     a = Canaries(9)
     q = a.place("q", torch.randn(total, heads, dim, generator=g).bfloat16())
     kv = a.place("kv_cache", torch.randn(2, nblocks, block_size, kv_heads, dim, generator=g).bfloat16())
-    seqs_list, ids, used = [], [], 0
+    from rtp.models.attention import AttentionMetadata, PrefillRow
+
+    rows, used = [], 0
     for start, n, ctx in chunks:
         w = -(-ctx // block_size)
-        seqs_list.append([start, n, ctx, used])
-        ids += list(range(used + 1, used + 1 + w))
+        rows.append(PrefillRow(start, start + n, ctx, torch.arange(used + 1, used + 1 + w, dtype=torch.int32)))
         used += w
-    seqs = a.place("seqs", torch.tensor(seqs_list, dtype=torch.int32))
-    tables = a.place("tables", torch.tensor(ids, dtype=torch.int32))
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_size=block_size,
+                             num_decode=chunks[0][0], prefill=rows)
+    qsl, lens, tables, first, nseq = meta.prefill_kernel_args()  # the plan's arrays: decode rows first
+    qsl, lens, tables = a.place("qsl", qsl), a.place("seq_lens", lens), a.place("tables", tables)
 
     def chunk_rows(e, r):
         for start, n, _ in chunks:
@@ -368,8 +371,9 @@ def test_prefill_attention_writes_only_its_chunks_rows(heads, kv_heads, dim, blo
     out = a.place("out", torch.zeros(total, heads, dim, dtype=torch.bfloat16), writes=chunk_rows)
     a.allow(total)
     cpu_kernels._k.prefill_attention_bf16(q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), kv.stride(2),
-                                          seqs.data_ptr(), tables.data_ptr(), out.data_ptr(), len(chunks), heads,
-                                          kv_heads, dim, block_size, dim**-0.5, window, amx)
+                                          qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.stride(0), first,
+                                          nseq, out.data_ptr(), heads, kv_heads, dim, block_size, dim**-0.5, window,
+                                          amx)
     a.check("prefill attention")
 
 

@@ -643,6 +643,14 @@ TARGET void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, 
     }
 }
 
+/* out row i = src row idx[i] (row_bytes each; strides in bytes): the rows of a step that sample,
+ * gathered for the LM head inside a captured step graph. */
+void rtp_gather_rows(const void *src, int64_t src_stride, const int32_t *idx, int64_t n, void *out,
+                     int64_t out_stride, int64_t row_bytes) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy((char *)out + i * out_stride, (const char *)src + (int64_t)idx[i] * src_stride, (size_t)row_bytes);
+}
+
 /* A streaming read of `bytes` bytes (a multiple of 256, 64-byte aligned) on every thread, each its
  * share front to back, folded into one word so nothing is optimised away: the memory bandwidth the
  * roofline of tools/bench_roofline.py sets the steps' bytes against. */

@@ -34,12 +34,14 @@ void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t
 uint64_t rtp_stream_read(const void *buf, int64_t bytes);
 void rtp_silu_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t T, int64_t I);
 int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                               int64_t tok_stride, const int32_t *seqs, const int32_t *tables, uint16_t *out,
-                               int64_t nseq, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                               int64_t window, int amx);
+                               int64_t tok_stride, const int32_t *qsl, const int32_t *seq_lens, const int32_t *tables,
+                               int64_t ldt, int64_t first_row, int64_t nseq, uint16_t *out, int64_t H, int64_t Hkv,
+                               int64_t D, int64_t block_size, float scale, int64_t window, int amx);
+void rtp_gather_rows(const void *src, int64_t src_stride, const int32_t *idx, int64_t n, void *out,
+                     int64_t out_stride, int64_t row_bytes);
 
 /* kernel_calls.c: a kernel call as RTP_CALL_WORDS int64 words, word 0 one of these */
-#define RTP_CALL_WORDS 16
+#define RTP_CALL_WORDS 20
 enum {
     RTP_OP_LINEAR_Q4_1 = 1,
     RTP_OP_LINEAR_Q8_0,
@@ -50,8 +52,14 @@ enum {
     RTP_OP_EMBED_ROWS,
     RTP_OP_SILU_MUL,
     RTP_OP_PREFILL_ATTENTION,
+    RTP_OP_GATHER_ROWS,
 };
+/* The counts a step graph is replayed over (rtp_run_step_calls): each call's rows word is one of
+ * them, named per call by its class (decode and prefill attention take theirs by op). */
+enum { RTP_COUNT_AS_RECORDED = 0, RTP_COUNT_TOKENS, RTP_COUNT_SAMPLES, RTP_COUNT_DECODE_ROWS, RTP_COUNT_PREFILL_ROWS };
 int rtp_run_call(const int64_t *call);
 int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns);
+int64_t rtp_run_step_calls(const int64_t *calls, int64_t n, const int8_t *classes, const int64_t *counts,
+                           int64_t *ns);
 int rtp_call_rows_word(int64_t op);
 uint32_t rtp_call_address_words(int64_t op);

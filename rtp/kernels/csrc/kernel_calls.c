@@ -48,8 +48,11 @@ int rtp_run_call(const int64_t *c) {
         rtp_silu_mul(P(1), c[2], P(3), c[4], c[5], c[6]);
         return 1;
     case RTP_OP_PREFILL_ATTENTION:
-        return rtp_prefill_attention_bf16(P(1), P(2), P(3), c[4], P(5), P(6), P(7), c[8], c[9], c[10], c[11], c[12],
-                                          arg_float(c[13]), c[14], (int)c[15]);
+        return rtp_prefill_attention_bf16(P(1), P(2), P(3), c[4], P(5), P(6), P(7), c[8], c[9], c[10], P(11), c[12],
+                                          c[13], c[14], c[15], arg_float(c[16]), c[17], (int)c[18]);
+    case RTP_OP_GATHER_ROWS:
+        rtp_gather_rows(P(1), c[2], P(3), c[4], P(5), c[6], c[7]);
+        return 1;
     }
     return 0;
 }
@@ -67,6 +70,7 @@ int rtp_call_rows_word(int64_t op) {
     case RTP_OP_DECODE_ATTENTION: return 9;
     case RTP_OP_EMBED_ROWS: return 7;
     case RTP_OP_SILU_MUL: return 5;
+    case RTP_OP_GATHER_ROWS: return 4;
     }
     return 0;
 }
@@ -97,6 +101,39 @@ int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns
     return n;
 }
 
+/* Runs n calls of a step graph (rtp/kernels/cpu_graph.py) over this step's counts: counts[class]
+ * (tokens, samples, decode rows, prefill rows; indexed by RTP_COUNT_*) replaces the rows word of
+ * every call whose class names one (classes[i]; RTP_COUNT_AS_RECORDED: none), decode attention takes
+ * the decode rows as its batch, and prefill attention the prefill rows, which follow the decode rows
+ * in the plan. Tokens and samples may not exceed what a call was recorded with (its buffers in the
+ * graph's arena hold that many rows); decode and prefill rows index the plan's arrays, which the
+ * caller checks against the plan. Returns n, or the index of the call that failed. */
+int64_t rtp_run_step_calls(const int64_t *calls, int64_t n, const int8_t *classes, const int64_t *counts,
+                           int64_t *ns) {
+    int64_t c[RTP_CALL_WORDS];
+    struct timespec start, end;
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(c, calls + i * RTP_CALL_WORDS, sizeof c);
+        if (c[0] == RTP_OP_DECODE_ATTENTION) {
+            c[9] = counts[RTP_COUNT_DECODE_ROWS];
+        } else if (c[0] == RTP_OP_PREFILL_ATTENTION) {
+            c[9] = counts[RTP_COUNT_DECODE_ROWS];
+            c[10] = counts[RTP_COUNT_PREFILL_ROWS];
+        } else if (classes[i] != RTP_COUNT_AS_RECORDED) {
+            int w = rtp_call_rows_word(c[0]);
+            if (!w || counts[classes[i]] > c[w]) return i;
+            c[w] = counts[classes[i]];
+        }
+        if (ns) clock_gettime(CLOCK_MONOTONIC, &start);
+        if (!rtp_run_call(c)) return i;
+        if (ns) {
+            clock_gettime(CLOCK_MONOTONIC, &end);
+            ns[i] = (int64_t)(end.tv_sec - start.tv_sec) * 1000000000 + (end.tv_nsec - start.tv_nsec);
+        }
+    }
+    return n;
+}
+
 /* Bit i set: word i of the op's calls is an address (what a capture relocates). */
 uint32_t rtp_call_address_words(int64_t op) {
     switch (op) {
@@ -108,7 +145,8 @@ uint32_t rtp_call_address_words(int64_t op) {
     case RTP_OP_DECODE_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 7 | 1u << 8;
     case RTP_OP_EMBED_ROWS: return 1u << 1 | 1u << 4 | 1u << 5;
     case RTP_OP_SILU_MUL: return 1u << 1 | 1u << 3;
-    case RTP_OP_PREFILL_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 6 | 1u << 7;
+    case RTP_OP_PREFILL_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 6 | 1u << 7 | 1u << 11;
+    case RTP_OP_GATHER_ROWS: return 1u << 1 | 1u << 3 | 1u << 5;
     }
     return 0;
 }

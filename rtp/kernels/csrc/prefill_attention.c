@@ -435,25 +435,31 @@ static int longest_first(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* q bf16 [T, H, D] contiguous; k_cache / v_cache bf16, slot s of kv head h at s * tok_stride + h * D;
- * seqs int32 [nseq][4] (above); tables int32 (each sequence's block ids from its offset); out bf16
- * [T, H, D]: rows of tokens outside every sequence are left alone. D a multiple of 32, at most 256;
- * H / Hkv at most 16. window > 0: each token sees its last `window` positions. amx: use the tiles
- * (the caller checked rtp_amx_supported()). Returns 0 when scratch memory could not be had. */
+/* q bf16 [T, H, D] contiguous; k_cache / v_cache bf16, slot s of kv head h at s * tok_stride + h * D.
+ * The sequences are rows [first_row, first_row + nseq) of a step plan (rtp/runtime/step_plan.pyx), read
+ * as the plan holds them, so a captured call replays any step: row r's query tokens are
+ * [qsl[r], qsl[r + 1]) of q and out, it attends to seq_lens[r] keys (its chunk's own included,
+ * already in the cache), and its block ids are block_tables[r * ldt ...]. out bf16 [T, H, D]: rows of
+ * tokens outside every sequence are left alone. D a multiple of 32, at most 256; H / Hkv at most 16.
+ * window > 0: each token sees its last `window` positions. amx: use the tiles (the caller checked
+ * rtp_amx_supported()). Returns 0 when scratch memory could not be had. */
 AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                          int64_t tok_stride, const int32_t *seqs, const int32_t *tables,
-                                          uint16_t *out, int64_t nseq, int64_t H, int64_t Hkv, int64_t D,
-                                          int64_t block_size, float scale, int64_t window, int amx) {
+                                          int64_t tok_stride, const int32_t *qsl, const int32_t *seq_lens,
+                                          const int32_t *tables, int64_t ldt, int64_t first_row, int64_t nseq,
+                                          uint16_t *out, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                                          float scale, int64_t window, int amx) {
+    if (nseq <= 0) return 1;
     int64_t G = H / Hkv;
     seq_info *info = malloc(sizeof(seq_info) * (size_t)(nseq > 0 ? nseq : 1));
     if (!info) return 0;
     int64_t pack = 0, ntasks = 0, nsteps = 0;
     for (int64_t i = 0; i < nseq; i++) {
         seq_info *sq = &info[i];
-        sq->q_start = seqs[4 * i];
-        sq->n = seqs[4 * i + 1];
-        sq->ctx = seqs[4 * i + 2];
-        sq->table_off = seqs[4 * i + 3];
+        int64_t r = first_row + i;
+        sq->q_start = qsl[r];
+        sq->n = qsl[r + 1] - qsl[r];
+        sq->ctx = seq_lens[r];
+        sq->table_off = r * ldt;
         if (sq->n <= 0 || sq->ctx <= 0) sq->n = sq->ctx = 0;
         sq->padded = round_up(sq->ctx, KB);
         sq->pack_off = pack;
