@@ -161,9 +161,9 @@ def test_bf16_kernels_keep_the_window(tmp_path, monkeypatch):
     def spy(name: str):
         real = getattr(cpu_kernels, name)
 
-        def call(*args):
-            calls.append((name, args[-1]))
-            return real(*args)
+        def call(*args, **kwargs):
+            calls.append((name, args[-1]))  # the window: the last positional argument of both
+            return real(*args, **kwargs)
         return call
 
     for name in ("paged_decode_attention", "prefill_attention"):
