@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_ref", nargs="?", metavar="MODEL", help="the model, as --model takes it")
     add_serve_options(p)
     # serving keeps inter-token latency low: a step takes at most 512 prompt tokens beside decodes
-    add_engine_options(p, defaults={"max_prefill_tokens_with_decodes": 512})
+    # the prefill budget adapts to the measured step costs and the waiting queue (rtp/engine/prefill_budget.py)
+    add_engine_options(p, defaults={"step_time_target": 0.1})
     p.set_defaults(func=_serve)
 
     p = sub.add_parser(

@@ -233,6 +233,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
              "for as long as its chunks take. Smaller keeps inter-token latency low, larger prefills faster "
              "(0: up to --max-num-batched-tokens; offline, throughput is all that counts: 0; rtp serve: 512, "
              "as vLLM sizes its token budget by usage)") = 0
+    step_time_target: _field(
+        float, "while requests decode, size each step's prompt tokens from measured step costs so that a step "
+               "takes about this long (the streams' inter-token gap), doubling the budget for every such span the "
+               "oldest waiting request has waited past one (0: the fixed --max-prefill-tokens-with-decodes; rtp "
+               "serve: 0.1)", metavar="SECONDS") = 0.0
     max_model_len: _field(int | None, "context length, prompt plus completion (default: the model's, at most "
                                       "8192)") = None
     scheduling_policy: _field(str, "fcfs, or lpm: longest prefix match first (aged, so cold requests do not "
@@ -243,6 +248,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.max_prefill_tokens_with_decodes < 0:
             raise ValueError(f"max_prefill_tokens_with_decodes must be 0 (no limit) or positive, "
                              f"got {self.max_prefill_tokens_with_decodes}")
+        if not 0.0 <= self.step_time_target < float("inf"):
+            raise ValueError(f"step_time_target must be 0 (off) or a positive number of seconds, "
+                             f"got {self.step_time_target}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.scheduling_policy not in ("fcfs", "lpm"):

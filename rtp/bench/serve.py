@@ -68,6 +68,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-result", action="store_true", help="write the figures as JSON to --result-file")
     p.add_argument("--result-file", help="default: bench-serve-<date>.json in the current directory")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", type=_slo,
+                   help="service-level objectives a request must meet to count as good, as vLLM's: ttft, tpot, "
+                        "e2el (per request) and itl (its longest inter-token gap), e.g. --goodput ttft:1000 itl:100; "
+                        "reports good requests per second and their share")
+
+
+def _slo(text: str) -> tuple[str, float]:
+    key, _, ms = text.partition(":")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = -1.0
+    if key not in ("ttft", "tpot", "itl", "e2el") or not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give KEY:MILLISECONDS with KEY one of ttft, tpot, itl, e2el")
+    return key, value
 
 
 @dataclass
@@ -295,6 +310,18 @@ def summarize(args, model: str, results: list[Result], duration: float) -> dict:
         "itl": [gap for r in done for gap in r.itl],
         "e2el": [r.e2el for r in done],
     }
+    slos = dict(getattr(args, "goodput", None) or [])
+    if slos:
+        def good(r: Result) -> bool:
+            seen = {"ttft": r.ttft, "e2el": r.e2el, "itl": max(r.itl, default=0.0),
+                    "tpot": (r.e2el - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0}
+            return all(seen[k] * 1000 <= limit for k, limit in slos.items())
+
+        n_good = sum(good(r) for r in done)
+        figures["goodput_slos_ms"] = slos
+        figures["good_requests"] = n_good
+        figures["request_goodput"] = n_good / duration
+        figures["good_share"] = n_good / len(results)
     for name, values in series.items():
         ms = np.asarray(values or [0.0]) * 1000
         figures[f"mean_{name}_ms"] = float(ms.mean())
@@ -320,6 +347,10 @@ def print_table(f: dict) -> None:
     row("Request throughput (req/s):", f["request_throughput"])
     row("Output token throughput (tok/s):", f["output_throughput"])
     row("Total token throughput (tok/s):", f["total_token_throughput"])
+    if "request_goodput" in f:
+        slos = " ".join(f"{k}<={v:g}ms" for k, v in f["goodput_slos_ms"].items())
+        row(f"Request goodput (req/s, {slos}):", f["request_goodput"])
+        row("Good requests (%):", 100 * f["good_share"])
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         print("{s:{c}^{n}}".format(s=title, n=50, c="-"))

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ from rtp.engine.grammar import GrammarCompiler, GrammarSlots
 from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks
 from rtp.engine.kv_transfer import KVLayout, KVSink
 from rtp.engine.output import Logprobs, OutputProcessor, RequestDelta
+from rtp.engine.prefill_budget import PrefillBudget
 from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SamplerOutput, SlotSettings
 from rtp.engine.tensor_parallel import PlanChannel, follow, start_ranks, stop_followers
@@ -111,6 +113,10 @@ class LLMEngine:
                                    max_prefill_tokens_with_decodes=sched.max_prefill_tokens_with_decodes,
                                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                    vocab_size=mc.vocab_size, policy=sched.scheduling_policy)
+        self.prefill_budget = (PrefillBudget(sched.step_time_target,
+                                             cap=sched.max_prefill_tokens_with_decodes or sched.max_num_batched_tokens,
+                                             floor=cache.block_size)
+                               if sched.step_time_target > 0 else None)
         self.sampler = Sampler(seed=load.seed)
         self.sampling = SlotSettings(self.scheduler.max_requests)  # each request's, by its runtime slot
         self.grammars = GrammarSlots(self.scheduler.max_requests, sched.max_num_seqs, mc.vocab_size)
@@ -239,6 +245,18 @@ class LLMEngine:
             raise EngineFatal(f"engine step failed: {e!r}") from e
 
     def _step(self) -> list[RequestDelta]:
+        start = time.monotonic()
+        if self.prefill_budget is not None:
+            s = self.scheduler
+            s.max_prefill_tokens_with_decodes = self.prefill_budget.budget(s.step_count, s.oldest_waiting_step, start)
+        deltas = self._run_step()
+        if self.prefill_budget is not None:
+            plan = self.scheduler.plan
+            self.prefill_budget.observe(time.monotonic() - start, plan.num_tokens - plan.num_decode_rows,
+                                        plan.num_decode_rows)
+        return deltas
+
+    def _run_step(self) -> list[RequestDelta]:
         if not self.scheduler.schedule():
             self.scheduler.update(np.zeros(0, dtype=np.int64))
             return []
@@ -391,6 +409,8 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = self.scheduler.stats()
+        if self.prefill_budget is not None:
+            stats["prefill_budget"] = self.prefill_budget.last
         if self.balancer is not None:
             stats["eplb"] = self.balancer.stats()
         if self._grammar_compiler is not None:  # once a request brought a structured output

@@ -36,7 +36,7 @@ cdef class Scheduler:
     cdef readonly RadixCache cache         # None: prefix caching off
     cdef readonly StepPlan plan
     cdef readonly int block_size, max_num_seqs, max_num_batched_tokens, max_model_len
-    cdef readonly int max_prefill_tokens_with_decodes
+    cdef public int max_prefill_tokens_with_decodes  # the engine may resize it between steps
     cdef readonly int max_requests, vocab_size, policy, lpm_window
     cdef readonly double lpm_aging
     cdef readonly bint chunked_prefill

@@ -31,7 +31,7 @@ class Scheduler:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_prefill_tokens_with_decodes: int
+    max_prefill_tokens_with_decodes: int   # writable: the engine's PrefillBudget sets it each step
     max_model_len: int
     max_requests: int
     vocab_size: int
@@ -47,6 +47,7 @@ class Scheduler:
     in_flight: bool
     step_count: int
     num_preemptions: int
+    oldest_waiting_step: int   # arrival step of the longest-waiting request, -1 when none waits
     queued_prompt_tokens: int
     event_req_ids: npt.NDArray[np.int64]
     event_tokens: IntArray

@@ -710,6 +710,16 @@ cdef class Scheduler:
     def has_unfinished(self):
         return self.num_running > 0 or self.num_waiting > 0 or self.num_ready > 0
 
+    @property
+    def oldest_waiting_step(self):
+        """The step count at which the longest-waiting request arrived (-1: none waits)."""
+        cdef int i
+        cdef int64_t oldest = -1
+        for i in range(self.num_waiting):
+            if oldest < 0 or self.r_arrival_step[self.waiting[i]] < oldest:
+                oldest = self.r_arrival_step[self.waiting[i]]
+        return oldest
+
     def check_integrity(self):
         """Assert the scheduler's invariants and those of the allocator and cache below it."""
         cdef int s, i, b, n_live = 0

@@ -132,6 +132,9 @@ class _EngineCollector:
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.get("num_waiting", 0))
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
                     s.get("kv_cache_usage", 0.0))
+        if "prefill_budget" in s:
+            yield gauge("prefill_budget_tokens", "Prompt tokens the latest step could take beside decoding requests "
+                        "(sized from measured step costs: --step-time-target).", s["prefill_budget"])
         # free = truly free + evictable (cached by the prefix cache, unreferenced): what can be allocated
         yield gauge("num_free_blocks", "KV blocks free to allocate, evictable cached ones included.",
                     s.get("free_blocks", 0) + s.get("evictable_blocks", 0))

@@ -206,3 +206,20 @@ def test_an_unreachable_server_fails_fast(tokenizer_json):
                           "--tokenizer", tokenizer_json, "--model", "m", "--num-prompts", "4", "--disable-tqdm"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 1 and "rtp bench serve:" in out.stderr
+
+
+def test_goodput_counts_the_requests_that_meet_every_objective(fake, tokenizer_json):
+    """The fake streams a chunk every 2 ms: an ITL objective of 1 ms fails every request, a loose one
+    none; --goodput's keys are checked before anything is sent."""
+    fake.reset()
+    loose, stdout = bench(fake, tokenizer_json, "--num-prompts", "8", "--input-len", "8", "--output-len", "4",
+                          "--goodput", "ttft:60000", "itl:60000", "--disable-tqdm")
+    assert loose["good_requests"] == 8 and loose["good_share"] == 1.0
+    assert loose["request_goodput"] == pytest.approx(loose["request_throughput"])
+    assert loose["goodput_slos_ms"] == {"ttft": 60000.0, "itl": 60000.0} and "Request goodput" in stdout
+    tight, _ = bench(fake, tokenizer_json, "--num-prompts", "8", "--input-len", "8", "--output-len", "4",
+                     "--goodput", "itl:1", "--disable-tqdm")
+    assert tight["good_requests"] == 0 and tight["request_goodput"] == 0
+    bad = subprocess.run([sys.executable, "-m", "rtp.bench", "serve", "--base-url", fake.url, "--goodput", "ttfb:5"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "ttft, tpot, itl, e2el" in bad.stderr
