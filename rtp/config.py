@@ -310,6 +310,37 @@ class EPLBConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("num_redundant_experts and eplb_num_ranks must not be negative")
 
 
+class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Speculative decoding: a decoding request verifies tokens drafted from its own text in the
+    same step (one row each), keeping those the model would have chosen itself, so its output is
+    what it would have been. Flat names: speculative (the method), num_speculative_tokens,
+    prompt_lookup_min/max, speculative_max_running."""
+
+    method: _field(str | None, "draft tokens for requests by ngram, prompt lookup: where the last n tokens "
+                               "occurred before in the request's own text, the tokens that followed (default: "
+                               "off)", flat="speculative", choices=["ngram"]) = None
+    num_speculative_tokens: _field(int, "most tokens a request drafts a step (adapted per request to what it "
+                                        "keeps)", flat="num_speculative_tokens") = 4
+    prompt_lookup_min: _field(int, "shortest n-gram matched", flat="prompt_lookup_min") = 1
+    prompt_lookup_max: _field(int, "longest n-gram matched (tried first)", flat="prompt_lookup_max") = 4
+    max_running: _field(int, "draft only while at most this many requests run: past that a step is bound by "
+                             "compute and verifying drafts stops being nearly free",
+                        flat="speculative_max_running") = 16
+
+    def validate(self) -> None:
+        if self.method not in (None, "ngram"):
+            raise ValueError(f"speculative must be ngram (or off), got {self.method!r}")
+        _positive(self, "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_running")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max "
+                             f"{self.prompt_lookup_max}")
+
+    @property
+    def draft_tokens(self) -> int:
+        """The most tokens a request drafts a step: 0 when speculative decoding is off."""
+        return self.num_speculative_tokens if self.method else 0
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Everything the engine is built from, one sub-config per component; validated once."""
 
@@ -318,6 +349,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     eplb: EPLBConfig = msgspec.field(default_factory=EPLBConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_flat(cls, **flat) -> "EngineConfig":
@@ -383,7 +415,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 SUB_CONFIGS: dict[str, type] = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                                "parallel": ParallelConfig, "eplb": EPLBConfig}
+                                "parallel": ParallelConfig, "eplb": EPLBConfig, "speculative": SpeculativeConfig}
 
 
 def field_meta(cls: type, field: str) -> msgspec.Meta | None:

@@ -71,11 +71,11 @@ class KVHandoff:
     # -- decode node ---------------------------------------------------------------------------
 
     def reserve(self, request_id: str, rid: int, prompt: np.ndarray, *, max_tokens: int, min_tokens: int,
-                stop_token_ids, ignore_eos: bool) -> np.ndarray:
+                stop_token_ids, ignore_eos: bool, speculate: bool = False) -> np.ndarray:
         """Blocks for a prompt whose KV another node computes (MemoryError when too few are free
         now); their ids, in token order."""
         blocks = self.scheduler.reserve(rid, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
-                                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+                                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, speculate=speculate)
         self.reserved[request_id] = rid
         return blocks
 

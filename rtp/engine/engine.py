@@ -59,6 +59,7 @@ class LLMEngine:
         config.validate()
         self.config = config
         load, cache, sched, eplb = config.load, config.cache, config.scheduler, config.eplb
+        self.speculative = config.speculative
         device = resolve_device(load.device)
         self.compile = load.compile if load.compile is not None else device.type == "cuda"
         # the expert exchange reads its counts on the host between collectives: nothing to capture
@@ -104,7 +105,8 @@ class LLMEngine:
                                   max_num_seqs=sched.max_num_seqs,
                                   max_num_batched_tokens=sched.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, kv_dtype=self.dtype, device=self.device,
-                                  compile=self.compile, committed_blocks=num_blocks)
+                                  compile=self.compile, committed_blocks=num_blocks,
+                                  max_draft_tokens=self.speculative.draft_tokens)
         self.allocator = BlockAllocator(num_blocks, cache.block_size, num_blocks + lendable)
         self.cache = RadixCache(self.allocator) if cache.enable_prefix_caching else None
         self.scheduler = Scheduler(self.allocator, self.runner.plan, cache=self.cache,
@@ -112,7 +114,11 @@ class LLMEngine:
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
                                    max_prefill_tokens_with_decodes=sched.max_prefill_tokens_with_decodes,
                                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                                   vocab_size=mc.vocab_size, policy=sched.scheduling_policy)
+                                   vocab_size=mc.vocab_size, policy=sched.scheduling_policy,
+                                   num_speculative_tokens=self.speculative.draft_tokens,
+                                   spec_ngram_min=self.speculative.prompt_lookup_min,
+                                   spec_ngram_max=self.speculative.prompt_lookup_max,
+                                   spec_max_running=self.speculative.max_running)
         self.prefill_budget = (PrefillBudget(sched.step_time_target,
                                              cap=sched.max_prefill_tokens_with_decodes or sched.max_num_batched_tokens,
                                              floor=cache.block_size)
@@ -164,7 +170,7 @@ class LLMEngine:
                 rid = next(self._next_rid)
                 self.scheduler.add_request(rid, prompt_ids, max_tokens=max_tokens, min_tokens=params.min_tokens,
                                            stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                                           prefill_only=kv_sink is not None)
+                                           prefill_only=kv_sink is not None, speculate=self._drafts_for(params))
                 rids.append(rid)
                 self._admit_slot(rid, params, index, grammar)
         except BaseException as e:
@@ -178,6 +184,12 @@ class LLMEngine:
         self.outputs.add(request_id, ids, params, rids)
         if kv_sink is not None:
             self.handoff.add_sink(rids[0], kv_sink)
+
+    def _drafts_for(self, params: SamplingParams) -> bool:
+        """Whether a request's decode steps may verify drafted tokens. Not under a grammar (its
+        matcher would have to take and give back the drafts) nor with penalties (each position's
+        counts would have to include the drafts before it): those decode a token a step."""
+        return bool(self.speculative.draft_tokens) and params.structured_outputs is None and not params.has_penalties
 
     def _admit_slot(self, rid: int, params: SamplingParams, index: int, grammar) -> None:
         """What a request keeps by its runtime slot: its sampling settings and a matcher of its own,
@@ -271,8 +283,10 @@ class LLMEngine:
             logits = self.runner.forward()
         finally:
             self.handoff.disarm()
+        offsets = plan.sample_offsets[:plan.num_samples] if self.speculative.draft_tokens else None
         sampled = self.sampler.sample(logits, self.sampling, slots, self.scheduler, grammars=self.grammars,
-                                      eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size)
+                                      eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size,
+                                      offsets=offsets)
         refused, complete = self.grammars.advance(slots, sampled.token_ids, set(sampled.failed))
         if refused:
             sampled.failed.update(refused)
@@ -285,9 +299,8 @@ class LLMEngine:
                 self.outputs.set_cached(rid, self.scheduler.cached_prompt_tokens(rid))
         s = self.scheduler
         n = s.update(sampled.token_ids)
-        deltas = self.outputs.emit(n, s.event_req_ids, s.event_tokens, s.event_finish,
-                                   {rid: k for k, rid in enumerate(rids)}, _host_logprobs(sampled.output),
-                                   ended={rids[k] for k in complete})
+        deltas = self.outputs.emit(n, s.event_req_ids, s.event_tokens, s.event_finish, s.event_rows,
+                                   _host_logprobs(sampled.output), ended={rids[k] for k in complete})
         for rid in self.outputs.stopped:  # a stop string or a complete grammar ended it: the runtime still runs it
             s.abort(rid)
         for k, error in sampled.failed.items():
@@ -353,7 +366,8 @@ class LLMEngine:
         spec = params.structured_outputs
         grammar = None if spec is None else self.compile_grammar(spec).result()
         blocks = self.handoff.reserve(request_id, rid, prompt, max_tokens=max_tokens, min_tokens=params.min_tokens,
-                                      stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+                                      stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                                      speculate=self._drafts_for(params))
         self._admit_slot(rid, params, 0, grammar)
         self.outputs.add(request_id, prompt_ids, params, [rid])
         return blocks

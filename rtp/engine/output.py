@@ -38,6 +38,17 @@ class ChoiceDelta:
     token_ids: list[int] | None = None        # the tokens added (None where they were not relayed)
 
 
+def _merge(into: ChoiceDelta, more: ChoiceDelta) -> None:
+    """Add a later token's delta of the same choice, in the same step, to its first one."""
+    into.text += more.text
+    into.num_tokens += more.num_tokens
+    if into.logprobs is not None and more.logprobs is not None:
+        into.logprobs.extend(more.logprobs)
+    into.finish_reason, into.stop_reason = more.finish_reason, more.stop_reason
+    if into.token_ids is not None and more.token_ids is not None:
+        into.token_ids.extend(more.token_ids)
+
+
 @dataclass(slots=True)
 class RequestDelta:
     """What one step produced for one request; `error` set: it failed and is finished."""
@@ -193,13 +204,13 @@ class OutputProcessor:
         self._choices[rid].request.num_cached_tokens = num_cached_tokens
 
     def emit(self, n: int, req_ids: np.ndarray, tokens: np.ndarray, finish: np.ndarray,
-             rows: dict[int, int], logprobs: Logprobs | None, ended: set[int] = frozenset()
+             rows: np.ndarray, logprobs: Logprobs | None, ended: set[int] = frozenset()
              ) -> dict[str, RequestDelta]:
         """The deltas of a step's `n` runtime events (request id, token, finish code), by request id.
-        rows: runtime id -> its sampling row (for logprobs); ended: runtime ids whose token ends
-        them with "stop" though the runtime would go on (a complete grammar). A request whose
-        text fails (a detokenizer or stop-string error) comes back with `error` set; the caller
-        ends it."""
+        rows: each event's sampling row (for logprobs); ended: runtime ids whose token ends them
+        with "stop" though the runtime would go on (a complete grammar). A choice that gained
+        several tokens in one step (verified drafts) gets them as one delta. A request whose text
+        fails (a detokenizer or stop-string error) comes back with `error` set; the caller ends it."""
         deltas: dict[str, RequestDelta] = {}
         self.stopped = []
         for i in range(n):
@@ -220,9 +231,14 @@ class OutputProcessor:
                 self.stopped.append(choice.rid)
             entry = None
             if request.params.logprobs is not None and logprobs is not None:
-                entry = logprobs.entry(rows[choice.rid], token, request.params.logprobs)
+                entry = logprobs.entry(int(rows[i]), token, request.params.logprobs)
             try:
-                delta.choices.append(self._advance(choice, token, entry, reason))
+                step = self._advance(choice, token, entry, reason)
+                last = delta.choices[-1] if delta.choices else None
+                if last is not None and last.index == step.index and last.finish_reason is None:
+                    _merge(last, step)
+                else:
+                    delta.choices.append(step)
             except Exception as e:
                 deltas[request.request_id] = self.fail(request.request_id, e)
                 continue

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ import torch
 from rtp.distributed import world_size
 from rtp.engine.kv_cache import allocate_kv_cache
 from rtp.engine.kv_transfer import LayerTaps
-from rtp.kernels import cpu_kernels
+from rtp.kernels import cpu_kernels, quant
 from rtp.kernels.cpu_graph import CaptureRefused, CPUGraph, capture
 from rtp.models.attention import AttentionMetadata, PlanRows, PrefillRow, forward_context
 from rtp.runtime import StepPlan, plan_array_shapes
@@ -59,7 +59,8 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
-                 device: torch.device, compile: bool = False, committed_blocks: int | None = None):
+                 device: torch.device, compile: bool = False, committed_blocks: int | None = None,
+                 max_draft_tokens: int = 0):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -86,8 +87,12 @@ class ModelRunner:
         self.compiled_steps = 0  # steps whose decode rows ran through a captured graph
         if compile:
             self._setup_compile(max_num_seqs)
-        # CPU graphs (rtp/kernels/cpu_graph.py), captured in warmup(): (lowest rows, most rows, graph)
+        # CPU graphs (rtp/kernels/cpu_graph.py), captured in warmup(): decode steps of several requests,
+        # (lowest rows, most rows, graph); and the decode step of one request, its last token and up
+        # to max_draft_tokens drafted ones, on the exact one-row kernels
         self.cpu_graphs: list[tuple[int, int, CPUGraph]] = []
+        self.exact_graph: CPUGraph | None = None
+        self.max_draft_tokens = max_draft_tokens
         self._max_num_seqs = max_num_seqs
         # (not with tensor or expert parallelism: a collective is not a kernel call a graph can replay)
         self._want_cpu_graphs = (device.type == "cpu" and not compile and cpu_kernels.available()
@@ -154,11 +159,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_cpu_graphs(self) -> float:
-        """Capture the decode step at each bucket size over the plan's own input buffers (a
-        decode-only step's rows are its first tokens); sizes whose calls agree share the
-        largest one's graph."""
+        """Capture the decode step of one request (1 + max_draft_tokens rows, the exact one-row
+        kernels) and at each bucket size from 2 rows (several requests), over the plan's own input
+        buffers (a decode-only step's rows are its first tokens); bucket sizes whose calls agree
+        share the largest one's graph; then the step graph (every other step)."""
         start = time.perf_counter()
-        sizes = sorted({b for b in BUCKETS if b < self._max_num_seqs} | {min(self._max_num_seqs, BUCKETS[-1])})
+        top = min(self._max_num_seqs, BUCKETS[-1])
+        sizes = sorted({b for b in BUCKETS if 1 < b < top} | ({top} if top > 1 else set()))
         names = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
         saved = {name: self.host[name].clone() for name in names}
         for name in names:  # rows of nothing: the null block's slot, no context to attend to
@@ -166,15 +173,16 @@ class ModelRunner:
         graphs: list[tuple[int, int, CPUGraph | None]] = []
         refused: dict[int, str] = {}  # rows -> why no graph
         try:
+            one = min(1 + self.max_draft_tokens, self._max_num_seqs)
+            try:
+                with quant.exact_rows(one):
+                    self.exact_graph = self._capture_decode(one)
+            except CaptureRefused as e:
+                refused[1] = str(e)
             for size in sizes:
-                meta = AttentionMetadata(slot_mapping=self.host["slot_mapping"][:size], block_size=self.block_size,
-                                         num_decode=size, decode_block_tables=self.host["block_tables"][:size],
-                                         decode_seq_lens=self.host["seq_lens"][:size])
-                ids, pos = self.host["input_ids"][:size], self.host["positions"][:size]
-                lo = graphs[-1][1] + 1 if graphs else 1
+                lo = graphs[-1][1] + 1 if graphs else 2
                 try:
-                    with forward_context(meta):
-                        graph = capture(lambda: self._decode_logits(ids, pos), size)
+                    graph = self._capture_decode(size)
                 except CaptureRefused as e:
                     refused[size] = str(e)
                     graphs.append((lo, size, None))
@@ -189,15 +197,25 @@ class ModelRunner:
         self.cpu_graphs = [g for g in graphs if g[2] is not None]
         self.step_graph = self._capture_step_graph()
         seconds = time.perf_counter() - start
-        if not self.cpu_graphs and len(set(refused.values())) == 1:  # e.g. fp32: one reason, one line
-            log.info("no CPU graphs (%s): decode steps run eagerly", next(iter(refused.values())))
+        if self.exact_graph is None and not self.cpu_graphs and len(set(refused.values())) == 1:
+            log.info("no CPU graphs (%s): decode steps run eagerly", next(iter(refused.values())))  # e.g. fp32
             return seconds
         for size, why in refused.items():
-            log.info("no CPU graph for %d-row decode steps (%s): they run eagerly", size, why)
-        log.info("captured %d CPU graphs for decode steps of %s rows%s in %.2f s", len(self.cpu_graphs),
-                 ", ".join(f"{lo}-{hi}" if lo < hi else str(hi) for lo, hi, _ in self.cpu_graphs),
+            log.info("no CPU graph for %s decode steps (%s): they run eagerly",
+                     "one request's" if size == 1 else f"{size}-row", why)
+        ranges = ([f"one request ({self.exact_graph.rows} rows)"] if self.exact_graph is not None else [])
+        ranges += [f"{lo}-{hi} rows" if lo < hi else f"{hi} rows" for lo, hi, _ in self.cpu_graphs]
+        log.info("captured CPU graphs for decode steps of %s%s in %.2f s", ", ".join(ranges),
                  ", and one for every other step" if self.step_graph is not None else "", seconds)
         return seconds
+
+    def _capture_decode(self, size: int) -> CPUGraph:
+        meta = AttentionMetadata(slot_mapping=self.host["slot_mapping"][:size], block_size=self.block_size,
+                                 num_decode=size, decode_block_tables=self.host["block_tables"][:size],
+                                 decode_seq_lens=self.host["seq_lens"][:size])
+        ids, pos = self.host["input_ids"][:size], self.host["positions"][:size]
+        with forward_context(meta):
+            return capture(lambda: self._decode_logits(ids, pos), size)
 
     @torch.inference_mode()
     def _capture_step_graph(self) -> CPUGraph | None:
@@ -235,12 +253,32 @@ class ModelRunner:
             for name in names:
                 self.host[name].copy_(saved[name])
 
-    def cpu_graph(self, rows: int) -> CPUGraph | None:
-        """The captured CPU graph that replays decode steps of `rows` rows, if there is one."""
+    def cpu_graph(self, rows: int, single: bool = False) -> CPUGraph | None:
+        """The captured CPU graph that replays decode steps of `rows` rows (single: all of one
+        request's; one row always is), if there is one."""
+        if single or rows == 1:
+            g = self.exact_graph
+            return g if g is not None and rows <= g.rows else None
         for lo, hi, graph in self.cpu_graphs:
             if lo <= rows <= hi:
                 return graph
         return None
+
+    @contextmanager
+    def eager(self):
+        """Within: every step runs eagerly, no CPU graph replayed (to compare the two)."""
+        saved = self.cpu_graphs, self.exact_graph, self.step_graph
+        self.cpu_graphs, self.exact_graph, self.step_graph = [], None, None
+        try:
+            yield
+        finally:
+            self.cpu_graphs, self.exact_graph, self.step_graph = saved
+
+    def _single_request(self) -> bool:
+        """Whether every sampling row of the planned step is one request's (its drafts verified)."""
+        p = self.plan
+        ns = p.num_samples
+        return ns > 0 and p.sample_slots[0] == p.sample_slots[ns - 1]
 
     @torch.inference_mode()
     def _run_bucket(self, g: "_DecodeBucket", width: int) -> torch.Tensor:
@@ -319,11 +357,16 @@ class ModelRunner:
     def _forward(self, taps: LayerTaps | None) -> torch.Tensor:
         p = self.plan
         nd = p.num_decode_rows
-        if self.cpu_graphs and 0 < nd == p.num_rows == p.num_samples:
-            graph = self.cpu_graph(nd)
+        decode_only = 0 < nd == p.num_rows == p.num_samples
+        single = decode_only and self._single_request()
+        if decode_only:
+            graph = self.cpu_graph(nd, single)
             if graph is not None:  # a decode-only step: row r is token r and sample r
                 self.graph_steps += 1
                 return graph.replay(nd)
+            if single and self.device.type == "cpu":  # one request's rows: the one-row kernels' exact weights
+                with quant.exact_rows(nd):
+                    return self._forward_eager(taps=taps)
         if self.step_graph is not None and 0 < p.num_tokens <= self.step_graph.rows:
             self.graph_steps += 1
             return self.step_graph.replay_step(p.num_tokens, p.num_samples, nd, p.num_rows - nd)

@@ -191,10 +191,11 @@ class SamplingBatch:
     @classmethod
     def gather(cls, settings: SlotSettings, slots: np.ndarray, tokens: TokenSource, *,
                eos_token_ids: Sequence[int] = (), device: torch.device | str = "cpu",
-               grammars=None) -> SamplingBatch:
+               grammars=None, offsets: np.ndarray | None = None) -> SamplingBatch:
         """The batch of the rows sampling at `slots` (one per logits row): settings gathered by slot
         with numpy; tokens read (from `tokens`) only for rows whose settings need them; the token
-        bitmask of the rows under a grammar filled by `grammars` (rtp/engine/grammar.py)."""
+        bitmask of the rows under a grammar filled by `grammars` (rtp/engine/grammar.py); offsets:
+        each row's token's place past its request's generated tokens (Sampler.sample)."""
         n = len(slots)
         device = torch.device(device)
         b = cls(n)
@@ -221,6 +222,8 @@ class SamplingBatch:
         out_len = None
         if masking.size or seeded.any():
             out_len = tokens.output_lengths(slots)
+            if offsets is not None:
+                out_len = out_len + offsets
 
         if masking.size:
             masking = masking[out_len[masking] < min_tokens[masking]]
@@ -413,12 +416,15 @@ class Sampler:
         return g
 
     def sample(self, logits: torch.Tensor, settings: SlotSettings, slots: np.ndarray, tokens: TokenSource, *,
-               eos_token_ids: Sequence[int], vocab_size: int, grammars=None) -> Sampled:
+               eos_token_ids: Sequence[int], vocab_size: int, grammars=None,
+               offsets: np.ndarray | None = None) -> Sampled:
         """A step's sampling, rows faulting alone: one token per logits row (the request at
         slots[k]), on the host, and the rows whose request faulted with why (a placeholder
         token 0 stands in for theirs). When sampling the batch raises, each row is sampled
         alone to find the requests that caused it; the others are then sampled together, as
-        they would have been. A token outside the vocabulary is its row's fault too."""
+        they would have been. A token outside the vocabulary is its row's fault too. offsets: each
+        row's token's place past its request's last (speculative decoding: the k-th drafted token's
+        row samples the request's (generated + k)-th token, seeds and min_tokens counting so)."""
         n = len(slots)
         if not n:
             return Sampled(np.zeros(0, dtype=np.int64), None, {})
@@ -426,7 +432,7 @@ class Sampler:
 
         def run(rows: np.ndarray) -> SamplerOutput:
             batch = SamplingBatch.gather(settings, slots[rows], tokens, eos_token_ids=eos_token_ids, device=device,
-                                         grammars=grammars)
+                                         grammars=grammars, offsets=None if offsets is None else offsets[rows])
             return self(logits if len(rows) == n else logits[torch.from_numpy(rows).to(device)], batch)
 
         failed: dict[int, Exception] = {}

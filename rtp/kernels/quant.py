@@ -23,6 +23,7 @@ shuffle work per block, which fp16 scales would add to.)
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,23 @@ _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
 # Row ranges where each kernel measured fastest (docs/benchmarks.md, "Decode step").
 QUANT_MAX_ROWS = 4   # the AVX-512 kernel, when there is no AMX
 AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 tile round trip)
+
+# Batches of up to this many rows multiply the exact weights (the AVX-512 kernels) even where AMX
+# tiles exist: the runner sets it for a step whose rows are all one request's -- its last token and
+# the tokens it drafted (speculative decoding) -- so that they meet the numbers the request meets
+# when it decodes a token a step alone. Every kernel treats rows independently, bit for bit.
+_exact_rows = 1
+
+
+@contextlib.contextmanager
+def exact_rows(rows: int):
+    """Within: batches of up to `rows` rows take the one-row kernels' exact fp32 weights."""
+    global _exact_rows
+    previous, _exact_rows = _exact_rows, max(1, rows)
+    try:
+        yield
+    finally:
+        _exact_rows = previous
 
 
 def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -195,12 +213,12 @@ class BlockQuantized:
         """Whether a batch of `rows` rows is multiplied from the blocks (else from dense bf16 weights)."""
         if self.tiles is not None:
             # interleaved tiles serve silu_mul only: a plain product is the one-row kernel's
-            return rows < AMX_MIN_ROWS if self.glu else True
-        return rows <= QUANT_MAX_ROWS
+            return rows < AMX_MIN_ROWS or rows <= _exact_rows if self.glu else True
+        return rows <= max(QUANT_MAX_ROWS, _exact_rows)
 
     def takes_silu_mul(self, rows: int) -> bool:
         """Whether silu_mul serves a batch of `rows` rows (tiles made with glu, 2 rows or more)."""
-        return self.glu and rows >= AMX_MIN_ROWS
+        return self.glu and rows >= AMX_MIN_ROWS and rows > _exact_rows
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """silu(gate) * up of these [gate | up] blocks (glu tiles) for x, bf16 [M, N/2], one kernel."""
@@ -209,7 +227,7 @@ class BlockQuantized:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         b = None if bias is None else bias.float()
-        if self.tiles is not None and x.shape[0] >= AMX_MIN_ROWS:
+        if self.tiles is not None and x.shape[0] >= AMX_MIN_ROWS and x.shape[0] > _exact_rows:
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
             return cpu_kernels.linear_amx(x, 0 if self.kind == "q4_1" else 1, self.tiles, b, out_dtype)

@@ -40,6 +40,9 @@ cdef class Scheduler:
     cdef readonly int max_requests, vocab_size, policy, lpm_window
     cdef readonly double lpm_aging
     cdef readonly bint chunked_prefill
+    # speculative decoding (n-gram / prompt lookup): most drafted tokens a request takes a step,
+    # the n-gram lengths matched, and the most running requests for which drafting is on
+    cdef readonly int num_speculative_tokens, spec_ngram_min, spec_ngram_max, spec_max_running
     cdef int32_t* eos_ids
     cdef int n_eos
     # per-request state, indexed by slot
@@ -63,6 +66,12 @@ cdef class Scheduler:
     cdef int32_t* r_inserted         # full blocks already inserted into the cache
     cdef int32_t* r_preemptions
     cdef int64_t* r_arrival_step
+    cdef uint8_t* r_spec             # drafting allowed for it
+    cdef int32_t* r_spec_k           # drafts it may take now (adapted to its acceptance)
+    cdef int32_t* r_spec_pause       # steps left without drafting, after drafts kept failing
+    cdef int32_t* r_spec_misses      # verifications in a row that accepted nothing
+    cdef int64_t* r_spec_drafted
+    cdef int64_t* r_spec_accepted
     cdef int32_t* free_slots
     cdef int n_free_slots
     # queues
@@ -77,18 +86,21 @@ cdef class Scheduler:
     cdef dict slot_of
     # this step
     cdef int32_t* sched_slot
-    cdef int32_t* sched_n
+    cdef int32_t* sched_n            # tokens of the row(s): a prompt chunk, or 1 + its drafted tokens
+    cdef int32_t* sched_draft        # of which drafted
     cdef int n_sched
     cdef readonly bint in_flight
     # events from update()
-    cdef readonly object event_req_ids, event_tokens, event_finish
+    cdef readonly object event_req_ids, event_tokens, event_finish, event_rows
     cdef int64_t* e_req_ids
     cdef int32_t* e_tokens
     cdef int8_t* e_finish
+    cdef int32_t* e_rows             # the sampling row each event's token came from
     # stats
     cdef readonly int64_t step_count
     cdef readonly int64_t num_preemptions
     cdef readonly int64_t queued_prompt_tokens
+    cdef readonly int64_t spec_verifications, spec_draft_tokens, spec_accepted_tokens, spec_emitted_tokens
 
     # queues and request lifetimes
     cdef bint _in_step(self, int s) noexcept nogil
@@ -104,5 +116,8 @@ cdef class Scheduler:
     cdef int _schedule(self) except -1
     cdef void _write_plan(self) noexcept
     cdef int _stop_reason(self, int s, int32_t tok) noexcept nogil
+    cdef int _propose(self, int s, int kmax) noexcept nogil
+    cdef int _emit(self, int s, int32_t tok, int row, int events) except -1
+    cdef int _verify(self, int s, const int64_t* sampled, int k, int d, int events) except -1
     cdef int _update(self, const int64_t* sampled) except -1
     cdef int _slot(self, int64_t req_id) except -1

@@ -52,19 +52,29 @@ class Scheduler:
     event_req_ids: npt.NDArray[np.int64]
     event_tokens: IntArray
     event_finish: npt.NDArray[np.int8]
+    event_rows: IntArray          # the sampling row each event's token came from
+    num_speculative_tokens: int   # most drafted tokens a request verifies a step (0: off)
+    spec_ngram_min: int
+    spec_ngram_max: int
+    spec_max_running: int
+    spec_verifications: int       # requests' steps that verified drafts
+    spec_draft_tokens: int        # tokens drafted, and of them accepted
+    spec_accepted_tokens: int
+    spec_emitted_tokens: int      # by verifying steps: the kept drafts and the model's own token after
     def __init__(self, allocator: BlockAllocator, plan: StepPlan, *, cache: RadixCache | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 4096, eos_token_ids: Iterable[int] = (),
                  max_requests: int = 16384, vocab_size: int = 0, policy: str = "fcfs",
                  chunked_prefill: bool = True, lpm_aging: float = 8.0, lpm_window: int = 64,
-                 max_prefill_tokens_with_decodes: int = 0) -> None: ...
+                 max_prefill_tokens_with_decodes: int = 0, num_speculative_tokens: int = 0,
+                 spec_ngram_min: int = 1, spec_ngram_max: int = 4, spec_max_running: int = 16) -> None: ...
     def add_request(self, req_id: int, prompt_token_ids: Tokens, *, max_tokens: int = 16,
                     min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
-                    ignore_eos: bool = False, prefill_only: bool = False) -> int: ...
+                    ignore_eos: bool = False, prefill_only: bool = False, speculate: bool = False) -> int: ...
     def abort(self, req_id: int) -> bool: ...
     def reserve(self, req_id: int, prompt_token_ids: Tokens, *, max_tokens: int = 16,
                 min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
-                ignore_eos: bool = False) -> IntArray: ...   # MemoryError when the pool is short
+                ignore_eos: bool = False, speculate: bool = False) -> IntArray: ...   # MemoryError: pool short
     def resume(self, req_id: int, first_token: int) -> None: ...
     def release(self, req_id: int) -> None: ...
     def schedule(self) -> int: ...

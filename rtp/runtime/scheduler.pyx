@@ -46,7 +46,9 @@ cdef class Scheduler:
                   RadixCache cache=None, int max_num_seqs=64, int max_num_batched_tokens=2048,
                   int max_model_len=4096, eos_token_ids=(), int max_requests=16384,
                   int vocab_size=0, str policy="fcfs", bint chunked_prefill=True,
-                  double lpm_aging=8.0, int lpm_window=64, int max_prefill_tokens_with_decodes=0):
+                  double lpm_aging=8.0, int lpm_window=64, int max_prefill_tokens_with_decodes=0,
+                  int num_speculative_tokens=0, int spec_ngram_min=1, int spec_ngram_max=4,
+                  int spec_max_running=16):
         if cache is not None and cache.allocator is not allocator:
             raise ValueError("the RadixCache must be built on the same allocator")
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1 or max_requests < 1:
@@ -54,6 +56,10 @@ cdef class Scheduler:
         if max_prefill_tokens_with_decodes < 0:
             raise ValueError(f"max_prefill_tokens_with_decodes must be 0 (no limit) or positive, "
                              f"got {max_prefill_tokens_with_decodes}")
+        if num_speculative_tokens < 0 or not 1 <= spec_ngram_min <= spec_ngram_max or spec_max_running < 1:
+            raise ValueError(f"speculative decoding: num_speculative_tokens {num_speculative_tokens} must be 0 or "
+                             f"more, 1 <= spec_ngram_min {spec_ngram_min} <= spec_ngram_max {spec_ngram_max}, "
+                             f"spec_max_running {spec_max_running} positive")
         if plan.max_num_seqs < max_num_seqs:
             raise ValueError(f"plan has {plan.max_num_seqs} rows, scheduler needs {max_num_seqs}")
         if plan.max_num_tokens < max_num_batched_tokens:
@@ -80,6 +86,10 @@ cdef class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.lpm_aging = lpm_aging
         self.lpm_window = max(1, lpm_window)
+        self.num_speculative_tokens = min(num_speculative_tokens, max_num_seqs - 1)
+        self.spec_ngram_min = spec_ngram_min
+        self.spec_ngram_max = spec_ngram_max
+        self.spec_max_running = spec_max_running
         eos = _int32_array(list(eos_token_ids), "eos_token_ids")
         self.n_eos = eos.size
         self.eos_ids = <int32_t*>_zeroed(max(1, eos.size) * sizeof(int32_t))
@@ -107,19 +117,27 @@ cdef class Scheduler:
         self.r_inserted = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
         self.r_preemptions = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
         self.r_arrival_step = <int64_t*>_zeroed(<size_t>(n) * sizeof(int64_t))
+        self.r_spec = <uint8_t*>_zeroed(<size_t>(n) * sizeof(uint8_t))
+        self.r_spec_k = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_spec_pause = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_spec_misses = <int32_t*>_zeroed(<size_t>(n) * sizeof(int32_t))
+        self.r_spec_drafted = <int64_t*>_zeroed(<size_t>(n) * sizeof(int64_t))
+        self.r_spec_accepted = <int64_t*>_zeroed(<size_t>(n) * sizeof(int64_t))
         self.free_slots = <int32_t*>_zeroed(n * sizeof(int32_t))
         self.running = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
         self.waiting = <int32_t*>_zeroed(n * sizeof(int32_t))
         self.ready = <int32_t*>_zeroed(n * sizeof(int32_t))
         self.sched_slot = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
         self.sched_n = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
+        self.sched_draft = <int32_t*>_zeroed(max_num_seqs * sizeof(int32_t))
         if not (self.eos_ids and self.r_id and self.r_state and self.r_aborted and self.r_ignore_eos
                 and self.r_prefill_only and self.r_tokens and self.r_blocks and self.r_stop_ids
                 and self.r_nstop and self.r_capacity and self.r_num_tokens and self.r_prompt_len
                 and self.r_num_computed and self.r_nblocks and self.r_max_tokens and self.r_min_tokens
                 and self.r_cached_tokens and self.r_inserted and self.r_preemptions
                 and self.r_arrival_step and self.free_slots and self.running and self.waiting and self.ready
-                and self.sched_slot and self.sched_n):
+                and self.sched_slot and self.sched_n and self.sched_draft and self.r_spec and self.r_spec_k
+                and self.r_spec_pause and self.r_spec_misses and self.r_spec_drafted and self.r_spec_accepted):
             raise MemoryError()
         for i in range(n):
             self.free_slots[i] = n - 1 - i  # slot 0 handed out first
@@ -128,6 +146,8 @@ cdef class Scheduler:
         self.event_req_ids = np.zeros(max_num_seqs, dtype=np.int64)
         self.event_tokens = np.zeros(max_num_seqs, dtype=np.int32)
         self.event_finish = np.zeros(max_num_seqs, dtype=np.int8)
+        self.event_rows = np.zeros(max_num_seqs, dtype=np.int32)
+        self.e_rows = _as_int32_ptr(self.event_rows)
         self.e_req_ids = _as_int64_ptr(self.event_req_ids)
         self.e_tokens = _as_int32_ptr(self.event_tokens)
         cdef int8_t[::1] fin = self.event_finish
@@ -144,13 +164,16 @@ cdef class Scheduler:
         free(self.r_prompt_len); free(self.r_num_computed); free(self.r_nblocks); free(self.r_max_tokens)
         free(self.r_min_tokens); free(self.r_cached_tokens); free(self.r_inserted)
         free(self.r_preemptions); free(self.r_arrival_step); free(self.free_slots); free(self.running)
-        free(self.waiting); free(self.ready); free(self.sched_slot); free(self.sched_n)
+        free(self.waiting); free(self.ready); free(self.sched_slot); free(self.sched_n); free(self.sched_draft)
+        free(self.r_spec); free(self.r_spec_k); free(self.r_spec_pause); free(self.r_spec_misses)
+        free(self.r_spec_drafted); free(self.r_spec_accepted)
 
     # -- requests in and out (Python callers, once per request) ---------------------------
 
     def add_request(self, int64_t req_id, prompt_token_ids, *, int max_tokens=16, int min_tokens=0,
-                    stop_token_ids=(), bint ignore_eos=False, bint prefill_only=False):
-        """Queue a request (at the back). max_tokens counts generated tokens."""
+                    stop_token_ids=(), bint ignore_eos=False, bint prefill_only=False, bint speculate=False):
+        """Queue a request (at the back). max_tokens counts generated tokens. speculate: its decode
+        steps may verify tokens drafted from its own text (num_speculative_tokens > 0)."""
         if req_id in self.slot_of:
             raise ValueError(f"request {req_id} already exists")
         prompt = _int32_array(prompt_token_ids, "prompt_token_ids")
@@ -208,6 +231,12 @@ cdef class Scheduler:
         self.r_inserted[s] = 0
         self.r_preemptions[s] = 0
         self.r_arrival_step[s] = self.step_count
+        self.r_spec[s] = speculate and self.num_speculative_tokens > 0 and not prefill_only
+        self.r_spec_k[s] = self.num_speculative_tokens
+        self.r_spec_pause[s] = 0
+        self.r_spec_misses[s] = 0
+        self.r_spec_drafted[s] = 0
+        self.r_spec_accepted[s] = 0
         self.slot_of[req_id] = s
         self._enqueue(s, False)
         return s
@@ -228,7 +257,7 @@ cdef class Scheduler:
         return True
 
     def reserve(self, int64_t req_id, prompt_token_ids, *, int max_tokens=16, int min_tokens=0,
-                stop_token_ids=(), bint ignore_eos=False):
+                stop_token_ids=(), bint ignore_eos=False, bint speculate=False):
         """Decode side of a disaggregated request: hold blocks for a prompt whose KV another node
         computes, outside the queues, until resume() (or abort()).
 
@@ -241,7 +270,7 @@ cdef class Scheduler:
         if need > self.allocator.n_list:
             raise MemoryError(f"cannot reserve {need} blocks: {self.allocator.n_list} free or evictable")
         cdef int s = self.add_request(req_id, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
-                                      stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+                                      stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, speculate=speculate)
         self._remove_waiting(self.num_waiting - 1)  # add_request queued it last
         self.allocator._alloc(need, self.r_blocks[s])
         self.r_nblocks[s] = need
@@ -439,16 +468,38 @@ cdef class Scheduler:
                     prefill_budget = min(budget, self.max_prefill_tokens_with_decodes)
                     break
             i = 0
-        # 1. running requests, oldest first: a decode needs 1 token, a prompt its next chunk
+        # Drafted tokens take plan rows (one each) that no running or waiting request needs,
+        # and only while few requests run: past that a step is bound by compute, not by reading
+        # the weights, and verifying drafts stops being nearly free.
+        cdef int spare = 0, d, kmax
+        if self.num_speculative_tokens > 0 and self.num_running <= self.spec_max_running:
+            spare = self.max_num_seqs - self.num_running - self.num_waiting
+        # 1. running requests, oldest first: a decode needs 1 token (and may verify drafted ones),
+        #    a prompt its next chunk
         while i < self.num_running and budget > 0:
             s = self.running[i]
             n = min(self.r_num_tokens[s] - self.r_num_computed[s], budget)
+            d = 0
             if n > 1:
                 n = min(n, prefill_budget)
                 if n == 0:
                     i += 1
                     continue  # its next chunk waits for a step with room
-            need = _cdiv(self.r_num_computed[s] + n, bs) - self.r_nblocks[s]
+            elif spare > 0 and self.r_spec[s]:
+                if self.r_spec_pause[s] > 0:
+                    self.r_spec_pause[s] -= 1
+                else:
+                    # drafts are written past the request's tokens (its buffer holds capacity) and
+                    # never past what it may still generate
+                    kmax = min(self.r_spec_k[s], spare, budget - 1,
+                               self.r_capacity[s] - self.r_num_tokens[s] - 1,
+                               self.r_max_tokens[s] - (self.r_num_tokens[s] - self.r_prompt_len[s]) - 1)
+                    if kmax > 0:
+                        d = self._propose(s, kmax)
+            need = _cdiv(self.r_num_computed[s] + n + d, bs) - self.r_nblocks[s]
+            while d > 0 and need > alloc.n_list:  # drafts never cost a preemption
+                d -= 1
+                need = _cdiv(self.r_num_computed[s] + n + d, bs) - self.r_nblocks[s]
             while need > alloc.n_list:
                 preempted = True
                 self._preempt(self.running[self.num_running - 1])
@@ -460,9 +511,11 @@ cdef class Scheduler:
                 alloc._alloc(need, self.r_blocks[s] + self.r_nblocks[s])
                 self.r_nblocks[s] += need
             self.sched_slot[self.n_sched] = s
-            self.sched_n[self.n_sched] = n
+            self.sched_n[self.n_sched] = n + d
+            self.sched_draft[self.n_sched] = d
             self.n_sched += 1
-            budget -= n
+            budget -= n + d
+            spare -= d
             if n > 1:
                 prefill_budget -= n
             i += 1
@@ -500,6 +553,7 @@ cdef class Scheduler:
             self.r_state[s] = _RUNNING
             self.sched_slot[self.n_sched] = s
             self.sched_n[self.n_sched] = n
+            self.sched_draft[self.n_sched] = 0
             self.n_sched += 1
             budget -= n
         self._write_plan()
@@ -515,22 +569,47 @@ cdef class Scheduler:
         cdef int32_t* blocks
         cdef int32_t* bt_row
         plan.p_qsl[0] = 0
-        for pass_ in range(2):  # decode rows (one token) first, then prompt chunks
+        for pass_ in range(2):  # decode rows (one token each) first, then prompt chunks
             for k in range(self.n_sched):
                 n = self.sched_n[k]
-                if (n == 1) != (pass_ == 0):
+                if (n == 1 or self.sched_draft[k] > 0) != (pass_ == 0):
                     continue
                 s = self.sched_slot[k]
                 c = self.r_num_computed[s]
                 toks = self.r_tokens[s]
                 blocks = self.r_blocks[s]
+                nb = self.r_nblocks[s]
+                if self.sched_draft[k] > 0:
+                    # its last token and each drafted one: a decode row apiece over the same blocks,
+                    # each seeing the tokens before it, each sampling (the drafts sit in toks past
+                    # the request's num_tokens, where _propose wrote them)
+                    for j in range(n):
+                        pos = c + j
+                        plan.p_input_ids[t] = toks[pos]
+                        plan.p_positions[t] = pos
+                        plan.p_slot_mapping[t] = <int64_t>blocks[pos // bs] * bs + pos % bs
+                        bt_row = plan.p_block_tables + <int64_t>row * width
+                        memcpy(bt_row, blocks, nb * sizeof(int32_t))
+                        if plan.row_width[row] > nb:
+                            memset(bt_row + nb, 0, (plan.row_width[row] - nb) * sizeof(int32_t))
+                        plan.row_width[row] = nb
+                        plan.p_seq_lens[row] = pos + 1
+                        t += 1
+                        plan.p_qsl[row + 1] = t
+                        plan.p_logits_indices[samples] = t - 1
+                        plan.p_sample_slots[samples] = s
+                        plan.p_sample_req_ids[samples] = self.r_id[s]
+                        plan.p_sample_offsets[samples] = j
+                        samples += 1
+                        row += 1
+                    self.r_num_computed[s] = c + n
+                    continue
                 for j in range(n):
                     pos = c + j
                     plan.p_input_ids[t] = toks[pos]
                     plan.p_positions[t] = pos
                     plan.p_slot_mapping[t] = <int64_t>blocks[pos // bs] * bs + pos % bs
                     t += 1
-                nb = self.r_nblocks[s]
                 bt_row = plan.p_block_tables + <int64_t>row * width
                 memcpy(bt_row, blocks, nb * sizeof(int32_t))
                 if plan.row_width[row] > nb:  # stale columns from a longer request
@@ -542,6 +621,7 @@ cdef class Scheduler:
                     plan.p_logits_indices[samples] = t - 1
                     plan.p_sample_slots[samples] = s
                     plan.p_sample_req_ids[samples] = self.r_id[s]
+                    plan.p_sample_offsets[samples] = 0
                     samples += 1
                 self.r_num_computed[s] = c + n
                 row += 1
@@ -563,37 +643,110 @@ cdef class Scheduler:
             return _FINISH_LENGTH
         return _FINISH_NONE
 
+    cdef int _propose(self, int s, int kmax) noexcept nogil:
+        """Draft up to kmax tokens for s by prompt lookup (vLLM's ngram, llama.cpp's lookup): the
+        latest earlier place in its tokens where its last n tokens occur (n from spec_ngram_max
+        down to spec_ngram_min) proposes the tokens that followed there. Written past the
+        request's tokens, at toks[num_tokens:]; returns how many (0: no match)."""
+        cdef int32_t* toks = self.r_tokens[s]
+        cdef int total = self.r_num_tokens[s], n, i, j, d
+        for n in range(min(self.spec_ngram_max, total - 1), self.spec_ngram_min - 1, -1):
+            for i in range(total - n - 1, -1, -1):  # a match at i is followed by toks[i + n] < total
+                if toks[i + n - 1] != toks[total - 1]:
+                    continue
+                j = 0
+                while j < n - 1 and toks[i + j] == toks[total - n + j]:
+                    j += 1
+                if j == n - 1:
+                    d = min(kmax, total - i - n)
+                    memcpy(toks + total, toks + i + n, d * sizeof(int32_t))
+                    return d
+        return 0
+
+    cdef int _emit(self, int s, int32_t tok, int row, int events) except -1:
+        """Append one sampled token to s, apply its stop conditions, record its event; returns the
+        event count."""
+        self.r_tokens[s][self.r_num_tokens[s]] = tok
+        self.r_num_tokens[s] += 1
+        cdef int reason = self._stop_reason(s, tok)
+        if reason == _FINISH_NONE and self.r_prefill_only[s]:
+            reason = _FINISH_REMOTE
+        self.e_req_ids[events] = self.r_id[s]
+        self.e_tokens[events] = tok
+        self.e_finish[events] = reason
+        self.e_rows[events] = row
+        if reason == _FINISH_REMOTE:
+            # keep the blocks for the KV transfer; what was computed is cached now
+            self._cache_blocks(s)
+            self._remove_running(s)
+            self.r_state[s] = _HELD
+            self.num_held += 1
+        elif reason != _FINISH_NONE:
+            self._drop(s)
+        return events + 1
+
+    cdef int _verify(self, int s, const int64_t* sampled, int k, int d, int events) except -1:
+        """s verified d drafted tokens: sampling rows k .. k + d hold what the model chose after its
+        last token and after each draft. The drafts it chose itself are kept, then its own token
+        where it first chose otherwise (or after the last draft): tokens a request would have
+        sampled one step at a time, a step each. The rejected drafts' KV is given back: the
+        computed count stops after the kept ones, and blocks past it return to the pool (never
+        cached: only computed blocks are). Adapts how many s drafts next."""
+        cdef int32_t* toks = self.r_tokens[s]
+        cdef int base = self.r_num_tokens[s], a = 0, j, keep
+        while a < d and sampled[k + a] == toks[base + a]:
+            a += 1
+        self.r_num_computed[s] = base + a  # its last token and the kept drafts have their KV
+        keep = _cdiv(base + a, self.block_size)
+        if self.r_nblocks[s] > keep:
+            self.allocator._release_path(self.r_blocks[s] + keep, self.r_nblocks[s] - keep)
+            self.r_nblocks[s] = keep
+        self.spec_verifications += 1
+        self.spec_draft_tokens += d
+        self.spec_accepted_tokens += a
+        self.r_spec_drafted[s] += d
+        self.r_spec_accepted[s] += a
+        # Adaptive draft length: one more after a run kept whole, one fewer when less than half was
+        # kept; three verifications in a row that kept nothing pause drafting for 8 steps (a text
+        # whose repeats lead nowhere costs no more than a few wasted rows).
+        if a == d:
+            self.r_spec_k[s] = min(self.num_speculative_tokens, self.r_spec_k[s] + 1)
+            self.r_spec_misses[s] = 0
+        else:
+            if 2 * a < d:
+                self.r_spec_k[s] = max(1, self.r_spec_k[s] - 1)
+            self.r_spec_misses[s] = self.r_spec_misses[s] + 1 if a == 0 else 0
+            if self.r_spec_misses[s] >= 3:
+                self.r_spec_pause[s] = 8
+                self.r_spec_misses[s] = 0
+        for j in range(a + 1):
+            events = self._emit(s, <int32_t>sampled[k + j], k + j, events)
+            self.spec_emitted_tokens += 1
+            if self.r_state[s] != _RUNNING:
+                break  # it stopped inside the run: the rest is never emitted
+        return events
+
     cdef int _update(self, const int64_t* sampled) except -1:
         cdef StepPlan plan = self.plan
-        cdef int k, s, reason, events = 0
+        cdef int k, g, s, events = 0
         cdef int64_t tok, limit = self.vocab_size if self.vocab_size > 0 else 2147483648
         for k in range(plan.num_samples):
             tok = sampled[k]
             if tok < 0 or tok >= limit:
                 # checked before anything changes, so the step can be retried with good tokens
                 raise ValueError(f"sampled token id {tok} (row {k}) is outside [0, {limit})")
-        for k in range(plan.num_samples):
+        k = 0
+        while k < plan.num_samples:
             s = plan.p_sample_slots[k]
-            if self.r_aborted[s]:
-                continue
-            tok = sampled[k]
-            self.r_tokens[s][self.r_num_tokens[s]] = <int32_t>tok
-            self.r_num_tokens[s] += 1
-            reason = self._stop_reason(s, <int32_t>tok)
-            if reason == _FINISH_NONE and self.r_prefill_only[s]:
-                reason = _FINISH_REMOTE
-            self.e_req_ids[events] = self.r_id[s]
-            self.e_tokens[events] = <int32_t>tok
-            self.e_finish[events] = reason
-            events += 1
-            if reason == _FINISH_REMOTE:
-                # keep the blocks for the KV transfer; what was computed is cached now
-                self._cache_blocks(s)
-                self._remove_running(s)
-                self.r_state[s] = _HELD
-                self.num_held += 1
-            elif reason != _FINISH_NONE:
-                self._drop(s)
+            g = 1  # a request's sampling rows are consecutive: more than one verify drafts
+            while k + g < plan.num_samples and plan.p_sample_slots[k + g] == s:
+                g += 1
+            if not self.r_aborted[s]:
+                if g > 1:
+                    events = self._verify(s, sampled, k, g - 1, events)
+                else:
+                    events = self._emit(s, <int32_t>sampled[k], k, events)
+            k += g
         for k in range(self.n_sched):
             s = self.sched_slot[k]
             if self.r_aborted[s]:
@@ -640,6 +793,9 @@ cdef class Scheduler:
             "cached_prompt_tokens": self.r_cached_tokens[s],
             "num_preemptions": self.r_preemptions[s],
             "aborted": bool(self.r_aborted[s]),
+            "speculative": bool(self.r_spec[s]),
+            "spec_draft_tokens": self.r_spec_drafted[s],
+            "spec_accepted_tokens": self.r_spec_accepted[s],
         }
 
     def cached_prompt_tokens(self, int64_t req_id):
@@ -704,6 +860,10 @@ cdef class Scheduler:
             "prefix_cache_query_tokens": self.cache.query_tokens if self.cache is not None else 0,
             "prefix_cache_hit_tokens": self.cache.hit_tokens if self.cache is not None else 0,
             "num_steps": self.step_count,
+            "spec_verifications": self.spec_verifications,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_emitted_tokens": self.spec_emitted_tokens,
         }
 
     @property

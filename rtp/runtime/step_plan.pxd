@@ -6,7 +6,7 @@ from libc.stdint cimport int32_t, int64_t
 
 cdef class StepPlan:
     cdef readonly object input_ids, positions, slot_mapping, block_tables, seq_lens
-    cdef readonly object query_start_loc, logits_indices, sample_slots, sample_req_ids
+    cdef readonly object query_start_loc, logits_indices, sample_slots, sample_req_ids, sample_offsets
     cdef readonly int max_num_tokens, max_num_seqs, width
     cdef readonly int num_tokens, num_rows, num_decode_rows, num_samples
     cdef int32_t* p_input_ids
@@ -18,6 +18,7 @@ cdef class StepPlan:
     cdef int32_t* p_logits_indices
     cdef int32_t* p_sample_slots
     cdef int64_t* p_sample_req_ids
+    cdef int32_t* p_sample_offsets
     cdef int32_t* row_width          # columns written in each row last time (to clear stale ones)
 
     cdef void _clear_tail(self, int num_tokens, int num_rows, int num_samples) noexcept nogil

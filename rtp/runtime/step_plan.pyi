@@ -30,6 +30,7 @@ class StepPlan:
     logits_indices: IntArray
     sample_slots: IntArray
     sample_req_ids: npt.NDArray[np.int64]
+    sample_offsets: IntArray   # 0, or j for the row verifying a request's j-th drafted token
     def __init__(self, max_num_tokens: int, max_num_seqs: int, width: int,
                  **arrays: np.ndarray) -> None: ...
     @property

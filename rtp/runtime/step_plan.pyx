@@ -27,6 +27,8 @@ PLAN_ARRAYS = {
     "logits_indices": ("int32", "seqs"),         # token index of each row that samples
     "sample_slots": ("int32", "seqs"),           # scheduler slot of each sampling row
     "sample_req_ids": ("int64", "seqs"),         # request id of each sampling row
+    "sample_offsets": ("int32", "seqs"),         # its token's place past the request's last: 0, or
+                                                 # j for the row verifying its j-th drafted token
 }
 
 
@@ -43,7 +45,9 @@ cdef class StepPlan:
     The scheduler writes into them in place; the model runner aliases them as
     tensors (torch.from_numpy on CPU, pinned staging on CUDA). Tokens are packed
     row after row; rows with one query token (decodes, and a prompt's last single
-    token) come first: rows [0, num_decode_rows) each compute exactly one token.
+    token) come first: rows [0, num_decode_rows) each compute exactly one token. A request
+    verifying drafted tokens (speculative decoding) takes one such row per token, consecutive,
+    each sampling: the rows of one request are always next to each other.
 
     Its arrays, their dtypes, shapes and contents: PLAN_ARRAYS above.
 
@@ -82,6 +86,7 @@ cdef class StepPlan:
         self.logits_indices = made["logits_indices"]
         self.sample_slots = made["sample_slots"]
         self.sample_req_ids = made["sample_req_ids"]
+        self.sample_offsets = made["sample_offsets"]
         self.p_input_ids = _as_int32_ptr(self.input_ids)
         self.p_positions = _as_int32_ptr(self.positions)
         self.p_slot_mapping = _as_int64_ptr(self.slot_mapping)
@@ -91,6 +96,7 @@ cdef class StepPlan:
         self.p_logits_indices = _as_int32_ptr(self.logits_indices)
         self.p_sample_slots = _as_int32_ptr(self.sample_slots)
         self.p_sample_req_ids = _as_int64_ptr(self.sample_req_ids)
+        self.p_sample_offsets = _as_int32_ptr(self.sample_offsets)
         self.row_width = <int32_t*>_zeroed(<size_t>(max_num_seqs) * sizeof(int32_t))
         if not self.row_width:
             raise MemoryError()
@@ -128,6 +134,7 @@ cdef class StepPlan:
             memset(self.p_logits_indices + num_samples, 0, r * sizeof(int32_t))
             memset(self.p_sample_slots + num_samples, 0, r * sizeof(int32_t))
             memset(self.p_sample_req_ids + num_samples, 0, r * sizeof(int64_t))
+            memset(self.p_sample_offsets + num_samples, 0, r * sizeof(int32_t))
         self.num_tokens = num_tokens
         self.num_rows = num_rows
         self.num_samples = num_samples

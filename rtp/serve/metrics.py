@@ -132,6 +132,16 @@ class _EngineCollector:
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.get("num_waiting", 0))
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
                     s.get("kv_cache_usage", 0.0))
+        if s.get("spec_verifications") is not None:
+            # vLLM's spec_decode counters, under rtp's prefix
+            yield counter("spec_decode_num_drafts", "Decode steps of a request that verified drafted tokens.",
+                          s["spec_verifications"])
+            yield counter("spec_decode_num_draft_tokens", "Tokens drafted (speculative decoding).",
+                          s["spec_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Drafted tokens the model kept.",
+                          s["spec_accepted_tokens"])
+            yield counter("spec_decode_num_emitted_tokens", "Tokens emitted by steps that verified drafts (kept "
+                          "drafts and the model's own token after them).", s["spec_emitted_tokens"])
         if "prefill_budget" in s:
             yield gauge("prefill_budget_tokens", "Prompt tokens the latest step could take beside decoding requests "
                         "(sized from measured step costs: --step-time-target).", s["prefill_budget"])

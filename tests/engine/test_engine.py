@@ -215,11 +215,8 @@ def test_cpu_graphs_give_the_eager_tokens(llm_bf16):
     before = runner.graph_steps
     replayed = run()
     assert runner.graph_steps - before >= 2 * (NEW - 1)
-    graphs, step, runner.cpu_graphs, runner.step_graph = runner.cpu_graphs, runner.step_graph, [], None
-    try:
+    with runner.eager():
         eager = run()
-    finally:
-        runner.cpu_graphs, runner.step_graph = graphs, step
     assert replayed == eager
 
 

@@ -85,7 +85,7 @@ def _check_all_layers(engine: LLMEngine, sink: Sink, held, prompt_len: int) -> N
 def test_a_one_token_prompt_replayed_from_a_cpu_graph_hands_over_every_layer(engine):
     runner = engine.runner
     _prefill(engine, "warm", [6004])  # installs the taps
-    if not runner.cpu_graphs:
+    if not runner.cpu_graphs and runner.exact_graph is None:
         pytest.skip("no CPU graphs here: rtp's CPU kernels are not available")
     before = runner.graph_steps
     sink, held, shape = _prefill(engine, "one-token-graph", [6004])
@@ -101,14 +101,12 @@ def test_a_one_token_prompt_replayed_from_a_cpu_graph_hands_over_every_layer(eng
 
 def test_the_same_steps_run_eagerly_hand_over_the_same_kv(engine):
     runner = engine.runner
-    graphs, step, runner.cpu_graphs, runner.step_graph = runner.cpu_graphs, runner.step_graph, [], None
-    try:
+    graphs = runner.cpu_graphs or runner.exact_graph is not None
+    with runner.eager():
         before = runner.graph_steps
         sink, held, shape = _prefill(engine, "one-token-eager", [6004])
         cached, cached_held, cached_shape = _prefill(engine, "cached-eager", CACHED)
         assert runner.graph_steps == before and shape == cached_shape == (1, 1)
-    finally:
-        runner.cpu_graphs, runner.step_graph = graphs, step
     _check_all_layers(engine, sink, held, 1)
     _check_all_layers(engine, cached, cached_held, len(CACHED))
     if graphs:  # the replay runs the eager step's own kernels: the same bytes

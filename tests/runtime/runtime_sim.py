@@ -24,12 +24,21 @@ def next_token(context: np.ndarray, vocab: int) -> int:
     return int(((context.astype(np.int64) + 1) * _WEIGHTS[:n]).sum() % 1_000_003 % vocab)
 
 
-def oracle(prompt, num_new: int, vocab: int, stop_ids=()) -> list[int]:
+def repeating_token(context: np.ndarray, vocab: int, period: int = 7) -> int:
+    """A toy model that mostly repeats its text with a period, so that n-gram drafts are often
+    right, and breaks the pattern where a hash of the context says so, so that some are not."""
+    n = len(context)
+    if n >= period and next_token(context, 5) != 0:
+        return int(context[n - period])
+    return next_token(context, vocab)
+
+
+def oracle(prompt, num_new: int, vocab: int, stop_ids=(), model=next_token) -> list[int]:
     """What a correct engine generates for prompt (greedy, stopping at stop_ids)."""
     seq = list(prompt)
     out = []
     for _ in range(num_new):
-        tok = next_token(np.asarray(seq), vocab)
+        tok = model(np.asarray(seq), vocab)
         out.append(tok)
         seq.append(tok)
         if tok in stop_ids:
@@ -38,9 +47,10 @@ def oracle(prompt, num_new: int, vocab: int, stop_ids=()) -> list[int]:
 
 
 class ToyRunner:
-    def __init__(self, sched: Scheduler, vocab: int):
+    def __init__(self, sched: Scheduler, vocab: int, model=next_token):
         self.sched = sched
         self.vocab = vocab
+        self.model = model
         nslots = sched.allocator.capacity * sched.block_size  # like the real KV cache: room for every grow()
         self.kv_token = np.full(nslots, -1, dtype=np.int64)
         self.kv_pos = np.full(nslots, -1, dtype=np.int64)
@@ -73,7 +83,7 @@ class ToyRunner:
             assert (blocks > 0).all(), "block table row shorter than its sequence"
             read = blocks.astype(np.int64) * bs + pos % bs
             assert (self.kv_pos[read] == pos).all(), "KV read at the wrong positions"
-            out[k] = next_token(self.kv_token[read], self.vocab)
+            out[k] = self.model(self.kv_token[read], self.vocab)
         return out
 
     def step(self) -> list[tuple[int, int, int]]:

@@ -1,0 +1,175 @@
+"""Speculative decoding (n-gram) end to end: a request's output is what it would have been.
+
+The default model (SmolLM2-135M-Instruct, bf16, rtp's kernels) is asked to quote and to edit
+text, which its n-gram drafts copy. A request decoding alone runs its drafts through the exact
+one-row kernels it decodes with a token a step; several requests run the AMX kernels at every
+row count: either way every kernel treats rows independently, so greedy and seeded output must
+match the plain engine token for token. Unseeded sampling is held to the plain engine's
+distribution on a tiny model (chi-square)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from rtp import LLM, SamplingParams
+
+TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin covers seven "
+        "million square kilometres, of which five and a half million are covered by the rainforest. The "
+        "region includes territory belonging to nine nations and 3,344 indigenous territories.")
+CODE = '''def area(shapes):
+    total = 0
+    for shape in shapes:
+        if shape.kind == "square":
+            total += shape.side * shape.side
+        elif shape.kind == "circle":
+            total += 3.14159 * shape.radius * shape.radius
+    return total
+'''
+ASKS = [f"Repeat this text exactly:\n\n{TEXT}", f"Summarise this text in two sentences:\n\n{TEXT}",
+        f"Rename the function to total_area and return the same code:\n\n{CODE}",
+        "Write a short poem about the sea.", "What is the capital of France?"]
+
+
+def chat(llm: LLM, text: str) -> list[int]:
+    return llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+@pytest.fixture(scope="module")
+def engines(default_gguf):
+    plain = LLM(dtype="bfloat16", max_num_seqs=16, kv_cache_memory=256 << 20)
+    spec = LLM(dtype="bfloat16", max_num_seqs=16, kv_cache_memory=256 << 20, speculative="ngram",
+               num_speculative_tokens=4)
+    return plain, spec
+
+
+def test_greedy_alone_is_token_for_token_what_it_was(engines):
+    plain, spec = engines
+    sp = SamplingParams(temperature=0, max_tokens=96)
+    before = spec.engine.scheduler.spec_accepted_tokens
+    for ask in ASKS:
+        ids = chat(plain, ask)
+        want = plain.generate([ids], sp, use_tqdm=False)[0].outputs[0]
+        got = spec.generate([ids], sp, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.text == want.text and got.finish_reason == want.finish_reason
+    s = spec.engine.scheduler
+    assert s.spec_accepted_tokens - before > 100  # the quoting asks drafted most of their tokens
+    assert spec.engine.allocator.num_used == 0
+    s.check_integrity()
+
+
+def test_greedy_batched_is_token_for_token_what_it_was(engines):
+    """Beside a companion that never drafts (a penalty keeps it a token a step) and outlives them,
+    every step holds several requests in both engines: the AMX kernels, bit for bit per row."""
+    plain, spec = engines
+    sp = SamplingParams(temperature=0, max_tokens=64)
+    companion = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, presence_penalty=0.1)
+    prompts = [chat(plain, a) for a in ASKS]
+
+    def run(llm):
+        outs = llm.generate([chat(llm, "Count to five hundred.")] + prompts, [companion] + [sp] * len(prompts),
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs[1:]]
+
+    assert run(spec) == run(plain)
+
+
+def test_seeded_sampling_is_what_it_was_and_reproduces_itself(engines):
+    """A seeded row draws each token's noise from (seed, its index in the output): a drafted
+    position draws what the plain engine draws for that token."""
+    plain, spec = engines
+    ids = chat(plain, ASKS[0])
+    sp = SamplingParams(temperature=0.7, top_p=0.95, seed=11, max_tokens=80, n=2)
+    want = [c.token_ids for c in plain.generate([ids], sp, use_tqdm=False)[0].outputs]
+    got = [c.token_ids for c in spec.generate([ids], sp, use_tqdm=False)[0].outputs]
+    assert got == want
+    assert [c.token_ids for c in spec.generate([ids], sp, use_tqdm=False)[0].outputs] == got
+
+
+def test_logprobs_stop_strings_and_min_tokens_are_what_they_were(engines):
+    plain, spec = engines
+    ids = chat(plain, ASKS[0])
+    sp = SamplingParams(temperature=0, max_tokens=80, logprobs=2, stop=["square kilometres"], min_tokens=20)
+    want = plain.generate([ids], sp, use_tqdm=False)[0].outputs[0]
+    got = spec.generate([ids], sp, use_tqdm=False)[0].outputs[0]
+    assert got.text == want.text and got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert len(got.logprobs) == len(want.logprobs) == len(got.token_ids)
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a.keys() == b.keys() and all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
+
+
+def test_verified_tokens_go_out_as_one_delta_and_nothing_leaks(engines):
+    _, spec = engines
+    engine = spec.engine
+    engine.add_request("quote", chat(spec, ASKS[0]), SamplingParams(temperature=0, max_tokens=60))
+    widest = 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            for choice in delta.choices:
+                assert choice.num_tokens == len(choice.token_ids)
+                widest = max(widest, choice.num_tokens)
+        engine.scheduler.check_integrity()
+    assert widest > 1  # several kept drafts and the model's own token, in one delta
+    assert engine.allocator.num_used == 0
+
+
+def test_structured_outputs_and_penalties_decode_a_token_a_step(engines):
+    _, spec = engines
+    s = spec.engine.scheduler
+    ids = chat(spec, ASKS[0])
+    from rtp.sampling_params import StructuredOutputs
+
+    for sp in (SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.1),
+               SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(regex="[A-Z][a-z ]+"))):
+        before = s.spec_draft_tokens
+        spec.generate([ids], sp, use_tqdm=False)
+        assert s.spec_draft_tokens == before
+
+
+def _chi_square(a: Counter, b: Counter) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the tokens both saw at least 5 times in all (the rest pooled)."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    na, nb = sum(a.values()), sum(b.values())
+    bins = [(a[k], b[k]) for k in keys]
+    rest = (na - sum(x for x, _ in bins), nb - sum(y for _, y in bins))
+    if sum(rest) >= 10:
+        bins.append(rest)
+    stat = 0.0
+    for x, y in bins:
+        ex, ey = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
+        stat += (x - ex) ** 2 / ex + (y - ey) ** 2 / ey
+    return stat, len(bins) - 1
+
+
+def test_unseeded_sampling_keeps_the_plain_distribution(tmp_path):
+    """A tiny random model, temperature 1 over its top 8: the prompt holds every token once, so
+    whatever was sampled last was seen before and every step drafts what followed it there (kept
+    when sampled again). The tokens are distributed as without drafts: rejected at p < 1e-4
+    (normal approximation of the chi-square)."""
+    from tiny_models import make_dense, write_word_tokenizer
+
+    path, _ = make_dense("llama", tmp_path)
+    write_word_tokenizer(tmp_path, 160)
+    prompt = list(range(1, 160))
+    sp = SamplingParams(temperature=1.0, top_k=8, max_tokens=4, n=10, ignore_eos=True)  # 10 running: rows spare
+
+    def draws(**kw):
+        llm = LLM(model=str(path), dtype="float32", max_num_seqs=32, **kw)
+        by_position = [Counter() for _ in range(4)]
+        for _ in range(300):
+            for choice in llm.generate([prompt], sp, use_tqdm=False)[0].outputs:
+                for i, t in enumerate(choice.token_ids):
+                    by_position[i][t] += 1
+        return llm, by_position
+
+    _, plain = draws()
+    llm, spec = draws(speculative="ngram", num_speculative_tokens=3, speculative_max_running=32)
+    assert llm.engine.scheduler.spec_draft_tokens > 1000  # the drafts were verified, and some kept
+    assert llm.engine.scheduler.spec_accepted_tokens > 0
+    for position in range(1, 4):
+        stat, df = _chi_square(plain[position], spec[position])
+        assert stat < df + 3.72 * math.sqrt(2 * df), (position, stat, df)
