@@ -364,7 +364,8 @@ class ModelRunner:
             if graph is not None:  # a decode-only step: row r is token r and sample r
                 self.graph_steps += 1
                 return graph.replay(nd)
-            if single and self.device.type == "cpu":  # one request's rows: the one-row kernels' exact weights
+            if single and self.device.type == "cpu" and self._compiled is None:
+                # one request's rows: the one-row kernels' exact weights (compiled graphs keep their own choice)
                 with quant.exact_rows(nd):
                     return self._forward_eager(taps=taps)
         if self.step_graph is not None and 0 < p.num_tokens <= self.step_graph.rows:
