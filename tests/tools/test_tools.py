@@ -111,3 +111,15 @@ def test_bench_roofline_sets_every_shape_against_its_limit(default_gguf):
     limits = res["limits"]
     assert limits["bf16_gflops"] > 0 and all(v > 0 for v in limits["stream_gb_s"].values())
     assert limits["weights_mib"]["parameters"] > 0
+
+
+def test_bench_speculative_runs_both_engines_side_by_side(default_gguf):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_speculative.py"), "--workloads", "summarise",
+                          "--max-tokens", "24", "--streams", "2"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {(r["workload"], r["streams"]): r for r in res["rows"]}
+    assert set(rows) == {("summarise", 1), ("summarise", 2)}
+    alone = rows["summarise", 1]
+    assert alone["identical"] and alone["tokens"] > 0 and alone["plain_tok_s"] > 0 and alone["spec_tok_s"] > 0
+    assert alone["acceptance_rate"] is not None and 0 < alone["acceptance_rate"] <= 1  # quoting drafts, some kept
