@@ -12,9 +12,10 @@ through rtp's real loader (`LLM`) and measures, in one run:
 
 A step's time is (t(N tokens) - t(1 token)) / (N - 1) over the same prompts, so prompt
 processing and start-up are left out. The BF16 row is the same shape stored as bf16:
-what every type is weighed against. Types rtp multiplies from their blocks (Q4_0, Q4_1,
-Q4_K and Q5_0 through q4_1/q8_0 kernels, Q8_0) read fewer bytes per step than BF16;
-the others (Q5_1, Q5_K, Q6_K) are dequantized at load and run as BF16 does.
+what every type is weighed against. rtp multiplies every type here from its blocks, repacked
+exactly at load (rtp/kernels/quant.py): Q4_0, Q4_1 and Q4_K as q4_1 (0.75 bytes a weight),
+Q8_0 and Q5_0 as q8_0 (1.13), Q5_1 and Q5_K as q8_1 and Q6_K as q8_16 (1.25 each); BF16
+reads 2.
 
 Output: a table, then as the last line of stdout one JSON object.
 
@@ -47,6 +48,19 @@ def random_blocks(g: np.random.Generator, qtype: str, rows: int, cols: int) -> n
         scale = g.uniform(2e-4, 2e-3, (rows, cols // per)).astype(np.float16)
         raw[:, :, off:off + 2] = scale[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def llama_bench(binary: str, path: Path, tokens: int) -> float | None:
+    """llama.cpp's one-row decode tok/s on the GGUF (llama-bench tg, both cores), None if it fails."""
+    import subprocess
+
+    done = subprocess.run([binary, "-m", str(path), "-t", "2", "-p", "0", "-n", str(tokens), "-r", "3", "-o", "json"],
+                          capture_output=True, text=True, timeout=1200)
+    try:
+        return float(json.loads(done.stdout)[0]["avg_ts"])
+    except (ValueError, KeyError, IndexError):
+        print(f"llama-bench failed on {path.name}: {done.stderr[-400:]}", file=sys.stderr)
+        return None
 
 
 def write_model(path: Path, qtype: str, args, tokenizer: dict) -> int:
@@ -122,6 +136,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64, help="requests of the batched measurement (default 64)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the GGUFs go (default: a temporary directory)")
+    ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary: its one-row decode "
+                                                          "(tg) on each type's GGUF, beside rtp's")
     args = ap.parse_args()
 
     import torch
@@ -149,17 +165,22 @@ def main() -> int:
                      "one_row_ms": one, "one_row_tok_s": 1000 / one, "batch_ms": many,
                      "batch_tok_s": 1000 * args.batch / many})
         print(f"[{qtype}] 1 row {one:.2f} ms, {args.batch} rows {many:.1f} ms", file=sys.stderr, flush=True)
+        if args.llama_bench:
+            rows[-1]["llama_cpp_tok_s"] = llama_bench(args.llama_bench, path, args.tokens)
         del llm
         path.unlink()
     base = next((r for r in rows if r["type"] == "BF16"), None)
     print(f"{'type':<6}{'file MB':>9}{'packed':>8}{'1 row ms':>10}{'tok/s':>8}{'vs bf16':>9}"
-          f"{args.batch:>5} rows ms{'tok/s':>8}{'vs bf16':>9}")
+          f"{args.batch:>5} rows ms{'tok/s':>8}{'vs bf16':>9}" + (f"{'llama.cpp tok/s':>17}{'rtp/llama.cpp':>15}"
+                                                                  if args.llama_bench else ""))
     for r in rows:
         r["one_row_vs_bf16"] = base["one_row_ms"] / r["one_row_ms"] if base else None
         r["batch_vs_bf16"] = base["batch_ms"] / r["batch_ms"] if base else None
         print(f"{r['type']:<6}{r['file_mb']:>9.0f}{r['packed_layers']:>8}{r['one_row_ms']:>10.2f}"
               f"{r['one_row_tok_s']:>8.1f}{(r['one_row_vs_bf16'] or 0):>9.2f}{r['batch_ms']:>13.1f}"
-              f"{r['batch_tok_s']:>8.0f}{(r['batch_vs_bf16'] or 0):>9.2f}")
+              f"{r['batch_tok_s']:>8.0f}{(r['batch_vs_bf16'] or 0):>9.2f}"
+              + (f"{r['llama_cpp_tok_s']:>17.1f}{r['one_row_tok_s'] / r['llama_cpp_tok_s']:>14.2f}x"
+                 if r.get("llama_cpp_tok_s") else ""))
     import platform
 
     print(json.dumps({"shape": {k: getattr(args, k) for k in ("hidden", "ffn", "heads", "kv_heads", "layers")},

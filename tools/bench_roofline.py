@@ -105,10 +105,10 @@ def weight_memory(model: torch.nn.Module) -> dict[str, float]:
     for m in model.modules():
         add("onednn_packed", getattr(m, "packed", None))
         quant = getattr(m, "quant", None)
-        if quant is not None:
-            for t in (quant.qs, quant.d, quant.m):
+        for part in getattr(quant, "parts", [quant]) if quant is not None else []:
+            for t in (part.qs, part.d, part.m):
                 add("blocks", t)
-            add("amx_tiles", quant.tiles)
+            add("amx_tiles", part.tiles)
     return {k: round(v, 1) for k, v in mib.items()}
 
 
@@ -154,11 +154,15 @@ class ModelCost:
 def stored_bytes(layer) -> float:
     """Bytes of a linear's weights as the kernels that multiply them read them."""
     quant = getattr(layer, "quant", None)
-    if quant is not None:
-        if quant.tiles is not None:
-            return quant.tiles.numel()
-        return sum(t.numel() * t.element_size() for t in (quant.qs, quant.d, quant.m) if t is not None)
-    return layer.weight.numel() * layer.weight.element_size()
+    if quant is None:
+        return layer.weight.numel() * layer.weight.element_size()
+    total = 0.0
+    for part in getattr(quant, "parts", [quant]):  # a fused layer of several layouts: each part
+        if part.tiles is not None:
+            total += part.tiles.numel()
+        else:
+            total += sum(t.numel() * t.element_size() for t in (part.qs, part.d, part.m) if t is not None)
+    return total
 
 
 @dataclass

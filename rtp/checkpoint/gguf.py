@@ -405,14 +405,15 @@ class GGUFCheckpoint(GGUFFile):
     def quantized(self) -> Iterator[tuple[str, "BlockQuantized"]]:
         """(HF name, packed blocks) of every weight matrix rtp's small-batch CPU kernels multiply
         from its blocks, q/k rows unpermuted like `tensors()`: Q4_1 and Q8_0 as the file has them,
-        Q4_K and Q4_0 repacked exactly into q4_1, Q5_0 into q8_0 (rtp/kernels/quant.py). Other
-        types (Q5_1, Q5_K, Q6_K) are multiplied from their dequantized weights."""
+        Q4_K and Q4_0 repacked exactly into q4_1, Q5_0 into q8_0, Q5_1 and Q5_K into q8_1, Q6_K into
+        q8_16 (rtp/kernels/quant.py). Other types are multiplied from their dequantized weights."""
         from gguf import GGMLQuantizationType as Q
 
         from rtp.kernels.quant import BlockQuantized
 
         kinds = {Q.Q4_1: partial(BlockQuantized.from_gguf, "q4_1"), Q.Q8_0: partial(BlockQuantized.from_gguf, "q8_0"),
-                 Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0}
+                 Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0,
+                 Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k}
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         for _, t in self.all_tensors():

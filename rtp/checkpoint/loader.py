@@ -282,7 +282,7 @@ def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
     A fused layer (qkv, gate_up) gets them only when every part is packed in one format;
     the LM head of a tied model takes the embedding's."""
     from rtp.kernels import cpu_kernels
-    from rtp.kernels.quant import BlockQuantized
+    from rtp.kernels.quant import BlockParts, BlockQuantized
 
     if not cpu_kernels.available():
         return
@@ -304,6 +304,8 @@ def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
         if set(parts) != set(order):
             continue
         blocks = BlockQuantized.cat([parts[s] for s in order])
+        if blocks is None and not getattr(layer, "silu_mul_after", False):
+            blocks = BlockParts([parts[s] for s in order])  # each part its own layout and kernels
         if blocks is not None and blocks.shape == tuple(layer.weight.shape):
             layer.quant = blocks.on_huge_pages().with_amx_layout(glu=getattr(layer, "silu_mul_after", False))
             attached += 1

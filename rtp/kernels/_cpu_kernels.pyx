@@ -20,7 +20,7 @@ cdef extern from "cpu_kernels.h":
     enum:
         RTP_CALL_WORDS
         RTP_OP_LINEAR_Q4_1
-        RTP_OP_LINEAR_Q8_0
+        RTP_OP_LINEAR_Q8
         RTP_OP_LINEAR_AMX
         RTP_OP_ADD_RMS_NORM
         RTP_OP_ROPE_STORE_KV
@@ -47,7 +47,7 @@ cdef extern from "cpu_kernels.h":
 
 CALL_WORDS = RTP_CALL_WORDS
 # word 0 of a call -> the kernel's name (profiles of a replayed step)
-OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8_0: "linear_q8_0", RTP_OP_LINEAR_AMX: "linear_amx",
+OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8: "linear_q8", RTP_OP_LINEAR_AMX: "linear_amx",
             RTP_OP_ADD_RMS_NORM: "add_rms_norm", RTP_OP_ROPE_STORE_KV: "rope_store_kv",
             RTP_OP_DECODE_ATTENTION: "decode_attention", RTP_OP_EMBED_ROWS: "embed_rows",
             RTP_OP_SILU_MUL: "silu_mul", RTP_OP_PREFILL_ATTENTION: "prefill_attention",
@@ -169,12 +169,12 @@ def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, in
     _run(c, 13)
 
 
-def linear_q8_0(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t bias, intptr_t out,
-                int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
-    """out = x @ dequant(Q8_0 weight).T (+ bias); x fp32."""
+def linear_q8(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t mn, int group, intptr_t bias,
+              intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
+    """out = x @ dequant(int8 blocks).T (+ bias): d per `group` (32 or 16) weights, mn per 32 or 0; x fp32."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:12] = [RTP_OP_LINEAR_Q8_0, x, ldx, qs, d, bias, out, ldo, out_bf16, rows, n, k]
-    _run(c, 12)
+    c[:14] = [RTP_OP_LINEAR_Q8, x, ldx, qs, d, mn, group, bias, out, ldo, out_bf16, rows, n, k]
+    _run(c, 14)
 
 
 def linear_amx(intptr_t x, int64_t ldx, bint x_fp32, int kind, intptr_t weights, intptr_t bias,

@@ -64,26 +64,45 @@ def _op(name: str, mutates: tuple[str, ...], fake):
 def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] bf16 @ Q4_1 weight [N, K].T (+ bias fp32) -> [M, N] in out_dtype."""
+    return linear_q4_1_into(x, qs, d, m, bias, torch.empty(x.shape[0], qs.shape[0], dtype=out_dtype))
+
+
+def _checked_out(out: torch.Tensor, rows: int, n: int) -> None:
+    """An output the kernels write rows of n values into, at its row stride (a column slice too)."""
+    if out.shape != (rows, n) or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the output must be fp32 or bf16 [{rows}, {n}] with contiguous rows")
+
+
+def linear_q4_1_into(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                     bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """linear_q4_1 written into out (e.g. a fused layer's columns of one output); returns out."""
     x = x.contiguous()
     rows, k = x.shape
     n = qs.shape[0]
-    out = torch.empty(rows, n, dtype=out_dtype)
+    _checked_out(out, rows, n)
     _k.linear_q4_1(x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), _ptr(bias),
-                   out.data_ptr(), n, out_dtype == torch.bfloat16, rows, n, k)
+                   out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16, rows, n, k)
     return out
 
 
-@_op("linear_q8_0", (), lambda x, qs, d, bias, out_dtype: x.new_empty(x.shape[0], qs.shape[0],
-                                                                     dtype=out_dtype))
-def linear_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """x [M, K] fp32 @ Q8_0 weight [N, K].T (+ bias fp32) -> [M, N] in out_dtype."""
+@_op("linear_q8", (), lambda x, qs, d, m, group, bias, out_dtype: x.new_empty(x.shape[0], qs.shape[0],
+                                                                            dtype=out_dtype))
+def linear_q8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] fp32 @ int8-block weight [N, K].T (+ bias fp32) -> [M, N] in out_dtype: w = d q (+ m), d
+    fp32 [N, K / group] (group 32 or 16), m fp32 [N, K / 32] or None."""
+    return linear_q8_into(x, qs, d, m, group, bias, torch.empty(x.shape[0], qs.shape[0], dtype=out_dtype))
+
+
+def linear_q8_into(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int,
+                   bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """linear_q8 written into out; returns out."""
     x = x.contiguous()
     rows, k = x.shape
     n = qs.shape[0]
-    out = torch.empty(rows, n, dtype=out_dtype)
-    _k.linear_q8_0(x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), _ptr(bias), out.data_ptr(), n,
-                   out_dtype == torch.bfloat16, rows, n, k)
+    _checked_out(out, rows, n)
+    _k.linear_q8(x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), _ptr(m), group, _ptr(bias), out.data_ptr(),
+                 out.stride(0), out.dtype == torch.bfloat16, rows, n, k)
     return out
 
 
@@ -101,7 +120,7 @@ def linear_amx(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Te
                out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] bf16 or fp32 (rounded to bf16 as it is read) @ W [N, K].T (+ bias fp32) -> [M, N]
     in out_dtype, on AMX tiles. W: GGUF blocks in tile order, uint8 [N/16, K/32, record]
-    (BlockQuantized.amx_layout); kind 0 Q4_1, 1 Q8_0."""
+    (BlockQuantized.amx_layout); kind 0 Q4_1, 1 Q8_0, 2 Q8_1, 3 Q8 with scales per 16."""
     return _linear_amx(x, kind, weights, bias, out_dtype, glu=False)
 
 
@@ -116,14 +135,22 @@ def linear_amx_glu(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torc
 
 def _linear_amx(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype, glu: bool) -> torch.Tensor:
+    n = weights.shape[0] * 16
+    return linear_amx_into(x, kind, weights, bias, torch.empty(x.shape[0], n // 2 if glu else n, dtype=out_dtype),
+                           glu)
+
+
+def linear_amx_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+                    out: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    """linear_amx (glu: linear_amx_glu) written into out; returns out."""
     fp32 = x.dtype == torch.float32
     if x.stride(1) != 1 or (not fp32 and x.stride(0) % 2):
         x = x.contiguous()
     rows, k = x.shape
     n = weights.shape[0] * 16
-    out = torch.empty(rows, n // 2 if glu else n, dtype=out_dtype)
+    _checked_out(out, rows, n // 2 if glu else n)
     _k.linear_amx(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(),
-                  out.shape[1], out_dtype == torch.bfloat16, rows, n, k, glu)
+                  out.stride(0), out.dtype == torch.bfloat16, rows, n, k, glu)
     return out
 
 

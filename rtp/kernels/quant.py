@@ -1,8 +1,9 @@
 """Block-quantized weights kept in the checkpoint's own format, multiplied from their blocks.
 
-A GGUF checkpoint stores most matrices as blocks of 32 weights (Q4_1, Q8_0; Q4_K and Q4_0
-are repacked into Q4_1 exactly, Q5_0 into Q8_0, see from_q4_k; Q5_1, Q5_K and Q6_K have no
-kernel yet and run on their dequantized weights). A decode step is bound by reading the
+A GGUF checkpoint stores most matrices as blocks of 32 weights (Q4_1, Q8_0) or super-blocks
+of 256 (the K-quants). Each is repacked exactly, at load, into one of four layouts rtp's kernels
+multiply: Q4_K and Q4_0 into q4_1, Q5_0 into q8_0, Q5_1 and Q5_K into q8_1, Q6_K into q8_16
+(from_q4_k and the others below). A decode step is bound by reading the
 weights, so the linear layers keep the packed blocks (a third to a half of bf16's bytes) and
 multiply them directly with rtp's CPU kernels:
   - one row: the AVX-512 kernel over the blocks, exact fp32 weights (cpu_kernels.c);
@@ -15,8 +16,13 @@ Without AMX, the AVX-512 kernel serves up to QUANT_MAX_ROWS rows and oneDNN's bf
 the dense weights, the rest.
 
 Packed layout (per matrix of N rows by K columns, K a multiple of 32):
-  q4_1: qs uint8 [N, K/2], d fp32 [N, K/32], m fp32 [N, K/32]   (w = d * q + m)
-  q8_0: qs int8  [N, K],   d fp32 [N, K/32]                      (w = d * q)
+  q4_1:  qs uint8 [N, K/2], d fp32 [N, K/32], m fp32 [N, K/32]   (w = d * q + m)
+  q8_0:  qs int8  [N, K],   d fp32 [N, K/32]                      (w = d * q)
+  q8_1:  qs int8  [N, K],   d fp32 [N, K/32], m fp32 [N, K/32]   (w = d * q + m, q in 0..31)
+  q8_16: qs int8  [N, K],   d fp32 [N, K/16]                      (w = d * q, a scale per 16 weights)
+The int8 layouts hold 5- and 6-bit weights in a byte each: more bytes than the file (1.25 a
+weight against Q5_K's 0.69 and Q6_K's 0.82), fewer than bf16's 2, and the kernels that take
+int8 blocks multiply them.
 (d and m are the file's fp16 values widened: more bytes, but the kernels are bound by
 shuffle work per block, which fp16 scales would add to.)
 """
@@ -33,6 +39,9 @@ from rtp.kernels import cpu_kernels, hugepages
 
 BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
+# the AMX kernels' kind codes (rtp/kernels/csrc/amx_blocks.h), and each kind's weights per scale
+AMX_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3}
+GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
 
 
 # Row ranges where each kernel measured fastest (docs/benchmarks.md, "Decode step").
@@ -73,10 +82,10 @@ def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class BlockQuantized:
-    kind: str                   # "q4_1" or "q8_0"
+    kind: str                   # "q4_1", "q8_0", "q8_1" or "q8_16"
     qs: torch.Tensor
     d: torch.Tensor
-    m: torch.Tensor | None      # q4_1 only
+    m: torch.Tensor | None      # q4_1 and q8_1
     tiles: torch.Tensor | None = None  # the same blocks in AMX tile order (amx_layout), when made
     glu: bool = False           # tiles interleave gate and up (an MLP's gate_up): only silu_mul reads them
 
@@ -140,6 +149,70 @@ class BlockQuantized:
         return cls("q4_1", torch.from_numpy(np.ascontiguousarray(packed.reshape(rows, -1))),
                    torch.from_numpy(np.ascontiguousarray(d_block)), torch.from_numpy(np.ascontiguousarray(m_block)))
 
+    @classmethod
+    def from_q5_1(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
+        """GGUF Q5_1 (w = d * q + m, q of 5 bits: a nibble in qs, the fifth bit in qh) as q8_1, exactly."""
+        b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, 24)
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        high = np.ascontiguousarray(b[..., 4:8]).view("<u4")[..., 0]
+        qs = b[..., 8:24]
+        nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)                 # weights 0-15, 16-31
+        fifth = ((high[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = (nibbles | (fifth << 4)).astype(np.int8)
+        return cls("q8_1", torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1))),
+                   torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(m)))
+
+    @classmethod
+    def from_q5_k(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
+        """GGUF Q5_K as q8_1, exactly: a super-block of 256 is eight blocks of 32, each w = (d sc) q -
+        (dmin mn) with q of 5 bits (low nibbles in qs, two blocks a 32-byte run; the fifth bits in
+        qh, bit j of byte i for block j)."""
+        b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, 176)   # [N, K/256, 176]
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        sc, mn = _q4_k_scales(b[..., 4:16])
+        qh, qs = b[..., 16:48], b[..., 48:176]
+        low = np.stack([qs.reshape(rows, -1, 4, 32) & 0x0F, qs.reshape(rows, -1, 4, 32) >> 4], axis=3)
+        low = low.reshape(rows, -1, 8, 32)                             # [N, K/256, block, weight]
+        fifth = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        q = (low | (fifth << 4)).astype(np.int8).reshape(rows, -1)
+        return cls("q8_1", torch.from_numpy(np.ascontiguousarray(q)),
+                   torch.from_numpy(np.ascontiguousarray((d[..., None] * sc).reshape(rows, -1))),
+                   torch.from_numpy(np.ascontiguousarray((-(dmin[..., None] * mn)).reshape(rows, -1))))
+
+    @classmethod
+    def from_q6_k(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
+        """GGUF Q6_K as q8_16, exactly: a super-block of 256 holds sixteen groups of 16, each w =
+        (d sc) (q - 32) with an int8 sc per group and q of 6 bits (4 in ql, 2 in qh)."""
+        b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, 210)   # [N, K/256, 210]
+        ql, qh = b[..., 0:128], b[..., 128:192]
+        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+        d = np.ascontiguousarray(b[..., 208:210]).view(np.float16)[..., 0].astype(np.float32)
+        low = np.stack([ql.reshape(rows, -1, 2, 64) & 0x0F, ql.reshape(rows, -1, 2, 64) >> 4], axis=3)
+        low = low.reshape(rows, -1, 8, 32)      # half h, nibble: blocks 4h + 2 nibble + (byte >= 32)
+        high = (qh.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
+        high = high.reshape(rows, -1, 8, 32)    # half h, shift s: block 4h + s
+        q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
+        return cls("q8_16", torch.from_numpy(np.ascontiguousarray(q)),
+                   torch.from_numpy(np.ascontiguousarray((d[..., None] * sc).reshape(rows, -1))), None)
+
+    def as_kind(self, kind: str) -> "BlockQuantized | None":
+        """These weights in another layout, exactly (None where it cannot hold them): q4_1 and q8_0 as
+        q8_1, q8_0 as q8_16. A fused layer whose parts came in different types takes one of them."""
+        if kind == self.kind:
+            return self
+        n, k = self.shape
+        if kind == "q8_1" and self.kind == "q4_1":
+            q = torch.stack([self.qs & 15, self.qs >> 4], dim=-1)  # byte j: weights j and j + 16
+            q = q.view(n, k // BLOCK, BLOCK // 2, 2).transpose(2, 3).reshape(n, k).to(torch.int8)
+            return BlockQuantized("q8_1", q.contiguous(), self.d, self.m)
+        if kind == "q8_1" and self.kind == "q8_0":
+            return BlockQuantized("q8_1", self.qs, self.d, torch.zeros_like(self.d))
+        if kind == "q8_16" and self.kind == "q8_0":
+            return BlockQuantized("q8_16", self.qs, self.d.repeat_interleave(2, dim=1).contiguous(), None)
+        return None
+
     def rows(self, index: torch.Tensor | slice) -> "BlockQuantized":
         """A row subset or permutation (rows are independent: blocks never span two)."""
         def pick(t: torch.Tensor) -> torch.Tensor:
@@ -149,10 +222,14 @@ class BlockQuantized:
 
     @staticmethod
     def cat(parts: list["BlockQuantized"]) -> "BlockQuantized | None":
-        """Stack parts row-wise (fused qkv / gate_up); None unless all share one kind."""
+        """Stack parts row-wise (fused qkv / gate_up), in one layout that holds them all exactly
+        (as_kind); None when none does (a Q4_K part beside a Q6_K one)."""
         kinds = {p.kind for p in parts}
-        if len(kinds) != 1:
-            return None
+        if len(kinds) > 1:
+            target = next((k for k in ("q8_1", "q8_16") if all(p.as_kind(k) is not None for p in parts)), None)
+            if target is None:
+                return None
+            parts = [p.as_kind(target) for p in parts]
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
         return BlockQuantized(parts[0].kind, torch.cat([p.qs for p in parts]),
                               torch.cat([p.d for p in parts]), m)
@@ -201,7 +278,10 @@ class BlockQuantized:
             q = q.view(n, k // BLOCK, BLOCK // 2, 2).transpose(2, 3).reshape(n, k // BLOCK, BLOCK)
             w = q.float() * self.d[..., None] + self.m[..., None]
         else:
-            w = self.qs.view(n, k // BLOCK, BLOCK).float() * self.d[..., None]
+            g = GROUP[self.kind]
+            w = self.qs.view(n, k // g, g).float() * self.d[..., None]
+            if self.m is not None:
+                w = w.view(n, k // BLOCK, BLOCK) + self.m[..., None]
         return w.reshape(n, k)
 
     @property
@@ -222,15 +302,82 @@ class BlockQuantized:
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """silu(gate) * up of these [gate | up] blocks (glu tiles) for x, bf16 [M, N/2], one kernel."""
-        return cpu_kernels.linear_amx_glu(x.to(torch.bfloat16), 0 if self.kind == "q4_1" else 1, self.tiles,
+        return cpu_kernels.linear_amx_glu(x.to(torch.bfloat16), AMX_KIND[self.kind], self.tiles,
                                           None if bias is None else bias.float())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """x @ W.T (+ bias) in out_dtype, through the kernel this batch takes (each a torch custom op,
+        so compiled graphs call it as one node)."""
         b = None if bias is None else bias.float()
         if self.tiles is not None and x.shape[0] >= AMX_MIN_ROWS and x.shape[0] > _exact_rows:
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
-            return cpu_kernels.linear_amx(x, 0 if self.kind == "q4_1" else 1, self.tiles, b, out_dtype)
+            return cpu_kernels.linear_amx(x, AMX_KIND[self.kind], self.tiles, b, out_dtype)
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out_dtype)
-        return cpu_kernels.linear_q8_0(x.float(), self.qs, self.d, b, out_dtype)
+        return cpu_kernels.linear_q8(x.float(), self.qs, self.d, self.m, GROUP[self.kind], b, out_dtype)
+
+    def linear_into(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """linear() written into out ([M, N] with contiguous rows: a fused layer's columns), eagerly."""
+        b = None if bias is None else bias.float()
+        if self.tiles is not None and x.shape[0] >= AMX_MIN_ROWS and x.shape[0] > _exact_rows:
+            return cpu_kernels.linear_amx_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16),
+                                               AMX_KIND[self.kind], self.tiles, b, out)
+        if self.kind == "q4_1":
+            return cpu_kernels.linear_q4_1_into(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out)
+        return cpu_kernels.linear_q8_into(x.float(), self.qs, self.d, self.m, GROUP[self.kind], b, out)
+
+
+@dataclass
+class BlockParts:
+    """A fused layer (qkv) whose parts came in layouts no one layout holds exactly -- a Q4_K_M
+    file's q and k in Q4_K beside v in Q6_K: each part keeps its own blocks and kernels, and
+    writes its columns of the one output."""
+
+    parts: list[BlockQuantized]
+    glu = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def kind(self) -> str:
+        return "+".join(p.kind for p in self.parts)
+
+    @property
+    def tiles(self) -> list[torch.Tensor] | None:
+        tiles = [p.tiles for p in self.parts]
+        return None if any(t is None for t in tiles) else tiles
+
+    @property
+    def serves_every_batch(self) -> bool:
+        return all(p.serves_every_batch for p in self.parts)
+
+    def takes(self, rows: int) -> bool:
+        return all(p.takes(rows) for p in self.parts)
+
+    def takes_silu_mul(self, rows: int) -> bool:
+        return False
+
+    def on_huge_pages(self) -> "BlockParts":
+        for p in self.parts:
+            p.on_huge_pages()
+        return self
+
+    def with_amx_layout(self, glu: bool = False) -> "BlockParts":
+        for p in self.parts:
+            p.with_amx_layout()
+        return self
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.shape[0], dtype=out_dtype)
+        at = 0
+        for p in self.parts:
+            n = p.shape[0]
+            p.linear_into(x, None if bias is None else bias[at:at + n], out[:, at:at + n])
+            at += n
+        return out

@@ -405,7 +405,7 @@ def test_compiled_kernels_keep_their_prefetches():
         elif "prefetcht" in line:
             counts[function] = counts.get(function, 0) + 1
     # each kernel with the functions its loops may live in (tile_pass: the AMX linear's, unless inlined)
-    for kernel in (("rtp_linear_q4_1",), ("rtp_linear_q8_0",), ("rtp_paged_decode_attention_bf16",),
+    for kernel in (("rtp_linear_q4_1",), ("rtp_linear_q8",), ("rtp_paged_decode_attention_bf16",),
                    ("tile_pass", "rtp_linear_amx")):
         found = sum(n for name, n in counts.items() if name.startswith(kernel))
         assert found > 0, f"{kernel[0]}: no prefetch instruction in {_cpu_kernels.__file__}"

@@ -1,6 +1,7 @@
-"""Q4_K, Q4_0 and Q5_0 served from their blocks: repacked exactly into rtp's q4_1 (Q4_K, Q4_0)
-or q8_0 (Q5_0) layout (rtp/kernels/quant.py) and multiplied by those kernels. Blocks are random bytes with sane
-scale fields, held against gguf's own dequantizer; a GGUF holding them loads them packed."""
+"""The K-quants and the other GGUF types served from their blocks: repacked exactly into rtp's
+q4_1 (Q4_K, Q4_0), q8_0 (Q5_0), q8_1 (Q5_1, Q5_K) or q8_16 (Q6_K) layout (rtp/kernels/quant.py)
+and multiplied by those kernels. Blocks are random bytes with sane scale fields, held against
+gguf's own dequantizer; a GGUF holding them loads them packed."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from rtp.kernels import cpu_kernels
 from rtp.kernels.quant import BlockQuantized
 
 # bytes per block, weights per block, offsets of the fp16 scale fields
-LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q4_0: (18, 32, (0,)), Q.Q5_0: (22, 32, (0,)), Q.Q6_K: (210, 256, (208,))}
-REPACK = {Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0}
-KIND = {Q.Q4_K: "q4_1", Q.Q4_0: "q4_1", Q.Q5_0: "q8_0"}
+LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q4_0: (18, 32, (0,)), Q.Q5_0: (22, 32, (0,)), Q.Q5_1: (24, 32, (0, 2)),
+           Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,))}
+REPACK = {Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0,
+          Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k}
+KIND = {Q.Q4_K: "q4_1", Q.Q4_0: "q4_1", Q.Q5_0: "q8_0", Q.Q5_1: "q8_1", Q.Q5_K: "q8_1", Q.Q6_K: "q8_16"}
+TYPES = list(REPACK)
+IDS = [t.name.lower() for t in TYPES]
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -32,7 +37,7 @@ def random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q4_0, Q.Q5_0], ids=["q4_k", "q4_0", "q5_0"])
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_repack_is_exact(qtype):
     raw = random_blocks(qtype, 24, 768)
     packed = REPACK[qtype](raw, 24)
@@ -41,25 +46,42 @@ def test_repack_is_exact(qtype):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q4_0, Q.Q5_0], ids=["q4_k", "q4_0", "q5_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64])
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64])
 def test_kernels_multiply_the_repacked_blocks(qtype, rows):
     n, k = 40, 512
     raw = random_blocks(qtype, n, k, seed=rows)
     w = torch.from_numpy(dequantize(raw, qtype))
     packed = REPACK[qtype](raw, n)
-    x = torch.randn(rows, k).bfloat16()  # as the model hands them (q8_0 widens them to fp32)
+    x = torch.randn(rows, k).bfloat16()  # as the model hands them (the int8 kinds widen them to fp32)
     x = x if KIND[qtype] == "q4_1" else x.float()
     ref = x.float() @ w.T
-    out = packed.linear(x, None, torch.float32)
+    out = packed.linear(x, None, torch.float32)  # the AVX-512 kernels: the exact weights
     assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+@pytest.mark.parametrize("rows", [2, 17, 64, 65, 300])
+def test_amx_multiplies_the_repacked_blocks_as_the_models_bf16_weights(qtype, rows):
+    """Decode batches and the GEMM of prompt-sized ones, from the same tile records: the weights
+    rounded to bf16 once, fp32 sums (fp32-rounding-level error); the bf16 output is that rounded."""
+    n, k = 48, 512
+    raw = random_blocks(qtype, n, k, seed=rows)
+    packed = REPACK[qtype](raw, n).with_amx_layout()
+    w = torch.from_numpy(dequantize(raw, qtype)).bfloat16().float()
+    x = torch.randn(rows, k).bfloat16()
+    ref = x.float() @ w.T
+    out = packed.linear(x, None, torch.float32)
+    assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert torch.equal(packed.linear(x, None, torch.bfloat16), out.bfloat16())
 
 
 # a mixed file, as a Q4_K_M one is: most matrices Q4_K, some Q6_K (no kernel: dequantized), one Q5_0
 MIXED = {"blk.0.attn_v": Q.Q6_K, "blk.0.ffn_down": Q.Q5_0}
 
 
-def write_q4_k_llama(path, seed: int = 0) -> dict[str, np.ndarray]:
+def write_q4_k_llama(path, seed: int = 0, types: dict | None = None) -> dict[str, np.ndarray]:
     """A small Llama GGUF whose linear layers are block-quantized (columns a multiple of 256; MIXED
     says which are not Q4_K), the rest F32."""
     hidden, heads, kv_heads, head_dim, ffn, vocab = 256, 4, 2, 64, 512, 128
@@ -80,7 +102,7 @@ def write_q4_k_llama(path, seed: int = 0) -> dict[str, np.ndarray]:
               "blk.0.ffn_gate": (ffn, hidden), "blk.0.ffn_up": (ffn, hidden), "blk.0.ffn_down": (hidden, ffn)}
     blocks = {}
     for i, (name, (rows, cols)) in enumerate(shapes.items()):
-        qtype = MIXED.get(name, Q.Q4_K)
+        qtype = (MIXED if types is None else types).get(name, Q.Q4_K)
         raw = random_blocks(qtype, rows, cols, seed=seed + i)
         writer.add_tensor(name + ".weight", raw, raw_dtype=qtype)  # the shape follows from the bytes
         blocks[name] = raw
@@ -101,14 +123,46 @@ def test_a_mixed_k_quant_gguf_loads_its_blocks_packed(tmp_path):
     ckpt = GGUFCheckpoint(file)
     packed = dict(ckpt.quantized())
     dense = dict(ckpt.tensors())
-    assert "model.layers.0.self_attn.v_proj.weight" not in packed  # Q6_K: dequantized only
-    assert {n: p.kind for n, p in packed.items() if p.kind != "q4_1"} == {"model.layers.0.mlp.down_proj.weight": "q8_0"}
-    assert len(packed) == 6
+    assert {n: p.kind for n, p in packed.items() if p.kind != "q4_1"} == {
+        "model.layers.0.self_attn.v_proj.weight": "q8_16", "model.layers.0.mlp.down_proj.weight": "q8_0"}
+    assert len(packed) == 7
     for name, p in packed.items():  # q/k rows unpermuted like the dense tensors
         assert torch.equal(p.dequantize(), dense[name]), name
     model, _ = load_model(file, torch.bfloat16, torch.device("cpu"))
-    if cpu_kernels.available():  # the decode linears multiply the blocks, not a bf16 copy
+    if cpu_kernels.available():  # the linears multiply the blocks, not a bf16 copy
         kinds = {n: m.quant.kind for n, m in model.named_modules() if getattr(m, "quant", None) is not None}
-        # qkv mixes Q4_K with Q6_K, so it keeps its bf16 weights; the others are packed
-        assert kinds == {"model.layers.0.self_attn.o_proj": "q4_1", "model.layers.0.mlp.gate_up_proj": "q4_1",
+        # qkv mixes Q4_K (q, k) with Q6_K (v): each part keeps its own layout and kernels
+        assert kinds == {"model.layers.0.self_attn.qkv_proj": "q4_1+q4_1+q8_16",
+                         "model.layers.0.self_attn.o_proj": "q4_1", "model.layers.0.mlp.gate_up_proj": "q4_1",
                          "model.layers.0.mlp.down_proj": "q8_0"}, kinds
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        want = torch.cat([dense[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(qkv.quant.dequantize(), want)
+        for rows in (1, 2, 5, 70):
+            x = torch.randn(rows, 256).bfloat16()
+            got = qkv(x)
+            ref = x.float() @ want.T
+            assert (got.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), rows
+
+
+def test_a_k_quant_gguf_generates_its_dequantized_fp32_selfs_greedy_tokens(tmp_path, default_gguf):
+    """Every layer in a K-quant (Q4_K, Q5_K, Q6_K, Q5_1 beside each other, as a Q4_K_M or Q5_K_M
+    file mixes them) through its blocks in bf16, against the same file dequantized and run in
+    fp32: the same greedy tokens, alone and batched."""
+    from rtp import LLM, SamplingParams
+
+    file = tmp_path / "mixed.gguf"
+    write_q4_k_llama(file, seed=3, types={"blk.0.attn_q": Q.Q5_K, "blk.0.attn_v": Q.Q6_K, "blk.0.ffn_down": Q.Q6_K,
+                                          "blk.0.ffn_up": Q.Q5_K, "blk.0.attn_output": Q.Q5_1})
+    g = np.random.default_rng(4)
+    prompts = [g.integers(1, 128, n).tolist() for n in (5, 9, 17)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fp32 = LLM(model=str(file), tokenizer=str(default_gguf), dtype="float32", max_model_len=64)
+    blocks = LLM(model=str(file), tokenizer=str(default_gguf), dtype="bfloat16", max_model_len=64)
+    if cpu_kernels.available():
+        kinds = {m.quant.kind for m in blocks.engine.model.modules() if getattr(m, "quant", None) is not None}
+        assert {"q8_1", "q8_16"} <= {k for kind in kinds for k in kind.split("+")}
+    want = [o.outputs[0].token_ids for o in fp32.generate(prompts, sp, use_tqdm=False)]
+    alone = [blocks.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    batched = [o.outputs[0].token_ids for o in blocks.generate(prompts, sp, use_tqdm=False)]
+    assert alone == want and batched == want

@@ -137,7 +137,7 @@ def test_quantized_linears_write_only_their_outputs(kind, m, n, k, out_bf16):
             cpu_kernels._k.linear_q4_1(xs.data_ptr(), xs.stride(0), qs_.data_ptr(), d_.data_ptr(), mn_.data_ptr(),
                                        b_.data_ptr(), out.data_ptr(), wide, out_bf16, m, n, k)
         else:
-            cpu_kernels._k.linear_q8_0(xs.data_ptr(), xs.stride(0), qs_.data_ptr(), d_.data_ptr(), b_.data_ptr(),
+            cpu_kernels._k.linear_q8(xs.data_ptr(), xs.stride(0), qs_.data_ptr(), d_.data_ptr(), 0, 32, b_.data_ptr(),
                                        out.data_ptr(), wide, out_bf16, m, n, k)
 
     a.allow(m)

@@ -10,11 +10,13 @@
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 /* The weights in tile order (rtp/kernels/quant.py, BlockQuantized.amx_layout): for each group
- * of 16 output rows and k block, one contiguous record: Q4_1: the 16 rows' 16 quant bytes,
- * then their 16 d, then their 16 m (fp32): 384 bytes. Q8_0: 16 x 32 quant bytes, 16 d: 576.
+ * of 16 output rows and k block, one contiguous record: kind 0, Q4_1: the 16 rows' 16 quant
+ * bytes, then their 16 d, then their 16 m (fp32): 384 bytes. 1, Q8_0: 16 x 32 quant bytes, 16 d:
+ * 576. 2, Q8_1: 16 x 32 quant bytes, 16 d, 16 m: 640. 3, Q8 with a scale per 16 weights: 16 x 32
+ * quant bytes, then each row's two scales (16 x 2 fp32): 640.
  * Read front to back, the weights are one sequential stream for the hardware prefetcher;
  * in GGUF's row order a tile gathered from 16 rows x 3 arrays, 48 streams, and stalled. */
-static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : 576; }
+static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : kind == 1 ? 576 : 640; }
 
 /* One 16 x 32 weight tile from its record, as bf16 rows of 64 bytes.
  * Q4_1: a row has only 16 distinct weights, q * d + m for q = 0..15, so they are computed once
@@ -38,11 +40,15 @@ AMX_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_
         }
         return;
     }
-    for (int64_t r = 0; r < 16; r++) { /* Q8_0: 32 signed bytes */
-        __m512 dv = _mm512_set1_ps(d[r]);
+    for (int64_t r = 0; r < 16; r++) { /* the int8 kinds: 32 signed bytes, as q * d (+ m) */
+        __m512 d_lo = _mm512_set1_ps(kind == 3 ? d[2 * r] : d[r]), d_hi = _mm512_set1_ps(kind == 3 ? d[2 * r + 1] : d[r]);
         const int8_t *q = (const int8_t *)rec + r * 32;
-        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)q))), dv);
-        __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16)))), dv);
+        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)q))), d_lo);
+        __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16)))), d_hi);
+        if (kind == 2) {
+            lo = _mm512_add_ps(lo, _mm512_set1_ps(mn[r]));
+            hi = _mm512_add_ps(hi, _mm512_set1_ps(mn[r]));
+        }
         _mm512_store_si512((void *)(tile + r * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }

@@ -65,7 +65,7 @@ static inline void store_out(void *out, int64_t at, int out_bf16, float v) {
  * Linear over GGUF block-quantized weights, repacked at load into plain arrays:
  *   Q4_1: qs uint8 [N, K/2] (block of 32: byte j holds weight j low, weight j+16 high),
  *         d, m fp32 [N, K/32]; weight = d * q + m, q in 0..15.
- *   Q8_0: qs int8 [N, K], d fp32 [N, K/32]; weight = d * q.
+ *   Q8_0: qs int8 [N, K], d fp32 [N, K/32]; weight = d * q (and the other int8 kinds: rtp_linear_q8).
  * Scales are fp32 (the file's fp16 values, exactly): a broadcast straight from memory costs
  * no shuffle-port work, and that port, not memory, bounds these loops.
  * The checkpoint's exact weights, at 0.625 (Q4_1) or 1.06 (Q8_0) bytes each instead of
@@ -183,10 +183,11 @@ TARGET int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, co
     return 1;
 }
 
-TARGET static inline __attribute__((always_inline)) void q8_0_tile(
-        const float *x, int64_t ldx, const int8_t *qs, const float *d, int64_t K, const float *bias,
-        void *out, int64_t ldo, int out_bf16, int64_t m0, const int mr, int64_t n0, int64_t nr, const int NR_) {
-    int64_t nb = K / QK;
+TARGET static inline __attribute__((always_inline)) void q8_tile(
+        const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn, int group, int64_t K,
+        const float *bias, void *out, int64_t ldo, int out_bf16, int64_t m0, const int mr, int64_t n0, int64_t nr,
+        const int NR_) {
+    int64_t nb = K / QK, ng = K / group, per = QK / group; /* scales a row, and a block */
     __m512 acc[MR_MAX][NR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NR_; j++) acc[i][j] = _mm512_setzero_ps();
@@ -195,12 +196,21 @@ TARGET static inline __attribute__((always_inline)) void q8_0_tile(
     int64_t ahead = n0 + PREFETCH_TILES * NR_;
     for (int64_t b = 0; b < nb; b++) {
         prefetch_part(qs + ahead * K, NR_ * K, b, nb);
-        prefetch_part(d + ahead * nb, NR_ * nb * 4, b, nb);
+        prefetch_part(d + ahead * ng, NR_ * ng * 4, b, nb);
+        if (mn) prefetch_part(mn + ahead * nb, NR_ * nb * 4, b, nb);
         for (int j = 0; j < NR_; j++) {
             const int8_t *q = qs + rows[j] * K + b * QK;
-            __m512 scale = _mm512_set1_ps(d[rows[j] * nb + b]);
-            __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), scale);
-            __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), scale);
+            const float *dr = d + rows[j] * ng + b * per;
+            /* the exact fp32 weights: q * d (+ m), each product and sum rounded once */
+            __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))),
+                                      _mm512_set1_ps(dr[0]));
+            __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))),
+                                      _mm512_set1_ps(dr[per - 1]));
+            if (mn) {
+                __m512 m = _mm512_set1_ps(mn[rows[j] * nb + b]);
+                w0 = _mm512_add_ps(w0, m);
+                w1 = _mm512_add_ps(w1, m);
+            }
             for (int i = 0; i < mr; i++) {
                 const float *xr = x + (m0 + i) * ldx + b * QK;
                 acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[i][j]);
@@ -215,17 +225,20 @@ TARGET static inline __attribute__((always_inline)) void q8_0_tile(
         }
 }
 
-TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
-                            const float *bias, void *out, int64_t ldo, int out_bf16,
-                            int64_t M, int64_t N, int64_t K) {
+/* int8 blocks of 32: Q8_0 (one d a block, mn NULL: w = d q), Q8_1 (w = d q + m: Q5_1 and Q5_K repacked)
+ * and Q8 with a scale for each 16 weights (group 16: Q6_K repacked); d fp32 [N, K / group], mn fp32
+ * [N, K / 32] or NULL. x fp32. */
+TARGET void rtp_linear_q8(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn,
+                          int group, const float *bias, void *out, int64_t ldo, int out_bf16,
+                          int64_t M, int64_t N, int64_t K) {
     if (M > MR && M <= MR_MAX) { /* one pass, two weight rows a tile (as rtp_linear_q4_1) */
         int64_t tiles = (N + 1) / 2;
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             int64_t n0 = t * 2, nr = N - n0 < 2 ? N - n0 : 2;
             switch (M) {
-            case 5: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, 0, 5, n0, nr, 2); break;
-            default: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, 0, 6, n0, nr, 2); break;
+            case 5: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, 0, 5, n0, nr, 2); break;
+            default: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, 0, 6, n0, nr, 2); break;
             }
         }
         return;
@@ -236,10 +249,10 @@ TARGET void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const
         int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             switch (M - m0 < MR ? M - m0 : MR) {
-            case 1: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, NR); break;
-            case 2: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, NR); break;
-            case 3: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, NR); break;
-            default: q8_0_tile(x, ldx, qs, d, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, NR); break;
+            case 1: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, NR); break;
+            case 2: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, NR); break;
+            case 3: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, NR); break;
+            default: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, NR); break;
             }
         }
     }

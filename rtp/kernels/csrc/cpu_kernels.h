@@ -10,9 +10,8 @@ void rtp_paged_decode_attention_bf16(
 int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
                     const float *mn, const float *bias, void *out, int64_t ldo,
                     int out_bf16, int64_t M, int64_t N, int64_t K);
-void rtp_linear_q8_0(const float *x, int64_t ldx, const int8_t *qs, const float *d,
-                     const float *bias, void *out, int64_t ldo, int out_bf16,
-                     int64_t M, int64_t N, int64_t K);
+void rtp_linear_q8(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn, int group,
+                   const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K);
 void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, int delta_bf16, int64_t ldd,
                       const void *weight, int weight_bf16, float eps, void *out, int out_bf16, int64_t ldo,
                       int64_t T, int64_t H);
@@ -44,7 +43,7 @@ void rtp_gather_rows(const void *src, int64_t src_stride, const int32_t *idx, in
 #define RTP_CALL_WORDS 20
 enum {
     RTP_OP_LINEAR_Q4_1 = 1,
-    RTP_OP_LINEAR_Q8_0,
+    RTP_OP_LINEAR_Q8,
     RTP_OP_LINEAR_AMX,
     RTP_OP_ADD_RMS_NORM,
     RTP_OP_ROPE_STORE_KV,
