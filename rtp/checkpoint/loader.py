@@ -224,6 +224,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, options: Lo
     if checkpoint.gguf is not None and dtype == torch.bfloat16 and device.type == "cpu":
         _attach_quantized(model, checkpoint.gguf)
         _drop_dense_weights(model)
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        _attach_dense(model)
     _pack_cpu_weights(model)
     log.info("loaded %.2f GB in %.2f s (%.2f GB/s): %s (%s, %.1f M params), ready in %.1f s", total / 1e9, read_s,
              total / 1e9 / max(read_s, 1e-9), path.name, config.architecture,
@@ -268,12 +270,36 @@ def _drop_dense_weights(model: torch.nn.Module) -> None:
     freed = 0
     for module in model.modules():
         quant = getattr(module, "quant", None)
-        if quant is None or not quant.serves_every_batch or id(module.weight) in embeddings:
+        if (quant is None or not quant.serves_every_batch or id(module.weight) in embeddings
+                or quant.kind == "bf16"):  # a dense layer's blocks are its weight
             continue
         freed += module.weight.numel() * module.weight.element_size()
         module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
     if freed:
         log.info("dropped %.1f MB of dense weights that the GGUF blocks replace", freed / 1e6)
+
+
+def _attach_dense(model: torch.nn.Module) -> None:
+    """Give the bf16 linear layers no GGUF blocks reached (a safetensors checkpoint's, or a GGUF's
+    F16/BF16/F32 tensors, a tied LM head's embedding) their weight as rtp's kernels take it
+    (BlockQuantized.from_dense): the one-row kernel over the weight as it lies, AMX over a copy in
+    tile order, so that their steps replay CPU graphs too."""
+    from rtp.kernels import cpu_kernels
+    from rtp.kernels.quant import BlockQuantized
+
+    if not cpu_kernels.available():
+        return
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (not hasattr(module, "quant") or module.quant is not None or not isinstance(weight, torch.Tensor)
+                or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
+                or weight.shape[1] % 32 or weight.stride(1) != 1):
+            continue
+        module.quant = BlockQuantized.from_dense(weight).with_amx_layout(glu=getattr(module, "silu_mul_after", False))
+        count += 1
+    if count:
+        log.info("%d bf16 layers multiplied by rtp's kernels", count)
 
 
 def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:

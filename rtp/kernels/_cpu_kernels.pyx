@@ -29,6 +29,8 @@ cdef extern from "cpu_kernels.h":
         RTP_OP_SILU_MUL
         RTP_OP_PREFILL_ATTENTION
         RTP_OP_GATHER_ROWS
+        RTP_OP_LINEAR_Q4_K
+        RTP_OP_LINEAR_BF16
         RTP_COUNT_AS_RECORDED
         RTP_COUNT_TOKENS
         RTP_COUNT_SAMPLES
@@ -51,7 +53,8 @@ OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8: "linear_q8", RT
             RTP_OP_ADD_RMS_NORM: "add_rms_norm", RTP_OP_ROPE_STORE_KV: "rope_store_kv",
             RTP_OP_DECODE_ATTENTION: "decode_attention", RTP_OP_EMBED_ROWS: "embed_rows",
             RTP_OP_SILU_MUL: "silu_mul", RTP_OP_PREFILL_ATTENTION: "prefill_attention",
-            RTP_OP_GATHER_ROWS: "gather_rows"}
+            RTP_OP_GATHER_ROWS: "gather_rows", RTP_OP_LINEAR_Q4_K: "linear_q4_k",
+            RTP_OP_LINEAR_BF16: "linear_bf16"}
 # what a step graph's call counts its rows in (rtp_run_step_calls)
 COUNT_AS_RECORDED, COUNT_TOKENS, COUNT_SAMPLES = RTP_COUNT_AS_RECORDED, RTP_COUNT_TOKENS, RTP_COUNT_SAMPLES
 COUNT_DECODE_ROWS, COUNT_PREFILL_ROWS = RTP_COUNT_DECODE_ROWS, RTP_COUNT_PREFILL_ROWS
@@ -166,6 +169,22 @@ def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, in
     """out = x @ dequant(Q4_1 weight).T (+ bias); x bf16."""
     cdef int64_t c[RTP_CALL_WORDS]
     c[:13] = [RTP_OP_LINEAR_Q4_1, x, ldx, qs, d, m, bias, out, ldo, out_bf16, rows, n, k]
+    _run(c, 13)
+
+
+def linear_bf16(intptr_t x, int64_t ldx, bint x_fp32, intptr_t w, int64_t ldw, intptr_t bias, intptr_t out,
+                int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
+    """out = x @ W.T (+ bias) for dense bf16 W [n, k] (row stride ldw); x bf16 or fp32."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:13] = [RTP_OP_LINEAR_BF16, x, ldx, x_fp32, w, ldw, bias, out, ldo, out_bf16, rows, n, k]
+    _run(c, 13)
+
+
+def linear_q4_k(intptr_t x, int64_t ldx, intptr_t qs, intptr_t scm, intptr_t dd, intptr_t bias, intptr_t out,
+                int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
+    """out = x @ (Q4_K super-blocks, rtp's q4_k layout).T (+ bias); x bf16."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:13] = [RTP_OP_LINEAR_Q4_K, x, ldx, qs, scm, dd, bias, out, ldo, out_bf16, rows, n, k]
     _run(c, 13)
 
 

@@ -67,6 +67,45 @@ def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
     return linear_q4_1_into(x, qs, d, m, bias, torch.empty(x.shape[0], qs.shape[0], dtype=out_dtype))
 
 
+@_op("linear_bf16", (), lambda x, w, bias, out_dtype: x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype))
+def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] bf16 or fp32 @ w [N, K].T (dense bf16, rows contiguous) (+ bias fp32) -> [M, N] in out_dtype."""
+    return linear_bf16_into(x, w, bias, torch.empty(x.shape[0], w.shape[0], dtype=out_dtype))
+
+
+def linear_bf16_into(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """linear_bf16 written into out; returns out."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    n = w.shape[0]
+    _checked_out(out, rows, n)
+    _k.linear_bf16(x.data_ptr(), x.stride(0), x.dtype == torch.float32, w.data_ptr(), w.stride(0), _ptr(bias),
+                   out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16, rows, n, k)
+    return out
+
+
+@_op("linear_q4_k", (), lambda x, qs, scm, dd, bias, out_dtype: x.new_empty(x.shape[0], qs.shape[0],
+                                                                            dtype=out_dtype))
+def linear_q4_k(x: torch.Tensor, qs: torch.Tensor, scm: torch.Tensor, dd: torch.Tensor,
+                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] bf16 @ Q4_K weight [N, K].T in its own super-blocks (rtp's q4_k layout: qs uint8 [N, K/2],
+    scm uint8 [N, K/256, 16], dd fp32 [N, K/256, 2]) (+ bias fp32) -> [M, N] in out_dtype."""
+    return linear_q4_k_into(x, qs, scm, dd, bias, torch.empty(x.shape[0], qs.shape[0], dtype=out_dtype))
+
+
+def linear_q4_k_into(x: torch.Tensor, qs: torch.Tensor, scm: torch.Tensor, dd: torch.Tensor,
+                     bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """linear_q4_k written into out; returns out."""
+    x = x.contiguous()
+    rows, k = x.shape
+    n = qs.shape[0]
+    _checked_out(out, rows, n)
+    _k.linear_q4_k(x.data_ptr(), k, qs.data_ptr(), scm.data_ptr(), dd.data_ptr(), _ptr(bias), out.data_ptr(),
+                   out.stride(0), out.dtype == torch.bfloat16, rows, n, k)
+    return out
+
+
 def _checked_out(out: torch.Tensor, rows: int, n: int) -> None:
     """An output the kernels write rows of n values into, at its row stride (a column slice too)."""
     if out.shape != (rows, n) or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.bfloat16):

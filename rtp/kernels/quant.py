@@ -40,7 +40,7 @@ from rtp.kernels import cpu_kernels, hugepages
 BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
 # the AMX kernels' kind codes (rtp/kernels/csrc/amx_blocks.h), and each kind's weights per scale
-AMX_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3}
+AMX_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3, "bf16": 4}
 GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
 
 
@@ -82,17 +82,27 @@ def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class BlockQuantized:
-    kind: str                   # "q4_1", "q8_0", "q8_1" or "q8_16"
+    kind: str                   # "q4_1", "q8_0", "q8_1", "q8_16", or "bf16" (a dense layer's own weights)
     qs: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None      # None for bf16
     m: torch.Tensor | None      # q4_1 and q8_1
     tiles: torch.Tensor | None = None  # the same blocks in AMX tile order (amx_layout), when made
     glu: bool = False           # tiles interleave gate and up (an MLP's gate_up): only silu_mul reads them
+    # a Q4_K file's own super-blocks (qs uint8 [N, K/2], scm uint8 [N, K/256, 16], dd fp32 [N, K/256, 2]),
+    # which the one-row kernel multiplies: 0.59 bytes a weight where q4_1 reads 0.75
+    native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         per_byte = 2 if self.kind == "q4_1" else 1
         return self.qs.shape[0], self.qs.shape[1] * per_byte
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> "BlockQuantized":
+        """A dense bf16 layer's weight [N, K] (the tensor itself, not a copy), for rtp's kernels: the
+        one-row kernel reads it as it lies, the AMX kernels a copy in tile order (with_amx_layout).
+        Without them such a layer ran on oneDNN, which a CPU graph cannot replay."""
+        return cls("bf16", weight.detach(), None, None)
 
     @classmethod
     def from_gguf(cls, kind: str, raw: np.ndarray, rows: int) -> "BlockQuantized":
@@ -146,8 +156,12 @@ class BlockQuantized:
         packed = blocks[..., :16] | (blocks[..., 16:] << 4)
         d_block = (d[..., None] * sc).reshape(rows, -1)
         m_block = (-(dmin[..., None] * mn)).reshape(rows, -1)
+        native = (torch.from_numpy(np.ascontiguousarray(b[..., 16:].reshape(rows, -1))),
+                  torch.from_numpy(np.ascontiguousarray(np.concatenate([sc, mn], axis=-1).astype(np.uint8))),
+                  torch.from_numpy(np.ascontiguousarray(np.stack([d, dmin], axis=-1))))
         return cls("q4_1", torch.from_numpy(np.ascontiguousarray(packed.reshape(rows, -1))),
-                   torch.from_numpy(np.ascontiguousarray(d_block)), torch.from_numpy(np.ascontiguousarray(m_block)))
+                   torch.from_numpy(np.ascontiguousarray(d_block)), torch.from_numpy(np.ascontiguousarray(m_block)),
+                   native=native)
 
     @classmethod
     def from_q5_1(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
@@ -218,7 +232,9 @@ class BlockQuantized:
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t[index].contiguous()
 
-        return BlockQuantized(self.kind, pick(self.qs), pick(self.d), None if self.m is None else pick(self.m))
+        native = None if self.native is None else tuple(pick(t) for t in self.native)
+        return BlockQuantized(self.kind, pick(self.qs), pick(self.d), None if self.m is None else pick(self.m),
+                              native=native)
 
     @staticmethod
     def cat(parts: list["BlockQuantized"]) -> "BlockQuantized | None":
@@ -231,8 +247,10 @@ class BlockQuantized:
                 return None
             parts = [p.as_kind(target) for p in parts]
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        native = (tuple(torch.cat(ts) for ts in zip(*(p.native for p in parts)))
+                  if all(p.native is not None for p in parts) else None)
         return BlockQuantized(parts[0].kind, torch.cat([p.qs for p in parts]),
-                              torch.cat([p.d for p in parts]), m)
+                              torch.cat([p.d for p in parts]), m, native=native)
 
     def amx_layout(self, glu: bool = False) -> torch.Tensor:
         """The blocks regrouped for rtp's AMX kernel (rtp/kernels/csrc/amx_linear.c): uint8 [N/16, K/32,
@@ -247,7 +265,7 @@ class BlockQuantized:
             t = t.contiguous().view(torch.uint8)
             return t.view(n // 16, 16, nk, -1).transpose(1, 2).reshape(n // 16, nk, -1)
 
-        parts = [by_tile(self.qs), by_tile(self.d)] + ([by_tile(self.m)] if self.m is not None else [])
+        parts = [by_tile(t) for t in (self.qs, self.d, self.m) if t is not None]
         tiles = torch.cat(parts, dim=-1)
         if glu:
             half = n // 32
@@ -260,6 +278,8 @@ class BlockQuantized:
         stream is a TLB miss (the LM head's one-row product: 3.1-3.2 -> 2.2-2.7 ms)."""
         self.qs, self.d = hugepages.copy(self.qs), hugepages.copy(self.d)
         self.m = None if self.m is None else hugepages.copy(self.m)
+        if self.native is not None:
+            self.native = tuple(hugepages.copy(t) for t in self.native)
         return self
 
     def with_amx_layout(self, glu: bool = False) -> "BlockQuantized":
@@ -273,6 +293,8 @@ class BlockQuantized:
     def dequantize(self) -> torch.Tensor:
         """The fp32 weights [N, K] (for tests and checks)."""
         n, k = self.shape
+        if self.kind == "bf16":
+            return self.qs.float()
         if self.kind == "q4_1":
             q = torch.stack([self.qs & 15, self.qs >> 4], dim=-1)  # byte j: weights j and j + 16
             q = q.view(n, k // BLOCK, BLOCK // 2, 2).transpose(2, 3).reshape(n, k // BLOCK, BLOCK)
@@ -313,6 +335,11 @@ class BlockQuantized:
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
             return cpu_kernels.linear_amx(x, AMX_KIND[self.kind], self.tiles, b, out_dtype)
+        if self.kind == "bf16":  # x bf16, or fp32 (the LM head's input) rounded in the kernel
+            return cpu_kernels.linear_bf16(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
+                                           out_dtype)
+        if self.native is not None:
+            return cpu_kernels.linear_q4_k(x.to(torch.bfloat16), *self.native, b, out_dtype)
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out_dtype)
         return cpu_kernels.linear_q8(x.float(), self.qs, self.d, self.m, GROUP[self.kind], b, out_dtype)
@@ -323,6 +350,11 @@ class BlockQuantized:
         if self.tiles is not None and x.shape[0] >= AMX_MIN_ROWS and x.shape[0] > _exact_rows:
             return cpu_kernels.linear_amx_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16),
                                                AMX_KIND[self.kind], self.tiles, b, out)
+        if self.kind == "bf16":
+            return cpu_kernels.linear_bf16_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
+                                                out)
+        if self.native is not None:
+            return cpu_kernels.linear_q4_k_into(x.to(torch.bfloat16), *self.native, b, out)
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1_into(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out)
         return cpu_kernels.linear_q8_into(x.float(), self.qs, self.d, self.m, GROUP[self.kind], b, out)

@@ -409,3 +409,27 @@ def test_compiled_kernels_keep_their_prefetches():
                    ("tile_pass", "rtp_linear_amx")):
         found = sum(n for name, n in counts.items() if name.startswith(kernel))
         assert found > 0, f"{kernel[0]}: no prefetch instruction in {_cpu_kernels.__file__}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 17, 64, 65, 300])
+@pytest.mark.parametrize("x_fp32", [False, True])
+def test_dense_bf16_layers_take_rtps_kernels(rows, x_fp32):
+    """A bf16 checkpoint's layer (BlockQuantized.from_dense): the one-row kernel over the weight as it
+    lies and AMX over a tile-order copy both multiply exactly its bf16 weights, fp32 sums; rows are
+    independent bit for bit on each path; x fp32 (the LM head's input) is rounded to bf16 as read."""
+    n, k = 48, 160
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(rows, k + 32, generator=g)[:, :k]  # a row stride past K
+    x = x if x_fp32 else x.bfloat16()
+    ref = x.bfloat16().float() @ weight.float().T + bias
+    plain = BlockQuantized.from_dense(weight)
+    assert plain.qs.data_ptr() == weight.data_ptr() and plain.takes(1)
+    for w in (plain, BlockQuantized.from_dense(weight).with_amx_layout()):
+        out = w.linear(x, bias, torch.float32)
+        assert out.shape == (rows, n) and (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        if w.tiles is None or rows == 1:
+            alone = torch.cat([w.linear(x[i:i + 1], bias, torch.float32) for i in range(rows)])
+            assert torch.equal(out, alone)
+        assert torch.equal(w.linear(x, bias, torch.bfloat16), out.bfloat16())

@@ -134,7 +134,7 @@ def test_a_mixed_k_quant_gguf_loads_its_blocks_packed(tmp_path):
         # qkv mixes Q4_K (q, k) with Q6_K (v): each part keeps its own layout and kernels
         assert kinds == {"model.layers.0.self_attn.qkv_proj": "q4_1+q4_1+q8_16",
                          "model.layers.0.self_attn.o_proj": "q4_1", "model.layers.0.mlp.gate_up_proj": "q4_1",
-                         "model.layers.0.mlp.down_proj": "q8_0"}, kinds
+                         "model.layers.0.mlp.down_proj": "q8_0", "lm_head": "bf16"}, kinds  # F32 output: dense
         qkv = model.model.layers[0].self_attn.qkv_proj
         want = torch.cat([dense[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
         assert torch.equal(qkv.quant.dequantize(), want)
@@ -166,3 +166,27 @@ def test_a_k_quant_gguf_generates_its_dequantized_fp32_selfs_greedy_tokens(tmp_p
     alone = [blocks.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     batched = [o.outputs[0].token_ids for o in blocks.generate(prompts, sp, use_tqdm=False)]
     assert alone == want and batched == want
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+def test_q4_k_rows_multiply_the_files_own_super_blocks():
+    """One request's rows (1 to 6) multiply Q4_K's own super-blocks (0.59 bytes a weight, not q4_1's
+    0.75): the file's exact weights, each row as it would be alone, and nothing written past the
+    output's columns."""
+    n, k = 37, 768
+    raw = random_blocks(Q.Q4_K, n, k, seed=9)
+    packed = BlockQuantized.from_q4_k(raw, n)
+    assert packed.native is not None and packed.native[0].numel() == n * k // 2
+    w = torch.from_numpy(dequantize(raw, Q.Q4_K))
+    x = torch.randn(6, k).bfloat16()
+    bias = torch.randn(n)
+    for rows in range(1, 7):
+        out = packed.linear(x[:rows], bias, torch.float32)
+        ref = x[:rows].float() @ w.T + bias
+        assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item(), rows
+        alone = torch.cat([packed.linear(x[i:i + 1], bias, torch.float32) for i in range(rows)])
+        assert torch.equal(out, alone)
+    wide = torch.full((6, n + 3), 7.0)
+    packed.linear_into(x, bias, wide[:, :n])
+    assert (wide[:, n:] == 7.0).all()
+    assert torch.equal(wide[:, :n], packed.linear(x, bias, torch.float32))

@@ -148,6 +148,25 @@ def test_quantized_linears_write_only_their_outputs(kind, m, n, k, out_bf16):
     run_and_replay(a, call, m, tuple(sorted({1, max(1, m - 1)})))
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (3, 5, 64), (5, 37, 160), (6, 9, 96), (9, 16, 544)])
+@pytest.mark.parametrize("x_fp32", [False, True])
+def test_dense_bf16_linear_writes_only_its_output(m, n, k, x_fp32):
+    g = torch.Generator().manual_seed(m * n)
+    a = Canaries(8)
+    x = torch.randn(m, k + 32, generator=g).to(torch.float32 if x_fp32 else torch.bfloat16)
+    xs = a.place("x", x, lambda t: t[:, :k])
+    w = a.place("w", torch.randn(n, k + 16, generator=g).bfloat16(), lambda t: t[:, :k])  # row stride past K
+    b_ = a.place("bias", torch.randn(n, generator=g))
+    wide = n + 5
+    out = a.place("out", torch.zeros(m, wide), lambda t: t[:, :n], lambda e, r: e[:r, :n])
+
+    def call():
+        cpu_kernels._k.linear_bf16(xs.data_ptr(), xs.stride(0), x_fp32, w.data_ptr(), w.stride(0), b_.data_ptr(),
+                                   out.data_ptr(), wide, False, m, n, k)
+
+    run_and_replay(a, call, m, tuple(sorted({1, max(1, m - 1)})))
+
+
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs a CPU with AMX-BF16")
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 15, 17, 64, 65, 100, 300, 529])  # past 64 rows: the GEMM (amx_gemm.c)

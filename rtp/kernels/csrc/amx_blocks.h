@@ -13,10 +13,11 @@
  * of 16 output rows and k block, one contiguous record: kind 0, Q4_1: the 16 rows' 16 quant
  * bytes, then their 16 d, then their 16 m (fp32): 384 bytes. 1, Q8_0: 16 x 32 quant bytes, 16 d:
  * 576. 2, Q8_1: 16 x 32 quant bytes, 16 d, 16 m: 640. 3, Q8 with a scale per 16 weights: 16 x 32
- * quant bytes, then each row's two scales (16 x 2 fp32): 640.
+ * quant bytes, then each row's two scales (16 x 2 fp32): 640. 4, bf16: the 16 x 32 weights
+ * themselves, 1024 (a bf16 checkpoint's dense layers).
  * Read front to back, the weights are one sequential stream for the hardware prefetcher;
  * in GGUF's row order a tile gathered from 16 rows x 3 arrays, 48 streams, and stalled. */
-static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : kind == 1 ? 576 : 640; }
+static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : kind == 1 ? 576 : kind == 4 ? 1024 : 640; }
 
 /* One 16 x 32 weight tile from its record, as bf16 rows of 64 bytes.
  * Q4_1: a row has only 16 distinct weights, q * d + m for q = 0..15, so they are computed once
@@ -24,6 +25,11 @@ static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : kind == 
  * 32 nibbles up in that table: 7 vector ops a row where converting each nibble took 13, and
  * the dequantization shares the vector ports with the AMX loads. */
 AMX_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_t *tile) {
+    if (kind == 4) { /* bf16: the record is the tile */
+        for (int64_t r = 0; r < 16; r++)
+            _mm512_store_si512((void *)(tile + r * 32), _mm512_load_si512((const void *)(rec + r * 64)));
+        return;
+    }
     const float *d = (const float *)(rec + (kind == 0 ? 256 : 512));
     const float *mn = d + 16;
     if (kind == 0) {

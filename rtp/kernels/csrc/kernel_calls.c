@@ -53,6 +53,11 @@ int rtp_run_call(const int64_t *c) {
     case RTP_OP_GATHER_ROWS:
         rtp_gather_rows(P(1), c[2], P(3), c[4], P(5), c[6], c[7]);
         return 1;
+    case RTP_OP_LINEAR_Q4_K:
+        return rtp_linear_q4_k(P(1), c[2], P(3), P(4), P(5), P(6), P(7), c[8], (int)c[9], c[10], c[11], c[12]);
+    case RTP_OP_LINEAR_BF16:
+        rtp_linear_bf16(P(1), c[2], (int)c[3], P(4), c[5], P(6), P(7), c[8], (int)c[9], c[10], c[11], c[12]);
+        return 1;
     }
     return 0;
 }
@@ -71,6 +76,8 @@ int rtp_call_rows_word(int64_t op) {
     case RTP_OP_EMBED_ROWS: return 7;
     case RTP_OP_SILU_MUL: return 5;
     case RTP_OP_GATHER_ROWS: return 4;
+    case RTP_OP_LINEAR_Q4_K: return 10;
+    case RTP_OP_LINEAR_BF16: return 10;
     }
     return 0;
 }
@@ -147,6 +154,8 @@ uint32_t rtp_call_address_words(int64_t op) {
     case RTP_OP_SILU_MUL: return 1u << 1 | 1u << 3;
     case RTP_OP_PREFILL_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 6 | 1u << 7 | 1u << 11;
     case RTP_OP_GATHER_ROWS: return 1u << 1 | 1u << 3 | 1u << 5;
+    case RTP_OP_LINEAR_Q4_K: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 5 | 1u << 6 | 1u << 7;
+    case RTP_OP_LINEAR_BF16: return 1u << 1 | 1u << 4 | 1u << 6 | 1u << 7;
     }
     return 0;
 }
