@@ -31,6 +31,7 @@ cdef extern from "cpu_kernels.h":
         RTP_OP_GATHER_ROWS
         RTP_OP_LINEAR_Q4_K
         RTP_OP_LINEAR_BF16
+        RTP_OP_LINEAR_U8
         RTP_COUNT_AS_RECORDED
         RTP_COUNT_TOKENS
         RTP_COUNT_SAMPLES
@@ -54,7 +55,7 @@ OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8: "linear_q8", RT
             RTP_OP_DECODE_ATTENTION: "decode_attention", RTP_OP_EMBED_ROWS: "embed_rows",
             RTP_OP_SILU_MUL: "silu_mul", RTP_OP_PREFILL_ATTENTION: "prefill_attention",
             RTP_OP_GATHER_ROWS: "gather_rows", RTP_OP_LINEAR_Q4_K: "linear_q4_k",
-            RTP_OP_LINEAR_BF16: "linear_bf16"}
+            RTP_OP_LINEAR_BF16: "linear_bf16", RTP_OP_LINEAR_U8: "linear_u8"}
 # what a step graph's call counts its rows in (rtp_run_step_calls)
 COUNT_AS_RECORDED, COUNT_TOKENS, COUNT_SAMPLES = RTP_COUNT_AS_RECORDED, RTP_COUNT_TOKENS, RTP_COUNT_SAMPLES
 COUNT_DECODE_ROWS, COUNT_PREFILL_ROWS = RTP_COUNT_DECODE_ROWS, RTP_COUNT_PREFILL_ROWS
@@ -170,6 +171,14 @@ def linear_q4_1(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t m, in
     cdef int64_t c[RTP_CALL_WORDS]
     c[:13] = [RTP_OP_LINEAR_Q4_1, x, ldx, qs, d, m, bias, out, ldo, out_bf16, rows, n, k]
     _run(c, 13)
+
+
+def linear_u8(intptr_t x, int64_t ldx, bint x_fp32, intptr_t qs, intptr_t d, intptr_t mn, int group, int offset,
+              intptr_t bias, intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k) -> None:
+    """out = x @ W.T (+ bias) for small int8 blocks (q8_1: offset 0, group 32, mn; q8_16: offset 32, group 16)."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:16] = [RTP_OP_LINEAR_U8, x, ldx, x_fp32, qs, d, mn, group, offset, bias, out, ldo, out_bf16, rows, n, k]
+    _run(c, 16)
 
 
 def linear_bf16(intptr_t x, int64_t ldx, bint x_fp32, intptr_t w, int64_t ldw, intptr_t bias, intptr_t out,

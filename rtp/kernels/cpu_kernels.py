@@ -67,6 +67,28 @@ def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
     return linear_q4_1_into(x, qs, d, m, bias, torch.empty(x.shape[0], qs.shape[0], dtype=out_dtype))
 
 
+@_op("linear_u8", (), lambda x, qs, d, m, group, offset, bias, out_dtype: x.new_empty(x.shape[0], qs.shape[0],
+                                                                                    dtype=out_dtype))
+def linear_u8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int, offset: int,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] bf16 or fp32 (rounded to bf16) @ small int8 blocks [N, K].T: w = d (q) + m for q8_1 (group 32,
+    offset 0, m), w = d_g q for q8_16 (group 16, offset 32) -- q + 128 + offset is a bf16 exactly (cpu_kernels.c)."""
+    return linear_u8_into(x, qs, d, m, group, offset, bias, torch.empty(x.shape[0], qs.shape[0], dtype=out_dtype))
+
+
+def linear_u8_into(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int,
+                   offset: int, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """linear_u8 written into out; returns out."""
+    if x.stride(1) != 1 or (x.dtype == torch.bfloat16 and x.stride(0) % 2):
+        x = x.contiguous()
+    rows, k = x.shape
+    n = qs.shape[0]
+    _checked_out(out, rows, n)
+    _k.linear_u8(x.data_ptr(), x.stride(0), x.dtype == torch.float32, qs.data_ptr(), d.data_ptr(), _ptr(m), group,
+                 offset, _ptr(bias), out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16, rows, n, k)
+    return out
+
+
 @_op("linear_bf16", (), lambda x, w, bias, out_dtype: x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype))
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] bf16 or fp32 @ w [N, K].T (dense bf16, rows contiguous) (+ bias fp32) -> [M, N] in out_dtype."""

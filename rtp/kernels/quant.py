@@ -42,6 +42,8 @@ _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
 # the AMX kernels' kind codes (rtp/kernels/csrc/amx_blocks.h), and each kind's weights per scale
 AMX_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3, "bf16": 4}
 GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
+# the small-int8 kinds the one-row u8 kernel takes, and the offset that makes q + 128 + offset a bf16
+_U8_OFFSET = {"q8_1": 0, "q8_16": 32}
 
 
 # Row ranges where each kernel measured fastest (docs/benchmarks.md, "Decode step").
@@ -340,6 +342,9 @@ class BlockQuantized:
                                            out_dtype)
         if self.native is not None:
             return cpu_kernels.linear_q4_k(x.to(torch.bfloat16), *self.native, b, out_dtype)
+        if self.kind in _U8_OFFSET:
+            return cpu_kernels.linear_u8(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, self.d,
+                                         self.m, GROUP[self.kind], _U8_OFFSET[self.kind], b, out_dtype)
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out_dtype)
         return cpu_kernels.linear_q8(x.float(), self.qs, self.d, self.m, GROUP[self.kind], b, out_dtype)
@@ -355,6 +360,9 @@ class BlockQuantized:
                                                 out)
         if self.native is not None:
             return cpu_kernels.linear_q4_k_into(x.to(torch.bfloat16), *self.native, b, out)
+        if self.kind in _U8_OFFSET:
+            return cpu_kernels.linear_u8_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs,
+                                              self.d, self.m, GROUP[self.kind], _U8_OFFSET[self.kind], b, out)
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1_into(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out)
         return cpu_kernels.linear_q8_into(x.float(), self.qs, self.d, self.m, GROUP[self.kind], b, out)

@@ -150,6 +150,31 @@ def test_quantized_linears_write_only_their_outputs(kind, m, n, k, out_bf16):
 
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (3, 5, 64), (5, 37, 160), (6, 9, 96), (9, 16, 544)])
 @pytest.mark.parametrize("x_fp32", [False, True])
+@pytest.mark.parametrize("kind", ["q8_1", "q8_16"])
+def test_small_int8_linear_writes_only_its_output(m, n, k, x_fp32, kind):
+    g = torch.Generator().manual_seed(m * n + k)
+    group, offset = (32, 0) if kind == "q8_1" else (16, 32)
+    low, high = (0, 32) if kind == "q8_1" else (-32, 32)
+    a = Canaries(9)
+    xs = a.place("x", torch.randn(m, k + 32, generator=g).to(torch.float32 if x_fp32 else torch.bfloat16),
+                 lambda t: t[:, :k])
+    qs = a.place("qs", torch.randint(low, high, (n, k), dtype=torch.int8, generator=g))
+    d = a.place("d", torch.rand(n, k // group, generator=g) * 0.02)
+    mn = a.place("m", torch.randn(n, k // 32, generator=g) * 0.05) if kind == "q8_1" else None
+    b_ = a.place("bias", torch.randn(n, generator=g))
+    wide = n + 5
+    out = a.place("out", torch.zeros(m, wide), lambda t: t[:, :n], lambda e, r: e[:r, :n])
+
+    def call():
+        cpu_kernels._k.linear_u8(xs.data_ptr(), xs.stride(0), x_fp32, qs.data_ptr(), d.data_ptr(),
+                                 0 if mn is None else mn.data_ptr(), group, offset, b_.data_ptr(), out.data_ptr(),
+                                 wide, False, m, n, k)
+
+    run_and_replay(a, call, m, tuple(sorted({1, max(1, m - 1)})))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (3, 5, 64), (5, 37, 160), (6, 9, 96), (9, 16, 544)])
+@pytest.mark.parametrize("x_fp32", [False, True])
 def test_dense_bf16_linear_writes_only_its_output(m, n, k, x_fp32):
     g = torch.Generator().manual_seed(m * n)
     a = Canaries(8)

@@ -10,6 +10,9 @@ void rtp_paged_decode_attention_bf16(
 int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
                     const float *mn, const float *bias, void *out, int64_t ldo,
                     int out_bf16, int64_t M, int64_t N, int64_t K);
+int rtp_linear_u8(const void *x, int64_t ldx, int x_fp32, const int8_t *qs, const float *d, const float *mn,
+                  int group, int offset, const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M,
+                  int64_t N, int64_t K);
 void rtp_linear_bf16(const void *x, int64_t ldx, int x_fp32, const uint16_t *w, int64_t ldw, const float *bias,
                      void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K);
 int rtp_linear_q4_k(const uint16_t *x, int64_t ldx, const uint8_t *qs, const uint8_t *scm, const float *dd,
@@ -58,6 +61,7 @@ enum {
     RTP_OP_GATHER_ROWS,
     RTP_OP_LINEAR_Q4_K,
     RTP_OP_LINEAR_BF16,
+    RTP_OP_LINEAR_U8,
 };
 /* The counts a step graph is replayed over (rtp_run_step_calls): each call's rows word is one of
  * them, named per call by its class (decode and prefill attention take theirs by op). */

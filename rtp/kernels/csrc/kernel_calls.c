@@ -58,6 +58,9 @@ int rtp_run_call(const int64_t *c) {
     case RTP_OP_LINEAR_BF16:
         rtp_linear_bf16(P(1), c[2], (int)c[3], P(4), c[5], P(6), P(7), c[8], (int)c[9], c[10], c[11], c[12]);
         return 1;
+    case RTP_OP_LINEAR_U8:
+        return rtp_linear_u8(P(1), c[2], (int)c[3], P(4), P(5), P(6), (int)c[7], (int)c[8], P(9), P(10), c[11],
+                             (int)c[12], c[13], c[14], c[15]);
     }
     return 0;
 }
@@ -78,6 +81,7 @@ int rtp_call_rows_word(int64_t op) {
     case RTP_OP_GATHER_ROWS: return 4;
     case RTP_OP_LINEAR_Q4_K: return 10;
     case RTP_OP_LINEAR_BF16: return 10;
+    case RTP_OP_LINEAR_U8: return 13;
     }
     return 0;
 }
@@ -156,6 +160,7 @@ uint32_t rtp_call_address_words(int64_t op) {
     case RTP_OP_GATHER_ROWS: return 1u << 1 | 1u << 3 | 1u << 5;
     case RTP_OP_LINEAR_Q4_K: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 5 | 1u << 6 | 1u << 7;
     case RTP_OP_LINEAR_BF16: return 1u << 1 | 1u << 4 | 1u << 6 | 1u << 7;
+    case RTP_OP_LINEAR_U8: return 1u << 1 | 1u << 4 | 1u << 5 | 1u << 6 | 1u << 9 | 1u << 10;
     }
     return 0;
 }
