@@ -14,7 +14,7 @@ A step's time is (t(N tokens) - t(1 token)) / (N - 1) over the same prompts, so 
 processing and start-up are left out. The BF16 row is the same shape stored as bf16:
 what every type is weighed against. rtp multiplies every type here from its blocks, repacked
 exactly at load (rtp/kernels/quant.py): Q4_0, Q4_1 and Q4_K as q4_1 (0.75 bytes a weight),
-Q8_0 and Q5_0 as q8_0 (1.13), Q5_1 and Q5_K as q8_1 and Q6_K as q8_16 (1.25 each); BF16
+Q8_0 as q8_0 (1.13), Q5_0, Q5_1 and Q5_K as q8_1 and Q6_K as q8_16 (1.25 each); BF16
 reads 2.
 
 Output: a table, then as the last line of stdout one JSON object.

@@ -405,7 +405,7 @@ class GGUFCheckpoint(GGUFFile):
     def quantized(self) -> Iterator[tuple[str, "BlockQuantized"]]:
         """(HF name, packed blocks) of every weight matrix rtp's small-batch CPU kernels multiply
         from its blocks, q/k rows unpermuted like `tensors()`: Q4_1 and Q8_0 as the file has them,
-        Q4_K and Q4_0 repacked exactly into q4_1, Q5_0 into q8_0, Q5_1 and Q5_K into q8_1, Q6_K into
+        Q4_K and Q4_0 repacked exactly into q4_1, Q5_0, Q5_1 and Q5_K into q8_1, Q6_K into
         q8_16 (rtp/kernels/quant.py). Other types are multiplied from their dequantized weights."""
         from gguf import GGMLQuantizationType as Q
 

@@ -2,8 +2,8 @@
 
 A GGUF checkpoint stores most matrices as blocks of 32 weights (Q4_1, Q8_0) or super-blocks
 of 256 (the K-quants). Each is repacked exactly, at load, into one of four layouts rtp's kernels
-multiply: Q4_K and Q4_0 into q4_1, Q5_0 into q8_0, Q5_1 and Q5_K into q8_1, Q6_K into q8_16
-(from_q4_k and the others below). A decode step is bound by reading the
+multiply: Q4_K and Q4_0 into q4_1, Q5_0, Q5_1 and Q5_K into q8_1, Q6_K into q8_16 (from_q4_k
+and the others below). A decode step is bound by reading the
 weights, so the linear layers keep the packed blocks (a third to a half of bf16's bytes) and
 multiply them directly with rtp's CPU kernels:
   - one row: the AVX-512 kernel over the blocks, exact fp32 weights (cpu_kernels.c);
@@ -128,18 +128,19 @@ class BlockQuantized:
 
     @classmethod
     def from_q5_0(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
-        """GGUF Q5_0 (w = d * (q - 16), q of 5 bits: a nibble in qs, the fifth bit in qh) as q8_0,
-        exactly: the int8 q - 16 with the same d. 8.5 bits a weight instead of 5.5, a third more
-        bytes than the file, half of bf16's, and multiplied by the q8_0 kernels."""
+        """GGUF Q5_0 (w = d * (q - 16), q of 5 bits: a nibble in qs, the fifth bit in qh) as q8_1, exactly:
+        q with the same d and m = -16 d (d q and d (q - 16) have at most 16 significant bits: exact in
+        fp32, so d q + m is the file's weight). As q8_1 the one-row kernel builds bf16 weights in two
+        instructions (rtp_linear_u8), where q8_0's signed bytes need a widening to fp32 each."""
         b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, 22)
         d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
         high = np.ascontiguousarray(b[..., 2:6]).view("<u4")[..., 0]           # bit j: weight j's fifth bit
         qs = b[..., 6:22]
         nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)  # weights 0-15, 16-31
         fifth = (high[..., None] >> np.arange(32, dtype=np.uint32)) & 1
-        q = (nibbles | (fifth.astype(np.int16) << 4)) - 16
-        return cls("q8_0", torch.from_numpy(np.ascontiguousarray(q.astype(np.int8).reshape(rows, -1))),
-                   torch.from_numpy(np.ascontiguousarray(d)), None)
+        q = nibbles | (fifth.astype(np.int16) << 4)
+        return cls("q8_1", torch.from_numpy(np.ascontiguousarray(q.astype(np.int8).reshape(rows, -1))),
+                   torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(-16.0 * d)))
 
     @classmethod
     def from_q4_k(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":

@@ -1,5 +1,5 @@
 """The K-quants and the other GGUF types served from their blocks: repacked exactly into rtp's
-q4_1 (Q4_K, Q4_0), q8_0 (Q5_0), q8_1 (Q5_1, Q5_K) or q8_16 (Q6_K) layout (rtp/kernels/quant.py)
+q4_1 (Q4_K, Q4_0), q8_1 (Q5_0, Q5_1, Q5_K) or q8_16 (Q6_K) layout (rtp/kernels/quant.py)
 and multiplied by those kernels. Blocks are random bytes with sane scale fields, held against
 gguf's own dequantizer; a GGUF holding them loads them packed."""
 
@@ -22,7 +22,7 @@ LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q4_0: (18, 32, (0,)), Q.Q5_0: (22, 32, 
            Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,))}
 REPACK = {Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0,
           Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k}
-KIND = {Q.Q4_K: "q4_1", Q.Q4_0: "q4_1", Q.Q5_0: "q8_0", Q.Q5_1: "q8_1", Q.Q5_K: "q8_1", Q.Q6_K: "q8_16"}
+KIND = {Q.Q4_K: "q4_1", Q.Q4_0: "q4_1", Q.Q5_0: "q8_1", Q.Q5_1: "q8_1", Q.Q5_K: "q8_1", Q.Q6_K: "q8_16"}
 TYPES = list(REPACK)
 IDS = [t.name.lower() for t in TYPES]
 
@@ -124,7 +124,7 @@ def test_a_mixed_k_quant_gguf_loads_its_blocks_packed(tmp_path):
     packed = dict(ckpt.quantized())
     dense = dict(ckpt.tensors())
     assert {n: p.kind for n, p in packed.items() if p.kind != "q4_1"} == {
-        "model.layers.0.self_attn.v_proj.weight": "q8_16", "model.layers.0.mlp.down_proj.weight": "q8_0"}
+        "model.layers.0.self_attn.v_proj.weight": "q8_16", "model.layers.0.mlp.down_proj.weight": "q8_1"}
     assert len(packed) == 7
     for name, p in packed.items():  # q/k rows unpermuted like the dense tensors
         assert torch.equal(p.dequantize(), dense[name]), name
@@ -134,7 +134,7 @@ def test_a_mixed_k_quant_gguf_loads_its_blocks_packed(tmp_path):
         # qkv mixes Q4_K (q, k) with Q6_K (v): each part keeps its own layout and kernels
         assert kinds == {"model.layers.0.self_attn.qkv_proj": "q4_1+q4_1+q8_16",
                          "model.layers.0.self_attn.o_proj": "q4_1", "model.layers.0.mlp.gate_up_proj": "q4_1",
-                         "model.layers.0.mlp.down_proj": "q8_0", "lm_head": "bf16"}, kinds  # F32 output: dense
+                         "model.layers.0.mlp.down_proj": "q8_1", "lm_head": "bf16"}, kinds  # F32 output: dense
         qkv = model.model.layers[0].self_attn.qkv_proj
         want = torch.cat([dense[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
         assert torch.equal(qkv.quant.dequantize(), want)
