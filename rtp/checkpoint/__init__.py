@@ -4,6 +4,7 @@ a model, conversion, and the default model.
 
     records.py            TensorRecord (where a tensor's bytes lie, how they decode), CheckpointError
     formats.py            open_checkpoint: a directory or a GGUF file, headers read, no weights
+    multimodal.py         the language model inside a multimodal checkpoint (Gemma 3 4 B+)
     safetensors_format.py safetensors headers and index; the writer `rtp convert` uses
     gguf.py               GGUF metadata -> config.json and records (quantized blocks kept or dequantized)
     reader.py             SequentialReader and stream_tensors: file-order reads into two buffers

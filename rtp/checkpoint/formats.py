@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rtp.checkpoint.multimodal import text_config, text_records, wrapper_of
 from rtp.checkpoint.records import CheckpointError, TensorRecord, is_gguf
 
 if TYPE_CHECKING:
@@ -43,6 +44,13 @@ def open_checkpoint(path: Path) -> Checkpoint:
                               f"directory or a .gguf file)")
     try:
         with open(config) as f:
-            return Checkpoint(path, json.load(f), directory_records(path))
+            hf = json.load(f)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config} is not valid JSON: {e}") from e
+    records = directory_records(path)
+    wrapper = wrapper_of(hf)
+    if wrapper is not None:  # a multimodal checkpoint: its language model (rtp/checkpoint/multimodal.py)
+        records = text_records(records, wrapper)
+        has_head = any(r.name == "lm_head.weight" for r in records)
+        return Checkpoint(path, text_config(hf, wrapper, has_head=has_head), records)
+    return Checkpoint(path, hf, records)

@@ -316,3 +316,82 @@ def test_compiled_decode_matches_transformers(tmp_path):
     prompts = prompts_of((3, 30, 9), seed=3)
     worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts), compile=True, max_num_seqs=2, max_batched=16)
     assert worst < 1e-4, worst
+
+
+# -- Gemma 3 as its 4 B+ checkpoints ship: the language model of Gemma3ForConditionalGeneration --------
+
+def test_gemma3_text_defaults_are_transformers():
+    """An omitted text_config key means what transformers' Gemma3TextConfig says; rtp's RoPE and
+    layer-pattern defaults for an omitted key are transformers' too."""
+    from rtp.checkpoint.multimodal import WRAPPERS, text_config
+    from rtp.models.gemma import layer_types, rope_for
+
+    want = transformers.Gemma3TextConfig()
+    wrapper = WRAPPERS["Gemma3ForConditionalGeneration"]
+    for key, value in wrapper.text_defaults.items():
+        assert getattr(want, key) == value, key
+    config = ModelConfig.from_hf(text_config({"architectures": ["Gemma3ForConditionalGeneration"]}, wrapper,
+                                             has_head=False))
+    assert layer_types(config) == want.layer_types
+    for kind in (S, F):
+        assert rope_for(config, kind)[0] == want.rope_parameters[kind]["rope_theta"], kind
+
+
+def make_gemma3_multimodal(path, layout: str, tied: bool):
+    """transformers' Gemma3ForConditionalGeneration (a tiny SigLIP tower beside the tiny text model),
+    saved as transformers saves it (4.x names: language_model.model.*), or renamed to the names
+    transformers 5 holds in memory (model.language_model.*, lm_head.*); its text_config cut to the
+    keys that differ from Gemma3TextConfig's defaults, as 4.x Hub configs are."""
+    from safetensors.torch import load_file, save_file
+
+    text = transformers.Gemma3TextConfig(**{**BASE, **CONFIGS["gemma3"][1]})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=150, boi_token_index=151, eoi_token_index=152,
+                                       tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08 if p.dim() > 1 else 0.3)
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    assert any(k.startswith("language_model.model.") for k in tensors)
+    assert any(k.startswith("vision_tower.") for k in tensors)
+    if layout == "transformers-5":
+        renamed = {}
+        for k, v in tensors.items():
+            for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                             ("vision_tower.", "model.vision_tower."),
+                             ("multi_modal_projector.", "model.multi_modal_projector.")):
+                if k.startswith(old):
+                    k = new + k[len(old):]
+                    break
+            renamed[k] = v
+        save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+    saved = json.loads((path / "config.json").read_text())
+    defaults = transformers.Gemma3TextConfig().to_dict()
+    saved["text_config"] = {k: v for k, v in saved["text_config"].items() if defaults.get(k, object()) != v}
+    (path / "config.json").write_text(json.dumps(saved))
+    return model
+
+
+@pytest.mark.parametrize("layout,tied", [("transformers-4", True), ("transformers-5", False)])
+def test_multimodal_checkpoint_serves_its_language_model(layout, tied, tmp_path):
+    """A Gemma3ForConditionalGeneration directory opens as its language model: the text config over
+    transformers' defaults, the language model's tensors under their own names, the vision tower's
+    left unread; logits equal transformers' multimodal model fed text only."""
+    from rtp.checkpoint import open_checkpoint
+
+    hf = make_gemma3_multimodal(tmp_path, layout, tied)
+    checkpoint = open_checkpoint(tmp_path)
+    assert checkpoint.config["architectures"] == ["Gemma3ForCausalLM"]
+    assert checkpoint.config["tie_word_embeddings"] == tied
+    names = {r.name for r in checkpoint.records}
+    assert ("lm_head.weight" in names) == (not tied) and "model.embed_tokens.weight" in names
+    assert all(n.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")) for n in names)
+    prompts = prompts_of((5, 23, 40), seed=7)
+    worst, _ = run_rtp(tmp_path, prompts, hf_reference(hf, prompts))
+    assert worst < 1e-4, worst
