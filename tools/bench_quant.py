@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Decode speed by GGUF quantization type, on a Llama-shaped model written by this tool.
 
-For each --types entry the tool writes one GGUF of the same shape (default about 0.5 B
-parameters: hidden 1024, 24 layers, FFN 2816, 16 heads, 4 KV heads, the default model's
+For each --types entry the tool writes one GGUF of the same shape (default 0.50 B
+parameters: hidden 1024, 40 layers, FFN 2816, 16 heads, 4 KV heads, the default model's
 49,152-token vocabulary and tokenizer) whose linear layers hold random blocks of that type
 (sane fp16 scales), the embeddings and norms F32 (the LM head is tied). It loads each
 through rtp's real loader (`LLM`) and measures, in one run:
@@ -17,9 +17,14 @@ exactly at load (rtp/kernels/quant.py): Q4_0, Q4_1 and Q4_K as q4_1 (0.75 bytes 
 Q8_0 as q8_0 (1.13), Q5_0, Q5_1 and Q5_K as q8_1 and Q6_K as q8_16 (1.25 each); BF16
 reads 2.
 
+With --llama-bench and --llama-batched-bench, llama.cpp decodes each same file beside: one row
+(llama-bench tg, --tokens tokens) and --batch sequences of the same 32-token prompt length at
+once (llama-batched-bench's S_TG: generated tokens over generation time), both cores.
+
 Output: a table, then as the last line of stdout one JSON object.
 
     python tools/bench_quant.py                              # every type, 0.5 B shape
+    python tools/bench_quant.py --llama-bench B --llama-batched-bench BB  # llama.cpp beside, same files
     python tools/bench_quant.py --types Q4_K,BF16 --layers 4  # a quick look
 """
 
@@ -61,6 +66,22 @@ def llama_bench(binary: str, path: Path, tokens: int) -> float | None:
     except (ValueError, KeyError, IndexError):
         print(f"llama-bench failed on {path.name}: {done.stderr[-400:]}", file=sys.stderr)
         return None
+
+
+def llama_batched_bench(binary: str, path: Path, batch: int, prompt: int, tokens: int) -> float | None:
+    """llama.cpp's decode tok/s of `batch` sequences at once (llama-batched-bench's S_TG: batch x
+    tokens over the generation time, prompts left out), None if it fails."""
+    import subprocess
+
+    ctx = batch * (prompt + tokens + 16)
+    done = subprocess.run([binary, "-m", str(path), "-t", "2", "-tb", "2", "-c", str(ctx), "-b", "2048",
+                           "-ub", "512", "-npp", str(prompt), "-ntg", str(tokens), "-npl", str(batch),
+                           "--output-format", "jsonl"], capture_output=True, text=True, timeout=1800)
+    for line in (done.stdout + done.stderr).splitlines():
+        if line.startswith("{") and '"speed_tg"' in line:
+            return float(json.loads(line)["speed_tg"])
+    print(f"llama-batched-bench failed on {path.name}: {done.stderr[-400:]}", file=sys.stderr)
+    return None
 
 
 def write_model(path: Path, qtype: str, args, tokenizer: dict) -> int:
@@ -131,13 +152,16 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=2816)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--tokens", type=int, default=33, help="tokens generated per measured run (default 33)")
     ap.add_argument("--batch", type=int, default=64, help="requests of the batched measurement (default 64)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the GGUFs go (default: a temporary directory)")
     ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary: its one-row decode "
                                                           "(tg) on each type's GGUF, beside rtp's")
+    ap.add_argument("--llama-batched-bench", metavar="PATH", help="llama.cpp's llama-batched-bench binary: its "
+                                                                  "decode of --batch sequences at once (S_TG) on "
+                                                                  "each type's GGUF, beside rtp's")
     args = ap.parse_args()
 
     import torch
@@ -150,7 +174,8 @@ def main() -> int:
     out = Path(args.dir or tempfile.mkdtemp(prefix="rtp-bench-quant-"))
     out.mkdir(parents=True, exist_ok=True)
     g = np.random.default_rng(args.seed)
-    prompt_ids = [g.integers(100, 40000, size=32).tolist() for _ in range(args.batch)]
+    prompt_len = 32
+    prompt_ids = [g.integers(100, 40000, size=prompt_len).tolist() for _ in range(args.batch)]
     rows = []
     for qtype in args.types.split(","):
         path = out / f"bench-{qtype}.gguf"
@@ -167,12 +192,16 @@ def main() -> int:
         print(f"[{qtype}] 1 row {one:.2f} ms, {args.batch} rows {many:.1f} ms", file=sys.stderr, flush=True)
         if args.llama_bench:
             rows[-1]["llama_cpp_tok_s"] = llama_bench(args.llama_bench, path, args.tokens)
+        if args.llama_batched_bench:
+            rows[-1]["llama_cpp_batch_tok_s"] = llama_batched_bench(args.llama_batched_bench, path, args.batch,
+                                                                    prompt_len, args.tokens)
         del llm
         path.unlink()
     base = next((r for r in rows if r["type"] == "BF16"), None)
     print(f"{'type':<6}{'file MB':>9}{'packed':>8}{'1 row ms':>10}{'tok/s':>8}{'vs bf16':>9}"
-          f"{args.batch:>5} rows ms{'tok/s':>8}{'vs bf16':>9}" + (f"{'llama.cpp tok/s':>17}{'rtp/llama.cpp':>15}"
-                                                                  if args.llama_bench else ""))
+          f"{args.batch:>5} rows ms{'tok/s':>8}{'vs bf16':>9}"
+          + (f"{'llama.cpp 1 row':>17}{'rtp/llama.cpp':>15}" if args.llama_bench else "")
+          + (f"{f'llama.cpp {args.batch} rows':>19}{'rtp/llama.cpp':>15}" if args.llama_batched_bench else ""))
     for r in rows:
         r["one_row_vs_bf16"] = base["one_row_ms"] / r["one_row_ms"] if base else None
         r["batch_vs_bf16"] = base["batch_ms"] / r["batch_ms"] if base else None
@@ -180,7 +209,9 @@ def main() -> int:
               f"{r['one_row_tok_s']:>8.1f}{(r['one_row_vs_bf16'] or 0):>9.2f}{r['batch_ms']:>13.1f}"
               f"{r['batch_tok_s']:>8.0f}{(r['batch_vs_bf16'] or 0):>9.2f}"
               + (f"{r['llama_cpp_tok_s']:>17.1f}{r['one_row_tok_s'] / r['llama_cpp_tok_s']:>14.2f}x"
-                 if r.get("llama_cpp_tok_s") else ""))
+                 if r.get("llama_cpp_tok_s") else "")
+              + (f"{r['llama_cpp_batch_tok_s']:>19.0f}{r['batch_tok_s'] / r['llama_cpp_batch_tok_s']:>14.2f}x"
+                 if r.get("llama_cpp_batch_tok_s") else ""))
     import platform
 
     print(json.dumps({"shape": {k: getattr(args, k) for k in ("hidden", "ffn", "heads", "kv_heads", "layers")},
