@@ -44,6 +44,9 @@ AMX_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3, "bf16": 4}
 GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
 # the small-int8 kinds the one-row u8 kernel takes, and the offset that makes q + 128 + offset a bf16
 _U8_OFFSET = {"q8_1": 0, "q8_16": 32}
+# q8_0 with bf16 x takes rtp_linear_u8 too, q split into two nibble halves (U8_SPLIT in cpu_kernels.c);
+# fp32 x (the LM head's input) keeps rtp_linear_q8, which multiplies it unrounded
+U8_SPLIT = 2176
 
 
 # Row ranges where each kernel measured fastest (docs/benchmarks.md, "Decode step").
@@ -348,6 +351,8 @@ class BlockQuantized:
                                          self.m, GROUP[self.kind], _U8_OFFSET[self.kind], b, out_dtype)
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out_dtype)
+        if self.kind == "q8_0" and x.dtype == torch.bfloat16:
+            return cpu_kernels.linear_u8(x, self.qs, self.d, None, 32, U8_SPLIT, b, out_dtype)
         return cpu_kernels.linear_q8(x.float(), self.qs, self.d, self.m, GROUP[self.kind], b, out_dtype)
 
     def linear_into(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
@@ -366,6 +371,8 @@ class BlockQuantized:
                                               self.d, self.m, GROUP[self.kind], _U8_OFFSET[self.kind], b, out)
         if self.kind == "q4_1":
             return cpu_kernels.linear_q4_1_into(x.to(torch.bfloat16), self.qs, self.d, self.m, b, out)
+        if self.kind == "q8_0" and x.dtype == torch.bfloat16:
+            return cpu_kernels.linear_u8_into(x, self.qs, self.d, None, 32, U8_SPLIT, b, out)
         return cpu_kernels.linear_q8_into(x.float(), self.qs, self.d, self.m, GROUP[self.kind], b, out)
 
 

@@ -19,10 +19,12 @@ from rtp.kernels.quant import BlockQuantized
 
 # bytes per block, weights per block, offsets of the fp16 scale fields
 LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q4_0: (18, 32, (0,)), Q.Q5_0: (22, 32, (0,)), Q.Q5_1: (24, 32, (0, 2)),
-           Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,))}
+           Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,)), Q.Q8_0: (34, 32, (0,))}
 REPACK = {Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0,
-          Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k}
-KIND = {Q.Q4_K: "q4_1", Q.Q4_0: "q4_1", Q.Q5_0: "q8_1", Q.Q5_1: "q8_1", Q.Q5_K: "q8_1", Q.Q6_K: "q8_16"}
+          Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k,
+          Q.Q8_0: lambda raw, rows: BlockQuantized.from_gguf("q8_0", raw, rows)}
+KIND = {Q.Q4_K: "q4_1", Q.Q4_0: "q4_1", Q.Q5_0: "q8_1", Q.Q5_1: "q8_1", Q.Q5_K: "q8_1", Q.Q6_K: "q8_16",
+        Q.Q8_0: "q8_0"}
 TYPES = list(REPACK)
 IDS = [t.name.lower() for t in TYPES]
 
@@ -53,11 +55,11 @@ def test_kernels_multiply_the_repacked_blocks(qtype, rows):
     raw = random_blocks(qtype, n, k, seed=rows)
     w = torch.from_numpy(dequantize(raw, qtype))
     packed = REPACK[qtype](raw, n)
-    x = torch.randn(rows, k).bfloat16()  # as the model hands them (the int8 kinds widen them to fp32)
-    x = x if KIND[qtype] == "q4_1" else x.float()
+    x = torch.randn(rows, k).bfloat16()  # as the model's layers hand them; the LM head's input is fp32
     ref = x.float() @ w.T
-    out = packed.linear(x, None, torch.float32)  # the AVX-512 kernels: the exact weights
-    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    for xin in (x, x.float()):  # q8_0: bf16 rows take q = 16 h + l as two bf16 halves, fp32 rows widen q
+        out = packed.linear(xin, None, torch.float32)  # the AVX-512 kernels: the exact weights
+        assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs a CPU with AMX-BF16")

@@ -194,11 +194,18 @@ TARGET int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, co
  *   sum_k x w = sum_g d_g (x . u)_g + sum_g (m_g - (128 + offset) d_g) sum_g x
  * qs int8 [N, K]; d fp32 [N, K / group] (group 32 or 16); m fp32 [N, K / 32] or NULL; offset 0 (q8_1)
  * or 32 (q8_16). x bf16 (a fp32 row is rounded to bf16 as it is read).
+ * Q8_0's q spans all of int8, more than bf16's 7 mantissa bits hold, so with offset U8_SPLIT it is
+ * split q = 16 h + l (h = q >> 4 in -8..7, l = q & 15): bf16(128 + l) has bits l + 0x4300 and
+ * bf16(2048 + 16 (h + 8)) has bits h + 8 + 0x4500 (the step of [2048, 4096) is 16), so two dot
+ * instructions into one sum multiply x by q + 2304 exactly (offset 2176: 128 + offset = 2304 comes
+ * back out as above). Four instructions build 32 weights where widening them to fp32 took six, only
+ * one of them on the shuffle port: one row of a 0.5 B Q8_0 model 38.8 -> see docs/benchmarks.md.
  * ------------------------------------------------------------------------------------------- */
+#define U8_SPLIT 2176
 TARGET static inline __attribute__((always_inline)) void u8_tile(
         const uint16_t *x, int64_t ldx, const float *xsum, const int8_t *qs, const float *d, const float *mn,
         int group, int offset, int64_t K, const float *bias, void *out, int64_t ldo, int out_bf16, int64_t m0,
-        const int mr, int64_t n0, int64_t nr, const int NR_) {
+        const int mr, int64_t n0, int64_t nr, const int NR_, const int split) {
     int64_t nb = K / QK, ng = K / group, per = QK / group;
     __m512 acc[MR_MAX][NR];
     for (int i = 0; i < mr; i++)
@@ -213,9 +220,19 @@ TARGET static inline __attribute__((always_inline)) void u8_tile(
         __m512bh xv[MR_MAX];
         for (int i = 0; i < mr; i++) xv[i] = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * ldx + b * QK);
         for (int j = 0; j < NR_; j++) {
-            __m512bh wv = (__m512bh)_mm512_add_epi16(
-                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + rows[j] * K + b * QK))), bias_bits);
+            __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + rows[j] * K + b * QK)));
             const float *dr = d + rows[j] * ng + b * per;
+            if (split) {
+                __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000f),
+                                                                  _mm512_set1_epi16(0x4300), 0xEA);
+                __m512bh hi = (__m512bh)_mm512_add_epi16(_mm512_srai_epi16(v, 4), _mm512_set1_epi16(0x4508));
+                __m512 scale = _mm512_set1_ps(dr[0]);
+                for (int i = 0; i < mr; i++)
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv[i], lo),
+                                                                 xv[i], hi), scale, acc[i][j]);
+                continue;
+            }
+            __m512bh wv = (__m512bh)_mm512_add_epi16(v, bias_bits);
             /* lanes 0-7 sum weights 0-15, lanes 8-15 weights 16-31: a scale per 16 is a two-valued vector */
             __m512 scale = per == 1 ? _mm512_set1_ps(dr[0])
                                     : _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(dr[0]), _mm512_set1_ps(dr[1]));
@@ -245,6 +262,7 @@ TARGET int rtp_linear_u8(const void *x, int64_t ldx, int x_fp32, const int8_t *q
                          int group, int offset, const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M,
                          int64_t N, int64_t K) {
     int64_t ng = K / group;
+    const int split = offset == U8_SPLIT;
     float stack[16384];
     uint16_t xstack[8192];
     float *xsum = M * ng <= 16384 ? stack : (float *)malloc((size_t)(M * ng) * sizeof(float));
@@ -276,8 +294,8 @@ TARGET int rtp_linear_u8(const void *x, int64_t ldx, int x_fp32, const int8_t *q
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             int64_t n0 = t * 2, nr = N - n0 < 2 ? N - n0 : 2;
-            if (M == 5) u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, 0, 5, n0, nr, 2);
-            else u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, 0, 6, n0, nr, 2);
+            if (M == 5) u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, 0, 5, n0, nr, 2, split);
+            else u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, 0, 6, n0, nr, 2, split);
         }
     } else {
         int64_t tiles = (N + NR - 1) / NR;
@@ -286,10 +304,10 @@ TARGET int rtp_linear_u8(const void *x, int64_t ldx, int x_fp32, const int8_t *q
             int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
                 switch (M - m0 < MR ? M - m0 : MR) {
-                case 1: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, NR); break;
-                case 2: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, NR); break;
-                case 3: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, NR); break;
-                default: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, NR); break;
+                case 1: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, NR, split); break;
+                case 2: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, NR, split); break;
+                case 3: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, NR, split); break;
+                default: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, NR, split); break;
                 }
             }
         }
