@@ -216,11 +216,18 @@ class CacheConfig(msgspec.Struct, kw_only=True, frozen=True):
                                         "the free memory on CUDA)", parse="bytes", metavar="BYTES") = None
     enable_prefix_caching: _field(bool, "reuse the KV blocks of prompts' common prefixes (radix cache)",
                                   negatable=True) = True
+    kv_cache_dtype: _field(str, "what the KV cache holds: auto (the model's dtype), bf16, or int8: each token's K "
+                                "and V per head as int8 with one fp32 scale, about half of bf16's bytes, so twice "
+                                "the tokens in --kv-cache-memory and half the bytes decode attention reads (CPU, "
+                                "not MLA models nor --role prefill/decode yet)",
+                           choices=["auto", "bf16", "int8"]) = "auto"
 
     def validate(self) -> None:
         _positive(self, "block_size")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in ("auto", "bf16", "int8"):
+            raise ValueError(f"--kv-cache-dtype must be auto, bf16 or int8, got {self.kv_cache_dtype!r}")
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -311,14 +318,18 @@ class EPLBConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """Speculative decoding: a decoding request verifies tokens drafted from its own text in the
-    same step (one row each), keeping those the model would have chosen itself, so its output is
-    what it would have been. Flat names: speculative (the method), num_speculative_tokens,
-    prompt_lookup_min/max, speculative_max_running."""
+    """Speculative decoding: a decoding request verifies tokens drafted from its own text, or by a
+    small draft model, in the same step (one row each), keeping those the model would have chosen
+    itself, so its output is what it would have been. Flat names: speculative (the method),
+    speculative_model, num_speculative_tokens, prompt_lookup_min/max, speculative_max_running."""
 
     method: _field(str | None, "draft tokens for requests by ngram, prompt lookup: where the last n tokens "
-                               "occurred before in the request's own text, the tokens that followed (default: "
-                               "off)", flat="speculative", choices=["ngram"]) = None
+                               "occurred before in the request's own text, the tokens that followed; or by "
+                               "draft_model, the greedy continuation of --speculative-model (implied by it) "
+                               "(default: off)", flat="speculative", choices=["ngram", "draft_model"]) = None
+    model: _field(str | None, "the draft model: a checkpoint directory, .gguf file or Hugging Face ID rtp "
+                              "loads, sharing the target's tokenizer (sets --speculative draft_model)",
+                  flat="speculative_model") = None
     num_speculative_tokens: _field(int, "most tokens a request drafts a step (adapted per request to what it "
                                         "keeps)", flat="num_speculative_tokens") = 4
     prompt_lookup_min: _field(int, "shortest n-gram matched", flat="prompt_lookup_min") = 1
@@ -328,17 +339,27 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True):
                         flat="speculative_max_running") = 16
 
     def validate(self) -> None:
-        if self.method not in (None, "ngram"):
-            raise ValueError(f"speculative must be ngram (or off), got {self.method!r}")
+        if self.method not in (None, "ngram", "draft_model"):
+            raise ValueError(f"speculative must be ngram or draft_model (or off), got {self.method!r}")
+        if self.model is not None and self.method == "ngram":
+            raise ValueError("--speculative ngram drafts from the request's own text: it takes no "
+                             "--speculative-model (that sets --speculative draft_model)")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("--speculative draft_model needs --speculative-model PATH")
         _positive(self, "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_running")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max "
                              f"{self.prompt_lookup_max}")
 
     @property
+    def kind(self) -> str | None:
+        """The drafter: "ngram", "draft_model" (also when only a model is named), or None (off)."""
+        return "draft_model" if self.model else self.method
+
+    @property
     def draft_tokens(self) -> int:
         """The most tokens a request drafts a step: 0 when speculative decoding is off."""
-        return self.num_speculative_tokens if self.method else 0
+        return self.num_speculative_tokens if self.kind else 0
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):

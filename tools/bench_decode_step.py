@@ -25,6 +25,7 @@ The script prints a table, then (as the last line of stdout) one JSON object.
     python tools/bench_decode_step.py                          # 64 rows, 80-token contexts
     python tools/bench_decode_step.py --rows 1 --context 32
     python tools/bench_decode_step.py --rows 64 --context 144 --repeats 30
+    python tools/bench_decode_step.py --rows 1 --context 2048 --kv-cache-dtype int8
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def profile(graph, rows: int, repeats: int) -> np.ndarray:
                                                           file=sys.stderr, leave=False)])
 
 
-def summarise(graph, times: np.ndarray, rows: int, context: int, config, params: int, peak: float) -> dict:
+def summarise(graph, times: np.ndarray, rows: int, context: int, config, params: int, peak: float,
+              kv_int8: bool = False) -> dict:
     names = linear_names(config)
     groups: dict[str, dict] = defaultdict(lambda: {"calls": 0, "flop": 0.0, "bytes": 0.0})
     per_call = np.median(times, axis=0) / 1e6  # ms
@@ -122,7 +124,9 @@ def summarise(graph, times: np.ndarray, rows: int, context: int, config, params:
             g["flop"] += 2.0 * rows * n * k
             g["bytes"] += n * k * _BYTES_PER_WEIGHT[kind]
         elif kernel == "decode_attention":
-            g["bytes"] += rows * (context + 1) * 2 * kv_heads * head_dim * 2  # K and V, bf16
+            # K and V: bf16, or int8 with an fp32 scale per token and head
+            per_head = head_dim + 4 if kv_int8 else 2 * head_dim
+            g["bytes"] += rows * (context + 1) * 2 * kv_heads * per_head
     table = []
     for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["ms"]):
         row = {"kernel": name, "calls": g["calls"], "ms": round(g["ms"], 3), "share": round(g["ms"] / replay_ms, 4)}
@@ -173,6 +177,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20, help="timed replays (default 20)")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "int8"],
+                    help="the KV cache's dtype (default auto: the model's, bf16)")
     args = ap.parse_args()
     if args.rows < 1 or args.context < 1 or args.repeats < 1:
         ap.error("--rows, --context and --repeats must be at least 1")
@@ -183,8 +189,8 @@ def main() -> None:
 
     from rtp import LLM
 
-    note(f"loading the model, bf16, room for {args.rows} rows")
-    llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(args.rows, 1))
+    note(f"loading the model, bf16, KV cache {args.kv_cache_dtype}, room for {args.rows} rows")
+    llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(args.rows, 1), kv_cache_dtype=args.kv_cache_dtype)
     graph = llm.engine.runner.cpu_graph(args.rows)
     if graph is None:
         raise SystemExit(f"no CPU graph serves {args.rows} rows with this model (see the engine's start-up log)")
@@ -196,7 +202,8 @@ def main() -> None:
     with CpuWatch() as cpu:
         times = profile(graph, args.rows, args.repeats)
     res = summarise(graph, times, args.rows, args.context, llm.engine.model.config,
-                    count_params(llm.engine.model), peak)
+                    count_params(llm.engine.model), peak, kv_int8=args.kv_cache_dtype == "int8")
+    res["kv_cache_dtype"] = args.kv_cache_dtype
     res["other_cpu_s"] = cpu.other_cpu_s
     note(f"reference: oneDNN with prepacked bf16 weights over this model's {args.rows}-row linears alone")
     ref = bench_onednn_linears(llm.engine.model.config, args.rows, peak)

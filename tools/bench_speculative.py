@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Speculative decoding (n-gram / prompt lookup) against plain decoding, side by side.
+"""Speculative decoding (n-gram / prompt lookup, or a draft model) against plain decoding, side by side.
 
 Three workloads, each a set of chat requests to the default model (greedy, up to --max-tokens):
   summarise  summarise or quote a given text: the answer copies long runs of the prompt;
   code       edit a given function and return it whole: the answer repeats most of it;
   chat       open questions: little to copy, where drafting should cost nothing.
 Each runs as one stream (the requests one after another) and as --streams streams (that many
-at once), on two engines built in the same run: a plain one and one with --speculative ngram.
+at once), on two engines built in the same run: a plain one and one with --speculative ngram (or,
+with --speculative-model, that draft model).
 For each it prints tok/s of both and their ratio, the drafted tokens the model kept (acceptance
 rate), the tokens a verifying step emitted on average (kept drafts + the model's own), and
 whether every request's greedy output was identical (it must be). With --llama-lookup, llama.cpp's
@@ -17,6 +18,7 @@ line of stdout) one JSON object.
     python tools/bench_speculative.py
     python tools/bench_speculative.py --num-speculative-tokens 6 --streams 8 --max-tokens 256
     python tools/bench_speculative.py --llama-lookup PATH/TO/llama.cpp/build/bin/llama-lookup
+    python tools/bench_speculative.py --model BF16_DIR --speculative-model DEFAULT.gguf --streams 1
 """
 
 from __future__ import annotations
@@ -141,27 +143,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--model", default=None, help="checkpoint directory, GGUF file or ID (default: SmolLM2-135M)")
+    ap.add_argument("--speculative-model", metavar="PATH", default=None,
+                    help="draft with this model (directory, GGUF or ID sharing --model's tokenizer) instead of ngram")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--streams", type=int, default=8, help="requests at once in the batched runs (default 8)")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--workloads", default="summarise,code,chat")
+    ap.add_argument("--requests", type=int, default=None, help="the first N requests of each workload (default all)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each case; the fastest counts (default 1)")
     ap.add_argument("--llama-lookup", metavar="PATH", help="llama.cpp's llama-lookup binary, run beside rtp")
     args = ap.parse_args()
 
     from rtp import LLM
 
-    note("loading a plain engine and one with speculative decoding (ngram)")
+    drafter = ({"speculative_model": args.speculative_model} if args.speculative_model
+               else {"speculative": "ngram"})
+    note(f"loading a plain engine and one with speculative decoding ({args.speculative_model or 'ngram'})")
     plain = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(16, args.streams * 2))
-    spec = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(16, args.streams * 2), speculative="ngram",
-               num_speculative_tokens=args.num_speculative_tokens)
+    spec = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(16, args.streams * 2),
+               num_speculative_tokens=args.num_speculative_tokens, **drafter)
     tok = plain.engine.tokenizer
-    chosen = {name: asks for name, asks in workloads().items() if name in args.workloads.split(",")}
+    chosen = {name: asks[: args.requests] for name, asks in workloads().items() if name in args.workloads.split(",")}
     rows = []
     with CpuWatch() as cpu:
         for name, asks in chosen.items():
             prompts = [tok.apply_chat_template([{"role": "user", "content": a}], tokenize=True) for a in asks]
-            for streams in (1, args.streams):
+            for streams in sorted({1, args.streams}):
                 note(f"{name}, {streams} stream(s), {len(prompts)} requests")
                 s = spec.engine.scheduler
                 before = (s.spec_verifications, s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_emitted_tokens)
@@ -204,6 +211,7 @@ def main() -> None:
         print(f"{r['workload']:<10} {r['streams']:>7} {r['tokens']:>7} {r['plain_tok_s']:>11,.1f} "
               f"{r['spec_tok_s']:>10,.1f} {r['speedup']:>7.2f}x {acc:>9} {per:>10} {str(r['identical']):>9}" + peer)
     print(json.dumps({"num_speculative_tokens": args.num_speculative_tokens, "max_tokens": args.max_tokens,
+                      "drafter": args.speculative_model or "ngram",
                       "other_cpu_s": cpu.other_cpu_s, "rows": rows}))
 
 

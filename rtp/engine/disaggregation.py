@@ -36,6 +36,7 @@ class KVHandoff:
     # -- prefill node --------------------------------------------------------------------------
 
     def add_sink(self, rid: int, sink: KVSink) -> None:
+        self._refuse_int8()
         if self._taps is None:
             self._taps = LayerTaps(self.runner.model.attention_layers(), self.runner.kv_caches)
             self.runner.taps = self._taps  # the runner hands them every layer, whichever path runs the step
@@ -74,6 +75,7 @@ class KVHandoff:
                 stop_token_ids, ignore_eos: bool, speculate: bool = False) -> np.ndarray:
         """Blocks for a prompt whose KV another node computes (MemoryError when too few are free
         now); their ids, in token order."""
+        self._refuse_int8()
         blocks = self.scheduler.reserve(rid, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
                                         stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, speculate=speculate)
         self.reserved[request_id] = rid
@@ -82,6 +84,12 @@ class KVHandoff:
     def write(self, layer: int, blocks: np.ndarray, num_tokens: int, kv: torch.Tensor | bytes) -> None:
         """Token-major KV of a reserved request's first num_tokens prompt tokens, into its blocks."""
         scatter(self.runner.kv_caches[layer], token_slots(blocks, self.scheduler.block_size, num_tokens), kv)
+
+    def _refuse_int8(self) -> None:
+        # `rtp serve` refuses the combination at start-up; this guards the engine used directly
+        if self.runner.kv_scales:
+            raise ValueError("prefill/decode KV transfer with --kv-cache-dtype int8 is not supported yet "
+                             "(the transfer moves blocks without their scales)")
 
     def resume(self, request_id: str, first_token: int) -> int:
         """The reserved request joins the batch from its first token (KeyError: not reserved here;

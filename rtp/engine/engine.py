@@ -11,7 +11,8 @@ turns what happened into per-request deltas:
     deltas = outputs.emit(events)     rtp/engine/output.py   (text, stop strings, logprobs)
 
 The runtime owns every request's tokens, blocks and stop conditions in C; the output
-processor its text. The rest are components called at named points: prefill/decode
+processor its text. The rest are components called at named points: speculative decoding's
+draft model between schedule and forward (rtp/engine/draft_model.py), prefill/decode
 disaggregation (rtp/engine/disaggregation.py), EPLB (rtp/engine/expert_balancer.py) and
 the tensor-parallel ranks (rtp/engine/tensor_parallel.py). Faults: rtp/errors.py.
 """
@@ -32,13 +33,14 @@ import torch
 from rtp.checkpoint import open_checkpoint
 from rtp.checkpoint.loader import load_model
 from rtp.checkpoint.hub import resolve_model
-from rtp.checkpoint.tokenizer import Tokenizer
+from rtp.checkpoint.tokenizer import Tokenizer, TokenizerError
 from rtp.config import EngineConfig, ModelConfig
 from rtp.distributed import world_rank, world_size
 from rtp.engine.disaggregation import KVHandoff
+from rtp.engine.draft_model import DraftModel, check_same_vocabulary
 from rtp.engine.expert_balancer import ExpertBalancer, eplb_slots, lendable_kv_blocks
 from rtp.engine.grammar import GrammarCompiler, GrammarSlots
-from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks
+from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
 from rtp.engine.kv_transfer import KVLayout, KVSink
 from rtp.engine.output import Logprobs, OutputProcessor, RequestDelta
 from rtp.engine.prefill_budget import PrefillBudget
@@ -88,12 +90,21 @@ class LLMEngine:
         self.max_model_len = min(sched.max_model_len or min(mc.max_position_embeddings, 8192),
                                  mc.max_position_embeddings)
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids))
+        draft_model = self._load_draft_model() if self.speculative.kind == "draft_model" else None
         specs = [layer.kv_cache_spec for layer in self.model.attention_layers()]
-        num_blocks = num_kv_blocks(specs, block_size=cache.block_size, dtype=self.dtype,
+        # --kv-cache-dtype (rtp/engine/kv_cache.py): what it cannot do yet is refused here
+        self.kv_dtype = kv_dtype = resolve_kv_dtype(cache.kv_cache_dtype, self.dtype, self.device,
+                                                    self.model.attention_layers())
+        if draft_model is not None and kv_dtype != self.dtype:
+            raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype} with --speculative-model is not supported yet "
+                             f"(the draft model's cache takes the model's dtype)")
+        if draft_model is not None:  # its cache takes the target's block ids: one block costs both
+            specs += [layer.kv_cache_spec for layer in draft_model.attention_layers()]
+        num_blocks = num_kv_blocks(specs, block_size=cache.block_size, dtype=kv_dtype,
                                    max_model_len=self.max_model_len, max_num_seqs=sched.max_num_seqs,
                                    budget_bytes=cache.kv_cache_memory, device=self.device)
         moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)] if eplb_ranks else []
-        block_bytes = bytes_per_block(specs, cache.block_size, self.dtype)
+        block_bytes = bytes_per_block(specs, cache.block_size, kv_dtype)
         # blocks the pool is lent while EPLB's replicas are dropped: the cache is allocated for
         # them too, committed only as they are used (rtp/engine/kv_cache.py)
         lendable = lendable_kv_blocks(moe_layers, block_bytes)
@@ -104,9 +115,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks=num_blocks + lendable, block_size=cache.block_size,
                                   max_num_seqs=sched.max_num_seqs,
                                   max_num_batched_tokens=sched.max_num_batched_tokens,
-                                  max_model_len=self.max_model_len, kv_dtype=self.dtype, device=self.device,
+                                  max_model_len=self.max_model_len, kv_dtype=kv_dtype, device=self.device,
                                   compile=self.compile, committed_blocks=num_blocks,
                                   max_draft_tokens=self.speculative.draft_tokens)
+        self.drafter = None if draft_model is None else DraftModel(
+            draft_model, self.runner, num_blocks=num_blocks + lendable, committed_blocks=num_blocks,
+            max_model_len=self.max_model_len, max_draft_tokens=self.speculative.draft_tokens, kv_dtype=self.dtype,
+            device=self.device, compile=self.compile)
         self.allocator = BlockAllocator(num_blocks, cache.block_size, num_blocks + lendable)
         self.cache = RadixCache(self.allocator) if cache.enable_prefix_caching else None
         self.scheduler = Scheduler(self.allocator, self.runner.plan, cache=self.cache,
@@ -118,7 +133,8 @@ class LLMEngine:
                                    num_speculative_tokens=self.speculative.draft_tokens,
                                    spec_ngram_min=self.speculative.prompt_lookup_min,
                                    spec_ngram_max=self.speculative.prompt_lookup_max,
-                                   spec_max_running=self.speculative.max_running)
+                                   spec_max_running=self.speculative.max_running,
+                                   external_drafts=self.drafter is not None)
         self.prefill_budget = (PrefillBudget(sched.step_time_target,
                                              cap=sched.max_prefill_tokens_with_decodes or sched.max_num_batched_tokens,
                                              floor=cache.block_size)
@@ -132,6 +148,8 @@ class LLMEngine:
         self.handoff = KVHandoff(self.scheduler, self.runner)
         self._channel = PlanChannel(self.runner.plan) if world_size() > 1 else None
         self.warmup_seconds = self.runner.warmup(progress=sys.stderr.isatty())
+        if self.drafter is not None:
+            self.warmup_seconds += self.drafter.warmup(progress=sys.stderr.isatty())
         self.balancer: ExpertBalancer | None = None
         if eplb_ranks:  # after warm-up: its dummy steps are no traffic
             self.balancer = ExpertBalancer(moe_layers, num_ranks=eplb_ranks, window=eplb.window_size,
@@ -143,6 +161,25 @@ class LLMEngine:
                  mc.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks - 1,
                  cache.block_size, f" (+{lendable} lent while EPLB's replicas are dropped)" if lendable else "",
                  self.max_model_len)
+
+    def _load_draft_model(self) -> torch.nn.Module:
+        """The draft model of --speculative-model (rtp/engine/draft_model.py), loaded as the target is,
+        refused at startup when it does not share the target's tokenizer or cannot take its context."""
+        if world_size() > 1:
+            raise ValueError("--speculative-model runs on one process: not with --tp or --ep above 1")
+        ref = self.speculative.model
+        path = resolve_model(ref)
+        model, config = load_model(path, self.dtype, self.device)
+        try:
+            tokenizer = Tokenizer.from_pretrained(path)
+        except TokenizerError:
+            tokenizer = None
+        check_same_vocabulary(self.tokenizer, self.model_config.vocab_size, tokenizer, config.vocab_size, ref)
+        if config.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"the draft model {ref} takes {config.max_position_embeddings} positions, fewer than "
+                             f"max_model_len {self.max_model_len}: lower --max-model-len")
+        log.info("draft model: %s (%s, %d layers)", ref, config.architecture, config.num_hidden_layers)
+        return model
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -275,6 +312,8 @@ class LLMEngine:
         if self._channel is not None:
             self._channel.send_step()
         plan = self.scheduler.plan
+        if self.drafter is not None and self.drafter.propose():  # the draft model's tokens into the draft rows
+            self.scheduler.set_drafts(self.drafter.tokens)
         rids = self.runner.sample_req_ids().tolist()
         slots = plan.sample_slots[:plan.num_samples]
         self.grammars.prefetch(slots)  # the masks are filled beside the forward, not after it
@@ -314,7 +353,8 @@ class LLMEngine:
         if sampled.failed or any(d.error is not None for d in deltas.values()):
             self._check_integrity()
         if self.balancer is not None:
-            self.balancer.between_steps(self.allocator, self.runner.kv_caches, self._channel)
+            self.balancer.between_steps(self.allocator, self.runner.kv_caches + self.runner.kv_scales,
+                                        self._channel)
         return list(deltas.values())
 
     def _after(self, delta: RequestDelta) -> None:
@@ -367,7 +407,8 @@ class LLMEngine:
         grammar = None if spec is None else self.compile_grammar(spec).result()
         blocks = self.handoff.reserve(request_id, rid, prompt, max_tokens=max_tokens, min_tokens=params.min_tokens,
                                       stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                                      speculate=self._drafts_for(params))
+                                      # a draft model has no KV of a prompt computed elsewhere: no drafts
+                                      speculate=self._drafts_for(params) and self.drafter is None)
         self._admit_slot(rid, params, 0, grammar)
         self.outputs.add(request_id, prompt_ids, params, [rid])
         return blocks
@@ -407,7 +448,7 @@ class LLMEngine:
         on_rebalance = None
         if self.balancer is not None:
             def on_rebalance(slots, limit):
-                self.balancer.follow(slots, limit, self.allocator, self.runner.kv_caches)
+                self.balancer.follow(slots, limit, self.allocator, self.runner.kv_caches + self.runner.kv_scales)
         follow(self._channel, self.runner.forward, on_rebalance)
 
     def followers_alive(self) -> bool:
@@ -427,6 +468,8 @@ class LLMEngine:
             stats["prefill_budget"] = self.prefill_budget.last
         if self.balancer is not None:
             stats["eplb"] = self.balancer.stats()
+        if self.drafter is not None:
+            stats["draft_model"] = self.drafter.stats()
         if self._grammar_compiler is not None:  # once a request brought a structured output
             stats["grammar"] = {**self._grammar_compiler.stats(), **self.grammars.stats()}
         return stats

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from rtp.distributed import world_size
-from rtp.engine.kv_cache import allocate_kv_cache
+from rtp.engine.kv_cache import allocate_kv_cache, allocate_kv_scales
 from rtp.engine.kv_transfer import LayerTaps
 from rtp.kernels import cpu_kernels, quant
 from rtp.kernels.cpu_graph import CaptureRefused, CPUGraph, capture
@@ -78,10 +78,15 @@ class ModelRunner:
             name: torch.zeros_like(t, device=device) for name, t in self.host.items()}
         layers = model.attention_layers()
         # num_blocks: the pool's capacity; committed_blocks: its blocks as built (see allocate_kv_cache)
-        self.kv_caches = allocate_kv_cache([layer.kv_cache_spec for layer in layers], num_blocks, block_size,
-                                           kv_dtype, device, committed=committed_blocks)
-        for layer, cache in zip(layers, self.kv_caches):
+        specs = [layer.kv_cache_spec for layer in layers]
+        self.kv_caches = allocate_kv_cache(specs, num_blocks, block_size, kv_dtype, device, committed=committed_blocks)
+        # int8 caches: their per-token scales, by the same block ids (rtp/engine/kv_cache.py); else none
+        self.kv_scales = (allocate_kv_scales(specs, num_blocks, block_size, device, committed=committed_blocks)
+                          if kv_dtype == torch.int8 else [])
+        for i, (layer, cache) in enumerate(zip(layers, self.kv_caches)):
             layer.kv_cache = cache
+            if hasattr(layer, "kv_scales"):  # layers that take int8 caches (PagedAttention)
+                layer.kv_scales = self.kv_scales[i] if self.kv_scales else None
         self.graphs: dict[int, _DecodeBucket] = {}
         self._compiled = None
         self.compiled_steps = 0  # steps whose decode rows ran through a captured graph

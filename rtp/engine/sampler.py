@@ -101,6 +101,12 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first on ties: what a greedy row samples (and what a draft model
+    drafts, rtp/engine/draft_model.py)."""
+    return _argmax(logits)
+
+
 def _rows(idx: np.ndarray, n: int, device: torch.device) -> torch.Tensor | None:
     """Row indices as a device tensor, or None when they are all n rows in order."""
     if len(idx) == n:

@@ -1,6 +1,6 @@
 # cython: language_level=3
-"""Python entry points of rtp/kernels/csrc/cpu_kernels.c, amx_linear.c and prefill_attention.c (AVX-512 BF16
-and AMX kernels).
+"""Python entry points of rtp/kernels/csrc/cpu_kernels.c, amx_linear.c, prefill_attention.c and row_kernels.c
+(AVX-512 BF16 and AMX kernels).
 
 Arguments are raw addresses and sizes, so this module needs neither torch nor
 numpy; rtp.kernels.cpu_kernels checks dtypes, shapes and strides and passes
@@ -32,6 +32,10 @@ cdef extern from "cpu_kernels.h":
         RTP_OP_LINEAR_Q4_K
         RTP_OP_LINEAR_BF16
         RTP_OP_LINEAR_U8
+        RTP_OP_RMS_NORM
+        RTP_OP_QK_RMS_NORM
+        RTP_OP_GELU_TANH_MUL
+        RTP_OP_SOFTCAP
         RTP_COUNT_AS_RECORDED
         RTP_COUNT_TOKENS
         RTP_COUNT_SAMPLES
@@ -55,7 +59,8 @@ OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8: "linear_q8", RT
             RTP_OP_DECODE_ATTENTION: "decode_attention", RTP_OP_EMBED_ROWS: "embed_rows",
             RTP_OP_SILU_MUL: "silu_mul", RTP_OP_PREFILL_ATTENTION: "prefill_attention",
             RTP_OP_GATHER_ROWS: "gather_rows", RTP_OP_LINEAR_Q4_K: "linear_q4_k",
-            RTP_OP_LINEAR_BF16: "linear_bf16", RTP_OP_LINEAR_U8: "linear_u8"}
+            RTP_OP_LINEAR_BF16: "linear_bf16", RTP_OP_LINEAR_U8: "linear_u8", RTP_OP_RMS_NORM: "rms_norm",
+            RTP_OP_QK_RMS_NORM: "qk_rms_norm", RTP_OP_GELU_TANH_MUL: "gelu_tanh_mul", RTP_OP_SOFTCAP: "softcap"}
 # what a step graph's call counts its rows in (rtp_run_step_calls)
 COUNT_AS_RECORDED, COUNT_TOKENS, COUNT_SAMPLES = RTP_COUNT_AS_RECORDED, RTP_COUNT_TOKENS, RTP_COUNT_SAMPLES
 COUNT_DECODE_ROWS, COUNT_PREFILL_ROWS = RTP_COUNT_DECODE_ROWS, RTP_COUNT_PREFILL_ROWS
@@ -218,12 +223,15 @@ def linear_amx(intptr_t x, int64_t ldx, bint x_fp32, int kind, intptr_t weights,
 def paged_decode_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride,
                                 intptr_t block_tables, int64_t ldt, intptr_t seq_lens, intptr_t out,
                                 int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t block_size,
-                                float scale, int64_t window) -> None:
-    """One query token per row over paged bf16 K/V; see cpu_kernels.c for the layout."""
+                                float scale, int64_t window, intptr_t k_scales=0, intptr_t v_scales=0,
+                                float softcap=0) -> None:
+    """One bf16 query token per row over paged bf16 K/V, or int8 K/V with fp32 scales (k_scales,
+    v_scales: [slots, hkv]; 0: bf16); softcap > 0: scores -> softcap * tanh(scores / softcap) (0:
+    none); see cpu_kernels.c for the layout."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:16] = [RTP_OP_DECODE_ATTENTION, q, k_cache, v_cache, tok_stride, block_tables, ldt, seq_lens, out,
-              b, h, hkv, d, block_size, _float_word(scale), window]
-    _run(c, 16)
+    c[:19] = [RTP_OP_DECODE_ATTENTION, q, k_cache, v_cache, tok_stride, block_tables, ldt, seq_lens, out,
+              b, h, hkv, d, block_size, _float_word(scale), window, k_scales, v_scales, _float_word(softcap)]
+    _run(c, 19)
 
 
 def add_rms_norm(intptr_t residual, int64_t ldr, intptr_t delta, bint delta_bf16, int64_t ldd,
@@ -238,21 +246,23 @@ def add_rms_norm(intptr_t residual, int64_t ldr, intptr_t delta, bint delta_bf16
 
 def rope_store_kv(intptr_t qkv, int64_t ldq, intptr_t positions, intptr_t cos_sin, int64_t rot,
                   intptr_t q_out, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride,
-                  intptr_t slots, int64_t t, int64_t h, int64_t hkv, int64_t d, int64_t num_slots) -> None:
+                  intptr_t slots, int64_t t, int64_t h, int64_t hkv, int64_t d, int64_t num_slots,
+                  intptr_t k_scales=0, intptr_t v_scales=0) -> None:
     """Rotate q, k of a fused qkv output; q to q_out, k and v into the cache (num_slots slots) at
-    slots. IndexError, after the call, when a slot lies outside the cache (nothing written there)."""
+    slots: bf16, or int8 with their fp32 scales (k_scales, v_scales [num_slots, hkv]; 0: bf16).
+    IndexError, after the call, when a slot lies outside the cache (nothing written there)."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:16] = [RTP_OP_ROPE_STORE_KV, qkv, ldq, positions, cos_sin, rot, q_out, k_cache, v_cache, tok_stride,
-              slots, t, h, hkv, d, num_slots]
-    _run(c, 16)
+    c[:18] = [RTP_OP_ROPE_STORE_KV, qkv, ldq, positions, cos_sin, rot, q_out, k_cache, v_cache, tok_stride,
+              slots, t, h, hkv, d, num_slots, k_scales, v_scales]
+    _run(c, 18)
 
 
 def embed_rows(intptr_t table, bint table_bf16, int64_t ldt, intptr_t ids, intptr_t out, int64_t ldo,
-               int64_t t, int64_t h) -> None:
-    """out fp32 [t, h] = table rows at ids (int32)."""
+               int64_t t, int64_t h, float scale=1.0) -> None:
+    """out fp32 [t, h] = table rows at ids (int32), times scale rounded to the table's dtype (1: as they are)."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:9] = [RTP_OP_EMBED_ROWS, table, table_bf16, ldt, ids, out, ldo, t, h]
-    _run(c, 9)
+    c[:10] = [RTP_OP_EMBED_ROWS, table, table_bf16, ldt, ids, out, ldo, t, h, _float_word(scale)]
+    _run(c, 10)
 
 
 def silu_mul(intptr_t x, int64_t ldx, intptr_t out, int64_t ldo, int64_t t, int64_t i) -> None:
@@ -262,16 +272,48 @@ def silu_mul(intptr_t x, int64_t ldx, intptr_t out, int64_t ldo, int64_t t, int6
     _run(c, 7)
 
 
+def gelu_tanh_mul(intptr_t x, int64_t ldx, intptr_t out, int64_t ldo, int64_t t, int64_t i) -> None:
+    """out bf16 [t, i] = gelu_tanh(x[:, :i]) * x[:, i:] for x bf16 [t, 2i]."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:7] = [RTP_OP_GELU_TANH_MUL, x, ldx, out, ldo, t, i]
+    _run(c, 7)
+
+
+def rms_norm(intptr_t x, int64_t ldx, bint x_bf16, intptr_t weight, bint weight_bf16, float eps, intptr_t out,
+             int64_t ldo, bint out_bf16, int64_t t, int64_t h) -> None:
+    """out [t, h] = rmsnorm(x [t, h]) * weight; x, weight and out each bf16 or fp32 (strides in their elements)."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:12] = [RTP_OP_RMS_NORM, x, ldx, x_bf16, weight, weight_bf16, _float_word(eps), out, ldo, out_bf16, t, h]
+    _run(c, 12)
+
+
+def qk_rms_norm(intptr_t qkv, int64_t ldq, intptr_t q_weight, intptr_t k_weight, bint weight_bf16, float eps,
+                int64_t t, int64_t h, int64_t hkv, int64_t d) -> None:
+    """In place: each q head (h of them) and k head (hkv) of qkv bf16 [t, (h + 2 hkv) d] normed with its weight."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:11] = [RTP_OP_QK_RMS_NORM, qkv, ldq, q_weight, k_weight, weight_bf16, _float_word(eps), t, h, hkv, d]
+    _run(c, 11)
+
+
+def softcap(intptr_t x, int64_t ldx, float cap, int64_t t, int64_t n) -> None:
+    """In place: x fp32 [t, n] = cap * tanh(x / cap)."""
+    cdef int64_t c[RTP_CALL_WORDS]
+    c[:6] = [RTP_OP_SOFTCAP, x, ldx, _float_word(cap), t, n]
+    _run(c, 6)
+
+
 def prefill_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride, intptr_t qsl,
                            intptr_t seq_lens, intptr_t tables, int64_t ldt, int64_t first_row, int64_t nseq,
                            intptr_t out, int64_t h, int64_t hkv, int64_t d, int64_t block_size, float scale,
-                           int64_t window, bint amx) -> None:
-    """Causal varlen attention of a step plan's rows [first_row, first_row + nseq) over paged bf16 K/V;
-    see prefill_attention.c."""
+                           int64_t window, bint amx, intptr_t k_scales=0, intptr_t v_scales=0,
+                           float softcap=0) -> None:
+    """Causal varlen attention of a step plan's rows [first_row, first_row + nseq) over paged bf16 K/V, or
+    int8 K/V with fp32 scales (k_scales, v_scales [slots, hkv]; 0: bf16); softcap as
+    paged_decode_attention_bf16's; see prefill_attention.c."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:19] = [RTP_OP_PREFILL_ATTENTION, q, k_cache, v_cache, tok_stride, qsl, seq_lens, tables, ldt, first_row, nseq,
-              out, h, hkv, d, block_size, _float_word(scale), window, amx]
-    _run(c, 19)
+    c[:22] = [RTP_OP_PREFILL_ATTENTION, q, k_cache, v_cache, tok_stride, qsl, seq_lens, tables, ldt, first_row, nseq,
+              out, h, hkv, d, block_size, _float_word(scale), window, amx, k_scales, v_scales, _float_word(softcap)]
+    _run(c, 22)
 
 
 def gather_rows(intptr_t src, int64_t src_stride, intptr_t idx, int64_t n, intptr_t out, int64_t out_stride,

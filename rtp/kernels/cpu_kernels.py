@@ -47,8 +47,8 @@ def _op(name: str, mutates: tuple[str, ...], fake):
         op = torch.library.custom_op(f"rtp::{name}", fn, mutates_args=mutates)
         op.register_fake(fake)
 
-        def call(*args):
-            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+        def call(*args, **kwargs):
+            return op(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
 
         call.__doc__ = fn.__doc__
         call.op = op
@@ -246,14 +246,16 @@ def embed_supported(ids: torch.Tensor, table: torch.Tensor) -> bool:
             and table.dim() == 2 and table.stride(1) == 1 and ids.dtype == torch.int32 and ids.dim() == 1)
 
 
-@_op("embed_rows", (), lambda ids, table: table.new_empty(ids.shape[0], table.shape[1], dtype=torch.float32))
-def embed_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """table[ids] in fp32 (the residual stream's dtype), [T, H]."""
+@_op("embed_rows", (), lambda ids, table, scale=1.0: table.new_empty(ids.shape[0], table.shape[1],
+                                                                     dtype=torch.float32))
+def embed_rows(ids: torch.Tensor, table: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """table[ids] in fp32 (the residual stream's dtype), [T, H]; with a scale, (table[ids] * scale) in the
+    table's dtype first, as torch multiplies the rows by a scalar (Gemma's embeddings)."""
     ids = ids.contiguous()
     t, h = ids.shape[0], table.shape[1]
     out = torch.empty(t, h, dtype=torch.float32)
     _k.embed_rows(table.data_ptr(), table.dtype == torch.bfloat16, table.stride(0), ids.data_ptr(),
-                  out.data_ptr(), h, t, h)
+                  out.data_ptr(), h, t, h, scale)
     return out
 
 
@@ -269,6 +271,72 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, i, dtype=torch.bfloat16)
     _k.silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), i, t, i)
     return out
+
+
+# -- beyond the Llama topology (rtp/kernels/csrc/row_kernels.c): Gemma's norms, GeGLU, softcapping --
+
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+            and x.stride(1) == 1 and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+            and tuple(weight.shape) == (x.shape[1],))
+
+
+@_op("rms_norm", (), lambda x, weight, eps: x.new_empty(x.shape))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rmsnorm(x) * weight over each row of x [T, H] (bf16 or fp32) -> [T, H] in x's dtype, as RMSNorm's
+    forward (fp32 inside, one rounding)."""
+    t, h = x.shape
+    out = torch.empty(t, h, dtype=x.dtype)
+    _k.rms_norm(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, weight.data_ptr(),
+                weight.dtype == torch.bfloat16, eps, out.data_ptr(), h, out.dtype == torch.bfloat16, t, h)
+    return out
+
+
+def qk_norm_supported(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int,
+                      kv_heads: int) -> bool:
+    d = q_weight.shape[0]
+    return (_AVAILABLE and qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16 and qkv.dim() == 2
+            and qkv.stride(1) == 1 and qkv.shape[1] >= (heads + kv_heads) * d
+            and q_weight.dtype == k_weight.dtype and q_weight.dtype in (torch.float32, torch.bfloat16)
+            and q_weight.dim() == 1 and q_weight.shape == k_weight.shape
+            and q_weight.is_contiguous() and k_weight.is_contiguous())
+
+
+@_op("qk_rms_norm", ("qkv",), lambda qkv, q_weight, k_weight, heads, kv_heads, eps: None)
+def qk_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int,
+                eps: float) -> None:
+    """In place over a fused qkv output [T, (H + 2 Hkv) D] bf16: each of its `heads` q heads normed with
+    q_weight [D], each of its `kv_heads` k heads with k_weight (q/k norm before RoPE); v untouched."""
+    d = q_weight.shape[0]
+    _k.qk_rms_norm(qkv.data_ptr(), qkv.stride(0), q_weight.data_ptr(), k_weight.data_ptr(),
+                   q_weight.dtype == torch.bfloat16, eps, qkv.shape[0], heads, kv_heads, d)
+
+
+def gelu_tanh_mul_supported(x: torch.Tensor) -> bool:
+    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.stride(1) == 1 and x.shape[1] % 2 == 0)
+
+
+@_op("gelu_tanh_mul", (), lambda x: x.new_empty(x.shape[0], x.shape[1] // 2))
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for x = [gate | up] bf16 [T, 2I] -> [T, I] bf16 (fp32 inside,
+    one rounding): Gemma's GeGLU."""
+    t, i = x.shape[0], x.shape[1] // 2
+    out = torch.empty(t, i, dtype=torch.bfloat16)
+    _k.gelu_tanh_mul(x.data_ptr(), x.stride(0), out.data_ptr(), i, t, i)
+    return out
+
+
+def softcap_supported(x: torch.Tensor) -> bool:
+    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.stride(1) == 1)
+
+
+@_op("softcap", ("x",), lambda x, cap: None)
+def softcap(x: torch.Tensor, cap: float) -> None:
+    """In place: x = cap * tanh(x / cap) over logits x fp32 [T, N] (rows contiguous), as torch's
+    tanh(x / cap) * cap (Gemma's final_logit_softcapping)."""
+    _k.softcap(x.data_ptr(), x.stride(0), cap, x.shape[0], x.shape[1])
 
 
 # -- greedy sampling ------------------------------------------------------------------------------
@@ -324,9 +392,12 @@ def apply_token_bitmask(x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor)
 
 def rope_supported(qkv: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
                    positions: torch.Tensor, head_dim: int) -> bool:
+    """Whether rope_store_kv (bf16 cache) or rope_store_kv_int8 (int8 cache) takes these operands."""
     rot = cos_sin.shape[1]
     return (_AVAILABLE and qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16
-            and kv_cache.dtype == torch.bfloat16 and cos_sin.dtype == torch.float32
+            and (kv_cache.dtype == torch.bfloat16 or kv_cache.dtype == torch.int8 and head_dim % 16 == 0
+                 and head_dim <= 256)
+            and cos_sin.dtype == torch.float32
             and positions.dtype == torch.int32 and qkv.stride(1) == 1 and (rot // 2) % 16 == 0
             and rot <= head_dim and kv_cache.is_contiguous())
 
@@ -340,6 +411,25 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     into kv_cache [2, blocks, block_size, Hkv, D] at slot_mapping (int64). The kernel reads T
     slots and T positions as they lie in memory (a shorter or int32 slot_mapping would send K/V
     to wrong addresses), and writes no slot outside the cache (IndexError)."""
+    return _rope_store_kv(qkv, positions, cos_sin, kv_cache, None, slot_mapping, heads, kv_heads)
+
+
+@_op("rope_store_kv_int8", ("kv_cache", "kv_scales"),
+     lambda qkv, positions, cos_sin, kv_cache, kv_scales, slot_mapping, heads, kv_heads:
+     qkv.new_empty(qkv.shape[0], heads, kv_cache.shape[-1]))
+def rope_store_kv_int8(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                       kv_scales: torch.Tensor, slot_mapping: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """rope_store_kv into an int8 cache [2, blocks, block_size, Hkv, D] and its fp32 scales [2, blocks,
+    block_size, Hkv]: each token's K (rotated, rounded to bf16) and V row of a kv head as int8 with
+    one scale, symmetric absmax / 127 (rtp.models.attention.quantize_kv, the same numbers)."""
+    if kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous() or kv_scales.shape != kv_cache.shape[:-1]:
+        raise ValueError(f"rope_store_kv_int8: the scales must be contiguous fp32 {tuple(kv_cache.shape[:-1])}")
+    return _rope_store_kv(qkv, positions, cos_sin, kv_cache, kv_scales, slot_mapping, heads, kv_heads)
+
+
+def _rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                   kv_scales: torch.Tensor | None, slot_mapping: torch.Tensor, heads: int,
+                   kv_heads: int) -> torch.Tensor:
     t = qkv.shape[0]
     d = kv_cache.shape[-1]
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] < t or positions.shape[0] < t:
@@ -348,39 +438,70 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     q = torch.empty(t, heads, d, dtype=qkv.dtype)
     slots = slot_mapping.contiguous()
     pos = positions.contiguous()
+    scales = (0, 0) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())
     _k.rope_store_kv(qkv.data_ptr(), qkv.stride(0), pos.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[1],
                      q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_heads * d,
-                     slots.data_ptr(), t, heads, kv_heads, d, kv_cache.shape[1] * kv_cache.shape[2])
+                     slots.data_ptr(), t, heads, kv_heads, d, kv_cache.shape[1] * kv_cache.shape[2], *scales)
     return q
 
 
 # -- decode attention over the paged cache ---------------------------------------------------------
 
 def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode_attention takes these operands."""
+    """Whether paged_decode_attention (bf16 cache) or paged_decode_attention_int8 (int8 cache, bf16 q)
+    takes these operands."""
     d = q.shape[-1]
     heads, kv_heads = q.shape[1], k_cache.shape[2]
-    return (_AVAILABLE and q.device.type == "cpu" and k_cache.dtype == torch.bfloat16
+    return (_AVAILABLE and q.device.type == "cpu"
+            and (k_cache.dtype == torch.bfloat16 or k_cache.dtype == torch.int8 and q.dtype == torch.bfloat16)
             and d % 32 == 0 and d <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
             and k_cache.stride(-1) == 1 and k_cache.stride(-2) == d)
 
 
 @_op("paged_decode_attention", (),
-     lambda q, k_cache, v_cache, block_tables, seq_lens, scale, window: torch.empty_like(q))
+     lambda q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap=0.0: torch.empty_like(q))
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           window: int) -> torch.Tensor:
+                           window: int, softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D] bf16 over k/v_cache [blocks, block_size, Hkv, D] bf16 -> [B, H, D] bf16.
-    window 0: no sliding window."""
+    window 0: no sliding window. softcap > 0: scores -> softcap * tanh(scores / softcap) before the
+    softmax (Gemma 2's attention logit softcapping); 0: none."""
     return paged_decode_attention_into(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                                       torch.empty_like(q.contiguous()))
+                                       torch.empty_like(q.contiguous()), softcap=softcap)
+
+
+@_op("paged_decode_attention_int8", (),
+     lambda q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, scale, window, softcap=0.0:
+     torch.empty_like(q))
+def paged_decode_attention_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                k_scales: torch.Tensor, v_scales: torch.Tensor, block_tables: torch.Tensor,
+                                seq_lens: torch.Tensor, scale: float, window: int, softcap: float = 0.0) -> torch.Tensor:
+    """paged_decode_attention over int8 k/v_cache [blocks, block_size, Hkv, D] with their fp32 scales
+    [blocks, block_size, Hkv] (row = scale * q): scores and value sums on the int8 values, each key's
+    scale applied once to its score and each value's to its probability. softcap as paged_decode_attention's."""
+    return paged_decode_attention_into(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                       torch.empty_like(q.contiguous()), k_scales, v_scales, softcap)
+
+
+def _scale_ptrs(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> tuple[int, int]:
+    """The scales' addresses for the kernels (0, 0 for a bf16 cache), checked against the int8 cache."""
+    if k_cache.dtype != torch.int8:
+        return 0, 0
+    for s in (k_scales, v_scales):
+        if (s is None or s.dtype != torch.float32 or s.shape != k_cache.shape[:-1] or not s.is_contiguous()
+                or k_cache.stride(1) != k_cache.shape[2] * k_cache.shape[3]):
+            raise ValueError(f"an int8 KV cache {tuple(k_cache.shape)} needs contiguous fp32 scales "
+                             f"{tuple(k_cache.shape[:-1])} for K and V")
+    return k_scales.data_ptr(), v_scales.data_ptr()
 
 
 def paged_decode_attention_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
-                                out: torch.Tensor) -> torch.Tensor:
-    """paged_decode_attention written into out ([B, H, D] bf16, contiguous: the decode rows of a step's
-    attention output, which the prefill kernel fills after them); returns out."""
+                                out: torch.Tensor, k_scales: torch.Tensor | None = None,
+                                v_scales: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """paged_decode_attention (int8 caches: with their scales) written into out ([B, H, D] bf16,
+    contiguous: the decode rows of a step's attention output, which the prefill kernel fills after
+    them); returns out."""
     q = q.contiguous()
     b, h, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -391,7 +512,7 @@ def paged_decode_attention_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _k.paged_decode_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                    k_cache.stride(1), tables.data_ptr(), tables.stride(0),
                                    lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size,
-                                   scale, window)
+                                   scale, window, *_scale_ptrs(k_cache, k_scales, v_scales), softcap)
     return out
 
 
@@ -473,24 +594,28 @@ _PREFILL = _AVAILABLE and os.environ.get("RTP_PREFILL_ATTENTION", "1") != "0"
 
 
 def prefill_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether prefill_attention takes these operands: bf16 q [T, H, D] and cache, D a multiple
-    of 32 up to 256, at most 16 query heads per kv head."""
+    """Whether prefill_attention takes these operands: bf16 q [T, H, D] and a bf16 or int8 cache, D a
+    multiple of 32 up to 256, at most 16 query heads per kv head."""
     d = q.shape[-1]
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     return (_PREFILL and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.dim() == 3
-            and k_cache.dtype == torch.bfloat16 and d % 32 == 0 and d <= 256 and heads % kv_heads == 0
+            and k_cache.dtype in (torch.bfloat16, torch.int8) and d % 32 == 0 and d <= 256 and heads % kv_heads == 0
             and heads // kv_heads <= 16 and k_cache.stride(-1) == 1 and k_cache.stride(-2) == d)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, first_row: int, rows: int, scale: float,
-                      window: int, out: torch.Tensor | None = None, amx: bool | None = None) -> torch.Tensor:
+                      window: int, out: torch.Tensor | None = None, amx: bool | None = None,
+                      k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                      softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of a step plan's prompt chunks over the paged cache: rows [first_row, first_row +
     rows) of the plan's arrays (int32; query_start_loc [R + 1], seq_lens [R], block_tables [R, W] with
     rows contiguous), each row's query tokens [qsl[r], qsl[r + 1]) of q [T, H, D] bf16, attending to its
     seq_lens[r] keys (the chunk's own included, already in the cache). Writes those rows of out ([T, H,
     D] bf16, allocated when None) and returns it. window 0: no sliding window. amx None: the tiles
-    where this CPU has them."""
+    where this CPU has them. An int8 cache comes with its fp32 scales [blocks, block_size, Hkv] (its
+    K/V rows are dequantized to bf16 as the kernel packs them). softcap > 0: scores -> softcap * tanh(scores /
+    softcap) before the mask (Gemma 2); 0: none."""
     q = q.contiguous()
     t, h, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -505,5 +630,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _k.prefill_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1),
                               query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
                               block_tables.stride(0), first_row, rows, out.data_ptr(), h, hkv, d, block_size, scale,
-                              window, _AMX if amx is None else amx and _AMX)
+                              window, _AMX if amx is None else amx and _AMX, *_scale_ptrs(k_cache, k_scales, v_scales),
+                              softcap)
     return out

@@ -20,6 +20,13 @@ offset) and then attends:
 |                          |                       | scaled_dot_product_attention, causal from the  |
 |                          |                       | chunk's offset                                 |
 
+With `--kv-cache-dtype int8` the cache is int8 and the layer also holds `kv_scales`, fp32
+[2, num_blocks, block_size, num_kv_heads]: one scale per token and kv head, indexed by the same
+block ids (so the allocator, prefix cache and preemption need nothing new). A row is written as
+`quantize_kv` says (symmetric absmax / 127; rtp's RoPE + KV-write kernel computes the same
+numbers) and read back as scale * q: the kernels apply the scales to the scores and the
+probabilities, the torch paths below dequantize the gathered blocks.
+
 The metadata reaches every layer through `forward_context(meta)`, a scoped
 context the runner sets around the model call, not through each signature.
 """
@@ -53,7 +60,9 @@ class KVCacheSpec(NamedTuple):
         return (self.parts, num_blocks, block_size, self.heads, self.dim)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.parts * self.heads * self.dim * torch.empty((), dtype=dtype).element_size()
+        """Bytes one token costs in dtype; int8 caches add their fp32 scale per part and head."""
+        size = self.parts * self.heads * self.dim * torch.empty((), dtype=dtype).element_size()
+        return size + (self.parts * self.heads * 4 if dtype == torch.int8 else 0)
 
 
 @dataclass
@@ -134,17 +143,38 @@ def get_forward_context() -> AttentionMetadata:
     return _CONTEXT
 
 
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], fp32 scales [...]): per row, symmetric absmax / 127, rounded to
+    nearest even; a row of zeros gets scale 0. x is taken in its own dtype first (bf16 K/V: as a bf16
+    cache would hold them), then computed in fp32 exactly as rtp_rope_store_kv does."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    q = torch.round(x * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, amax.div(127.0)
+
+
+def dequantize_kv(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [..., D] with fp32 scales [...] -> [..., D] in dtype (the product in fp32, rounded once)."""
+    return (q.float() * scales.unsqueeze(-1)).to(dtype)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+                     sliding_window: int | None, softcap: float | None = None,
+                     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row. q [B, H, D] -> [B, H, D]. softcap: scores -> softcap * tanh(scores /
-    softcap) before the mask (Gemma 2's attention logit softcapping)."""
+    softcap) before the mask (Gemma 2's attention logit softcapping). An int8 cache comes with its
+    scales [blocks, block_size, Hkv]: the gathered blocks are dequantized to q's dtype."""
     b, h, d = q.shape
     kv_heads = k_cache.shape[2]
     # index_select on the flat table: 2-3x faster than advanced indexing on the CPU
     flat = block_tables.reshape(-1)
     k = k_cache.index_select(0, flat).view(b, -1, kv_heads, d)  # [B, W * block_size, Hkv, D]
     v = v_cache.index_select(0, flat).view(b, -1, kv_heads, d)
+    if k_scales is not None:
+        k = dequantize_kv(k, k_scales.index_select(0, flat).view(b, -1, kv_heads), q.dtype)
+        v = dequantize_kv(v, v_scales.index_select(0, flat).view(b, -1, kv_heads), q.dtype)
     q = q.view(b, kv_heads, h // kv_heads, d)
     scores = torch.einsum("bhgd,blhd->bhgl", q, k).float() * scale
     if softcap is not None:
@@ -161,11 +191,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       row: PrefillRow, scale: float, sliding_window: int | None,
-                      softcap: float | None = None) -> torch.Tensor:
-    """A chunk of n query tokens at the end of a context of row.context_len. q [n, H, D]."""
+                      softcap: float | None = None, k_scales: torch.Tensor | None = None,
+                      v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk of n query tokens at the end of a context of row.context_len. q [n, H, D]. An int8
+    cache comes with its scales, as decode_attention's."""
     length = row.context_len
     k = k_cache[row.block_ids].flatten(0, 1)[:length]  # [L, Hkv, D]
     v = v_cache[row.block_ids].flatten(0, 1)[:length]
+    if k_scales is not None:
+        k = dequantize_kv(k, k_scales[row.block_ids].flatten(0, 1)[:length], q.dtype)
+        v = dequantize_kv(v, v_scales[row.block_ids].flatten(0, 1)[:length], q.dtype)
     return causal_attention(q, k, v, scale, sliding_window, softcap)
 
 
@@ -208,11 +243,16 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
-        # attention logit softcapping (Gemma 2): rtp's attention kernels have none, so such a
-        # layer always attends through the torch paths below
+        # attention logit softcapping (Gemma 2): cap * tanh(scores / cap) before the mask, in rtp's
+        # decode and prefill kernels (their softcap argument, 0 for none) and the torch paths alike
         self.softcap = softcap
-        # bound by the runner once the cache is allocated: [2, blocks, block_size, Hkv, D]
+        # bound by the runner once the cache is allocated: [2, blocks, block_size, Hkv, D]; with an
+        # int8 cache also its scales, fp32 [2, blocks, block_size, Hkv] (module docstring)
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None
+
+    # rtp/engine/kv_cache.py: this layer reads and writes int8 caches (MLA's latent cache does not yet)
+    accepts_int8_kv = True
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -228,6 +268,9 @@ class PagedAttention(nn.Module):
         """Rotate q and k of qkv [T, (H + 2 Hkv) D] in one pass, write k and v into the cache;
         returns q [T, H, D]. Attend with forward(q, None, None)."""
         meta = get_forward_context()
+        if self.kv_scales is not None:
+            return cpu_kernels.rope_store_kv_int8(qkv, positions, rotary.cos_sin_cache, self.kv_cache, self.kv_scales,
+                                                  meta.slot_mapping, self.num_heads, self.num_kv_heads)
         return cpu_kernels.rope_store_kv(qkv, positions, rotary.cos_sin_cache, self.kv_cache,
                                          meta.slot_mapping, self.num_heads, self.num_kv_heads)
 
@@ -235,40 +278,57 @@ class PagedAttention(nn.Module):
         """q [T, H, D], k/v [T, Hkv, D] (None: rope_and_store already wrote them) -> [T, H * D]."""
         meta = get_forward_context()
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        scales = (None, None) if self.kv_scales is None else (self.kv_scales[0], self.kv_scales[1])
         if k is not None:
-            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-            flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
-        q = q.to(k_cache.dtype)
+            self._store(k_cache, scales[0], meta.slot_mapping, k)
+            self._store(v_cache, scales[1], meta.slot_mapping, v)
+        dtype = q.dtype
+        if self.kv_scales is None:  # attend in the cache's dtype; an int8 cache's is the model's
+            q = q.to(k_cache.dtype)
         nd = meta.num_decode
-        args = (meta.prefill_kernel_args() if meta.prefill and self.softcap is None
-                and cpu_kernels.prefill_attention_supported(q, k_cache) else None)
+        args = (meta.prefill_kernel_args() if meta.prefill and cpu_kernels.prefill_attention_supported(q, k_cache)
+                else None)
         if args is not None:  # every prefill row in one call, written in place after the decode rows
             out = torch.empty_like(q)
             if nd:
                 self._decode(q[:nd], k_cache, v_cache, meta, out=out[:nd])
-            cpu_kernels.prefill_attention(q, k_cache, v_cache, *args, self.scale, self.sliding_window or 0, out=out)
-            return out.reshape(-1, self.num_heads * self.head_dim)
+            cpu_kernels.prefill_attention(q, k_cache, v_cache, *args, self.scale, self.sliding_window or 0, out=out,
+                                          k_scales=scales[0], v_scales=scales[1], softcap=self.softcap or 0.0)
+            return out.reshape(-1, self.num_heads * self.head_dim).to(dtype)
         parts = [self._decode(q[:nd], k_cache, v_cache, meta)] if nd else []
         for row in meta.prefill:
             parts.append(prefill_attention(q[row.query_start:row.query_end], k_cache, v_cache, row,
-                                           self.scale, self.sliding_window, self.softcap))
+                                           self.scale, self.sliding_window, self.softcap, *scales))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim).to(dtype)
+
+    def _store(self, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """K or V [T, Hkv, D] into the cache at slots: as they are, or quantized with their scales."""
+        flat = cache.view(-1, self.num_kv_heads, self.head_dim)
+        if scales is None:
+            flat.index_copy_(0, slots, x.to(flat.dtype))
+            return
+        values, row_scales = quantize_kv(x)
+        flat.index_copy_(0, slots, values)
+        scales.view(-1, self.num_kv_heads).index_copy_(0, slots, row_scales)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """The decode rows' attention, written into out when given (rows of the step's output)."""
-        if self.softcap is None and cpu_kernels.attention_supported(q, k_cache):
+        scales = (None, None) if self.kv_scales is None else (self.kv_scales[0], self.kv_scales[1])
+        if cpu_kernels.attention_supported(q, k_cache):
+            window, cap = self.sliding_window or 0, self.softcap or 0.0
             if out is not None:
                 return cpu_kernels.paged_decode_attention_into(q, k_cache, v_cache, meta.decode_block_tables,
-                                                               meta.decode_seq_lens, self.scale,
-                                                               self.sliding_window or 0, out)
+                                                               meta.decode_seq_lens, self.scale, window, out, *scales,
+                                                               softcap=cap)
+            if scales[0] is not None:
+                return cpu_kernels.paged_decode_attention_int8(q, k_cache, v_cache, *scales, meta.decode_block_tables,
+                                                               meta.decode_seq_lens, self.scale, window, softcap=cap)
             return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_seq_lens, self.scale, self.sliding_window or 0)
+                                                      meta.decode_seq_lens, self.scale, window, softcap=cap)
         result = decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                  self.scale, self.sliding_window, self.softcap)
+                                  self.scale, self.sliding_window, self.softcap, *scales)
         if out is not None:
             out.copy_(result)
             return out

@@ -36,7 +36,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32; returns the input dtype."""
+    """RMSNorm computed in fp32; returns the input dtype (rows [T, H] on CPUs with rtp's kernels: one kernel)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -44,6 +44,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.rms_norm_supported(x, self.weight):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.weight.float()).to(x.dtype)
@@ -204,12 +206,15 @@ class VocabParallelEmbedding(nn.Module):
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
         return all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
 
-    def embed_fp32(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed_fp32(self, ids: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """The embeddings of ids in fp32, in a tensor of their own (the residual stream starts
-        here and is updated in place)."""
+        here and is updated in place). scale: the rows times it first, the product in the table's
+        dtype (Gemma's sqrt(hidden_size), as transformers multiplies)."""
         if tp_size() == 1 and cpu_kernels.embed_supported(ids, self.weight):
-            return cpu_kernels.embed_rows(ids, self.weight)
+            return cpu_kernels.embed_rows(ids, self.weight, 1.0 if scale is None else scale)
         embeds = self(ids)
+        if scale is not None:
+            return (embeds * scale).float()
         return embeds.float() if embeds.dtype != torch.float32 else embeds.clone()
 
 
@@ -240,3 +245,17 @@ class SiluAndMul(nn.Module):
             return cpu_kernels.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """gelu(gate) * up of x = [gate | up] (GeGLU); approximate "tanh" (gelu_pytorch_tanh) or "none"."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.approximate == "tanh" and cpu_kernels.gelu_tanh_mul_supported(x):
+            return cpu_kernels.gelu_tanh_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rtp.config import ModelConfig
+from rtp.kernels import cpu_kernels
 from rtp.models.attention import PagedAttention
 from rtp.models.layers import (
     MergedColumnParallelLinear,
@@ -48,7 +49,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is None and self.attn.can_rope_and_store(qkv, positions, self.rotary_emb):
+        if self.attn.can_rope_and_store(qkv, positions, self.rotary_emb) and self._qk_norm_in_place(qkv):
             q = self.attn.rope_and_store(qkv, positions, self.rotary_emb)
             return self.o_proj(self.attn(q, None, None))
         q, k, v = qkv.split(
@@ -61,6 +62,18 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
+
+    def _qk_norm_in_place(self, qkv: torch.Tensor) -> bool:
+        """Whether qkv is ready for the fused RoPE + KV write: no q/k norm, or rtp's kernel just normed
+        its q and k heads in place (False, qkv untouched: forward norms them in torch)."""
+        if self.q_norm is None:
+            return True
+        if not cpu_kernels.qk_norm_supported(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads,
+                                             self.num_kv_heads):
+            return False
+        cpu_kernels.qk_rms_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
+                                self.q_norm.eps)
+        return True
 
 
 class LlamaMLP(nn.Module):

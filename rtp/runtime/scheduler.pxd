@@ -43,6 +43,9 @@ cdef class Scheduler:
     # speculative decoding (n-gram / prompt lookup): most drafted tokens a request takes a step,
     # the n-gram lengths matched, and the most running requests for which drafting is on
     cdef readonly int num_speculative_tokens, spec_ngram_min, spec_ngram_max, spec_max_running
+    # drafts come from outside the runtime (a draft model): schedule() reserves each drafting request's
+    # rows and set_drafts() fills them before the forward, instead of _propose
+    cdef readonly bint external_drafts
     cdef int32_t* eos_ids
     cdef int n_eos
     # per-request state, indexed by slot
@@ -117,6 +120,7 @@ cdef class Scheduler:
     cdef void _write_plan(self) noexcept
     cdef int _stop_reason(self, int s, int32_t tok) noexcept nogil
     cdef int _propose(self, int s, int kmax) noexcept nogil
+    cdef int _reserve_drafts(self, int s, int kmax) noexcept nogil
     cdef int _emit(self, int s, int32_t tok, int row, int events) except -1
     cdef int _verify(self, int s, const int64_t* sampled, int k, int d, int events) except -1
     cdef int _update(self, const int64_t* sampled) except -1

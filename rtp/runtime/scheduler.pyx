@@ -48,7 +48,7 @@ cdef class Scheduler:
                   int vocab_size=0, str policy="fcfs", bint chunked_prefill=True,
                   double lpm_aging=8.0, int lpm_window=64, int max_prefill_tokens_with_decodes=0,
                   int num_speculative_tokens=0, int spec_ngram_min=1, int spec_ngram_max=4,
-                  int spec_max_running=16):
+                  int spec_max_running=16, bint external_drafts=False):
         if cache is not None and cache.allocator is not allocator:
             raise ValueError("the RadixCache must be built on the same allocator")
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1 or max_requests < 1:
@@ -90,6 +90,7 @@ cdef class Scheduler:
         self.spec_ngram_min = spec_ngram_min
         self.spec_ngram_max = spec_ngram_max
         self.spec_max_running = spec_max_running
+        self.external_drafts = external_drafts
         eos = _int32_array(list(eos_token_ids), "eos_token_ids")
         self.n_eos = eos.size
         self.eos_ids = <int32_t*>_zeroed(max(1, eos.size) * sizeof(int32_t))
@@ -335,6 +336,35 @@ cdef class Scheduler:
             raise ValueError(f"{self.plan.num_samples} rows sample, got {arr.shape} tokens")
         return self._update(<int64_t*>cnp.PyArray_DATA(<cnp.ndarray>arr))
 
+    def set_drafts(self, draft_token_ids):
+        """Fill the planned step's draft rows (external_drafts: a draft model's tokens). For every
+        sampling row that verifies a drafted token (sample_offsets j > 0), draft_token_ids[row] is
+        that token, its row's input: written into the plan's input_ids and past its request's
+        tokens, where update() holds the model's choices against them. Other rows' entries are not
+        read. Between schedule() and the forward; ValueError, changing nothing, for an id outside
+        the vocabulary."""
+        if not self.in_flight:
+            raise RuntimeError("set_drafts() without a step in flight")
+        arr = draft_token_ids
+        if not _is_contiguous(arr, cnp.NPY_INT64):
+            arr = np.ascontiguousarray(np.asarray(arr), dtype=np.int64)
+        if cnp.PyArray_NDIM(<cnp.ndarray>arr) != 1 or cnp.PyArray_SIZE(<cnp.ndarray>arr) < self.plan.num_samples:
+            raise ValueError(f"{self.plan.num_samples} rows sample, got {arr.shape} draft tokens")
+        cdef const int64_t* tok = <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+        cdef StepPlan plan = self.plan
+        cdef int k, j, s
+        cdef int64_t limit = self.vocab_size if self.vocab_size > 0 else 2147483648
+        for k in range(plan.num_samples):
+            if plan.p_sample_offsets[k] > 0 and not 0 <= tok[k] < limit:
+                raise ValueError(f"draft token id {tok[k]} (row {k}) is outside [0, {limit})")
+        for k in range(plan.num_samples):
+            j = plan.p_sample_offsets[k]
+            if j > 0:
+                s = plan.p_sample_slots[k]
+                # row k verifies the token at position num_tokens - 1 + j (its last token is offset 0)
+                self.r_tokens[s][self.r_num_tokens[s] + j - 1] = <int32_t>tok[k]
+                plan.p_input_ids[plan.p_logits_indices[k]] = <int32_t>tok[k]
+
     cdef bint _in_step(self, int s) noexcept nogil:
         cdef int k
         for k in range(self.n_sched):
@@ -495,7 +525,7 @@ cdef class Scheduler:
                                self.r_capacity[s] - self.r_num_tokens[s] - 1,
                                self.r_max_tokens[s] - (self.r_num_tokens[s] - self.r_prompt_len[s]) - 1)
                     if kmax > 0:
-                        d = self._propose(s, kmax)
+                        d = self._reserve_drafts(s, kmax) if self.external_drafts else self._propose(s, kmax)
             need = _cdiv(self.r_num_computed[s] + n + d, bs) - self.r_nblocks[s]
             while d > 0 and need > alloc.n_list:  # drafts never cost a preemption
                 d -= 1
@@ -662,6 +692,15 @@ cdef class Scheduler:
                     memcpy(toks + total, toks + i + n, d * sizeof(int32_t))
                     return d
         return 0
+
+    cdef int _reserve_drafts(self, int s, int kmax) noexcept nogil:
+        """Draft rows for s whose tokens set_drafts() writes before the forward (a draft model's):
+        all kmax, a placeholder in each until then (its last token: an id the model can embed)."""
+        cdef int32_t* toks = self.r_tokens[s]
+        cdef int total = self.r_num_tokens[s], j
+        for j in range(kmax):
+            toks[total + j] = toks[total - 1]
+        return kmax
 
     cdef int _emit(self, int s, int32_t tok, int row, int events) except -1:
         """Append one sampled token to s, apply its stop conditions, record its event; returns the

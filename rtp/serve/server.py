@@ -38,6 +38,9 @@ def serve(config: EngineConfig, options: ServeConfig) -> int:
     options.validate()
     if options.role != "collocated" and config.parallel.tensor_parallel_size > 1:
         raise ValueError("--role prefill/decode with --tp > 1 is not supported yet")
+    if options.role != "collocated" and config.cache.kv_cache_dtype == "int8":
+        raise ValueError("--kv-cache-dtype int8 with --role prefill/decode is not supported yet (the KV transfer "
+                         "moves blocks without their scales)")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call otherwise
     _check_bindable(options.host, options.port)  # fail now, not after loading the model
     names = options.served_model_names or [config.load.model or DEFAULT_MODEL_NAME]

@@ -185,6 +185,66 @@ def test_bf16_kernels_keep_the_window(tmp_path, monkeypatch):
     assert bad > 4 * good, (good, bad)
 
 
+# Gemma 3: scaled embedding, per-head q/k norm, the post-norms over bf16 outputs, GELU(tanh)-and-mul, final
+# logit softcapping; Gemma 2 adds attention logit softcapping inside rtp's decode and prefill attention
+# kernels (their softcap argument, recorded in each call). Every K a multiple of 32, as rtp's linear
+# kernels take them (BASE's GeGLU of 112 would go to oneDNN), head_dim 32 for Gemma 2's attention kernels.
+GRAPH_CASES = {
+    "gemma3": ("gemma3-untied-mqa", dict(final_logit_softcapping=3.0, intermediate_size=128),
+               {"embed_rows", "qk_rms_norm", "rope_store_kv", "decode_attention", "rms_norm", "gelu_tanh_mul",
+                "softcap"}),
+    "gemma2": ("gemma2", dict(head_dim=32, intermediate_size=128),
+               {"embed_rows", "rope_store_kv", "decode_attention", "rms_norm", "gelu_tanh_mul", "softcap"}),
+}
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="rtp's CPU kernels need AVX-512 BF16")
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_gemma_bf16_steps_replay_cpu_graphs(tmp_path, caplog, case):
+    """Gemma 2 and 3 in bf16 on rtp's kernels alone: decode steps are captured as CPU graphs (one
+    request's, and several requests' batches), prefill and mixed steps as the step graph where AMX
+    serves every linear. With prompts past the sliding window, the replays give token for token what
+    the same engine gives with every step eager, and logits close to transformers' fp32."""
+    from rtp import LLM, SamplingParams
+
+    name, overrides, kernels = GRAPH_CASES[case]
+    path, hf = make_gemma(name, tmp_path, **overrides)
+    write_word_tokenizer(path, VOCAB)
+    llm = LLM(model=str(path), dtype="bfloat16", compile=False, max_model_len=128, kv_cache_memory=1 << 22,
+              block_size=4, max_num_seqs=4, enable_prefix_caching=False)  # every prompt prefilled in full
+    runner = llm.engine.runner
+    assert runner.exact_graph is not None and runner.cpu_graphs
+    if cpu_kernels.amx_available():
+        assert runner.step_graph is not None
+    calls = runner.exact_graph.calls
+    ops = {cpu_kernels.op_name(int(c[0])) for c in calls}
+    assert kernels <= ops, ops
+    # every decode attention call carries the layer's cap (word 18: a double's bits, as its scale), or none
+    caps = {float(np.array([c[18]], dtype=np.int64).view(np.float64)[0]) for c in calls
+            if cpu_kernels.op_name(int(c[0])) == "decode_attention"}
+    assert caps == {getattr(hf.config, "attn_logit_softcapping", None) or 0.0}, caps
+    prompts = prompts_of((3, 12, 30), seed=8)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run():
+        batch = llm.generate(prompts, params)
+        alone = llm.generate(prompts[2:], params)
+        return [o.outputs[0].token_ids for o in batch + alone]
+
+    replayed = run()
+    assert runner.graph_steps >= 2 * (24 - 1) + (2 if runner.step_graph is not None else 0)
+    with runner.eager():
+        eager = run()
+    assert replayed == eager
+    # the same graphs through the runtime, fed transformers' tokens: logits near its fp32 ones
+    model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
+    prompts = prompts_of((20, 40), seed=9)
+    with caplog.at_level(logging.INFO, logger="rtp"):
+        worst, _ = run_model(model, prompts, hf_reference(hf, prompts), kv_dtype=torch.bfloat16)
+    assert "captured CPU graphs for decode steps" in caplog.text, caplog.text
+    assert worst < 0.15, worst
+
+
 # -- GGUF, as llama.cpp's converter writes Gemma -------------------------------------------------------
 
 _TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -276,10 +336,10 @@ def test_gguf_matches_transformers(case, tmp_path):
 
 
 def test_quantized_gguf_generates(tmp_path, caplog):
-    """A Q8_0 Gemma 3 GGUF in bf16: the quantized linears' kernels, close to transformers.
-    Decode steps run eagerly (logged: Gemma's ops have no CPU-graph kernels)."""
+    """A Q8_0 Gemma 3 GGUF in bf16: the quantized linears' kernels, close to transformers, with the
+    decode steps replayed from CPU graphs where rtp's kernels run (logged)."""
     _, hf = make_gemma("gemma3", tmp_path / "hf", **{**GGUF_CASES["gemma3"][1], "head_dim": 32,
-                                                     "query_pre_attn_scalar": 32})
+                                                     "query_pre_attn_scalar": 32, "intermediate_size": 128})
     file = tmp_path / "q8.gguf"
     write_gemma_gguf(file, hf, "gemma3", quantize=True)
     model, _ = load_model(file, torch.bfloat16, torch.device("cpu"))
@@ -288,7 +348,8 @@ def test_quantized_gguf_generates(tmp_path, caplog):
         worst, _ = run_model(model, prompts, hf_reference(hf, prompts), kv_dtype=torch.bfloat16)
     assert worst < 0.3, worst
     assert sum(layer.quant is not None for layer in model.modules() if hasattr(layer, "quant")) > 0
-    assert "decode steps run eagerly" in caplog.text
+    if cpu_kernels.available():
+        assert "captured CPU graphs for decode steps of one request" in caplog.text, caplog.text
 
 
 # -- config ------------------------------------------------------------------------------------------

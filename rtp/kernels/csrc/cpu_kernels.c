@@ -199,7 +199,7 @@ TARGET int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, co
  * bf16(2048 + 16 (h + 8)) has bits h + 8 + 0x4500 (the step of [2048, 4096) is 16), so two dot
  * instructions into one sum multiply x by q + 2304 exactly (offset 2176: 128 + offset = 2304 comes
  * back out as above). Four instructions build 32 weights where widening them to fp32 took six, only
- * one of them on the shuffle port: one row of a 0.5 B Q8_0 model 38.8 -> see docs/benchmarks.md.
+ * one of them on the shuffle port: one row of the 0.50 B Q8_0 shape (tools/bench_quant.py) 38.6 -> 29.5 ms.
  * ------------------------------------------------------------------------------------------- */
 #define U8_SPLIT 2176
 TARGET static inline __attribute__((always_inline)) void u8_tile(
@@ -613,35 +613,73 @@ TARGET static inline void bf16x32_split(const uint16_t *p, __m512 *even, __m512 
     *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* Addresses of the K and V rows of keys [t0, min(t0 + KEYS, len)) of one kv head (at
- * element offset `head`): one division per call, not one per key. Returns their count. */
-static inline int64_t key_rows(const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
-                               const int32_t *table, int64_t block_size, int64_t head, int64_t t0,
-                               int64_t len, const uint16_t **kp, const uint16_t **vp) {
+/* An int8 cache (rtp/engine/kv_cache.py, --kv-cache-dtype int8) holds each token's K and V rows of
+ * every kv head as D int8 values q with one fp32 scale s per (token, kv head): the row is s * q
+ * (symmetric absmax / 127, written by rtp_rope_store_kv). Decode attention multiplies the int8
+ * values as they are and applies the scales once per key: a key's score is s_k * (q . k_int8),
+ * and a value's probability p becomes p * s_v before the value row is accumulated. (Rounding the
+ * query to int16 for vpmaddwd products was no faster in a noisy A/B here, so it stays out.) */
+typedef struct {
+    const char *k, *v;       /* K and V rows of slot s, kv head h: at s * tok_bytes + h * head_bytes */
+    int64_t tok_bytes, head_bytes;
+    const float *ks, *vs;    /* int8 caches: their scales, slot s, kv head h at s * hkv + h; else NULL */
+    int64_t hkv, block_size;
+} kv_view;
+
+/* 16 int8 at p as 16 fp32 (exact). */
+TARGET static inline __m512 i8x16_to_f32(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* Addresses of the K and V rows of keys [t0, min(t0 + KEYS, len)) of kv head h, and with an int8
+ * cache their scales (0 past the last key): one division per call, not one per key. Returns
+ * their count. */
+static inline __attribute__((always_inline)) int64_t key_rows(const kv_view *kv, const int32_t *table, int64_t h,
+                                                              int64_t t0, int64_t len, const char **kp,
+                                                              const char **vp, float *ks, float *vs, const int I8) {
     int64_t n = len - t0 < KEYS ? len - t0 : KEYS;
     if (n <= 0) return 0;
-    int64_t blk = t0 / block_size, off = t0 - blk * block_size;
+    int64_t blk = t0 / kv->block_size, off = t0 - blk * kv->block_size, head = h * kv->head_bytes;
     for (int64_t i = 0; i < n; i++) {
-        int64_t slot = (int64_t)table[blk] * block_size + off;
-        kp[i] = k_cache + slot * tok_stride + head;
-        vp[i] = v_cache + slot * tok_stride + head;
-        if (++off == block_size) {
+        int64_t slot = (int64_t)table[blk] * kv->block_size + off;
+        kp[i] = kv->k + slot * kv->tok_bytes + head;
+        vp[i] = kv->v + slot * kv->tok_bytes + head;
+        if (I8) {
+            ks[i] = kv->ks[slot * kv->hkv + h];
+            vs[i] = kv->vs[slot * kv->hkv + h];
+        }
+        if (++off == kv->block_size) {
             off = 0;
             blk++;
         }
     }
+    if (I8)
+        for (int64_t i = n; i < KEYS; i++) ks[i] = vs[i] = 0.0f;
     return n;
 }
 
-/* Prefetch the D elements of a K or V row. */
-TARGET static inline void prefetch_row(const uint16_t *row, int64_t D, int hint_l2) {
-    for (int64_t c = 0; c < D; c += 32) {
+/* Prefetch the `bytes` bytes of a K or V row. */
+TARGET static inline void prefetch_row(const char *row, int64_t bytes, int hint_l2) {
+    for (int64_t c = 0; c < bytes; c += 64) {
         if (hint_l2) rtp_prefetch_l2(row + c);
         else rtp_prefetch_l1(row + c);
     }
 }
 
-/* One (row, kv head) task. Always inlined into call sites with constant G and NC, so the
+/* The 32 elements of chunk c of a K or V row as two fp32 vectors: for bf16 the even/odd split
+ * below, for int8 (I8) elements 0-15 and 16-31 as they lie (a sign extension converts them in
+ * order as cheaply). The query and the output use the same layout as the keys and values. */
+TARGET static inline __attribute__((always_inline)) void row_chunk(const char *row, int64_t c, __m512 *lo,
+                                                                   __m512 *hi, const int I8) {
+    if (I8) {
+        *lo = i8x16_to_f32((const int8_t *)row + 32 * c);
+        *hi = i8x16_to_f32((const int8_t *)row + 32 * c + 16);
+    } else {
+        bf16x32_split((const uint16_t *)row + 32 * c, lo, hi);
+    }
+}
+
+/* One (row, kv head) task. Always inlined into call sites with constant G, NC and I8, so the
  * compiler unrolls the head and dimension loops and keeps the accumulators in registers
  * (with them as variables every accumulator lived on the stack: 3x slower).
  *
@@ -651,18 +689,25 @@ TARGET static inline void prefetch_row(const uint16_t *row, int64_t D, int hint_
  * math, carry the next chunk's K rows and this chunk's V rows; the values pass, short on math,
  * carries the next kv head's K rows of the same keys (next_head: the task goes on to it). */
 TARGET static inline __attribute__((always_inline)) void attend_task(
-        const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
-        const int32_t *table, int64_t len, uint16_t *o, int64_t b, int64_t h, int64_t H, int64_t D,
-        int64_t block_size, float scale, int64_t window, const int64_t G, const int64_t NC, int next_head) {
+        const uint16_t *q, const kv_view *kv, const int32_t *table, int64_t len, uint16_t *o, int64_t b, int64_t h,
+        int64_t H, int64_t D, float scale, int64_t window, float softcap, const int64_t G, const int64_t NC,
+        int next_head, const int I8) {
     int64_t first = window > 0 && len > window ? len - window : 0;
-    /* query (scaled) and output accumulators in the even/odd split layout */
+    int64_t row_bytes = kv->head_bytes;
+    const __m512 capv = _mm512_set1_ps(softcap);
+    /* query (scaled) and output accumulators in the keys' layout (row_chunk) */
     __m512 qe[MAX_GROUP][MAX_DIM / 32], qo[MAX_GROUP][MAX_DIM / 32];
     __m512 ae[MAX_GROUP][MAX_DIM / 32], ao[MAX_GROUP][MAX_DIM / 32];
     float m[MAX_GROUP], l[MAX_GROUP];
     for (int64_t g = 0; g < G; g++) {
         const uint16_t *qr = q + (b * H + h * G + g) * D;
         for (int64_t c = 0; c < NC; c++) {
-            bf16x32_split(qr + 32 * c, &qe[g][c], &qo[g][c]);
+            if (I8) {
+                qe[g][c] = bf16x16_to_f32(qr + 32 * c);
+                qo[g][c] = bf16x16_to_f32(qr + 32 * c + 16);
+            } else {
+                bf16x32_split(qr + 32 * c, &qe[g][c], &qo[g][c]);
+            }
             qe[g][c] = _mm512_mul_ps(qe[g][c], _mm512_set1_ps(scale));
             qo[g][c] = _mm512_mul_ps(qo[g][c], _mm512_set1_ps(scale));
             ae[g][c] = ao[g][c] = _mm512_setzero_ps();
@@ -677,23 +722,23 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
         int64_t ns = len - s0 < SPAN ? len - s0 : SPAN;
         int64_t nch = (ns + KEYS - 1) / KEYS;
         __m512 sc[MAX_GROUP][SPAN / KEYS]; /* scores, then probabilities; 0 past the end */
-        const uint16_t *kp[KEYS], *vp[KEYS], *nkp[KEYS], *nvp[KEYS];
-        key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0, s0 + ns, kp, vp);
+        const char *kp[KEYS], *vp[KEYS], *nkp[KEYS], *nvp[KEYS];
+        float ks[KEYS], vs[KEYS], nks[KEYS], nvs[KEYS]; /* int8: the keys' K and V scales */
+        key_rows(kv, table, h, s0, s0 + ns, kp, vp, ks, vs, I8);
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t nt = ns - ch * KEYS < KEYS ? ns - ch * KEYS : KEYS;
-            int64_t nn = key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0 + (ch + 1) * KEYS,
-                                  s0 + ns, nkp, nvp);
+            int64_t nn = key_rows(kv, table, h, s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp, nks, nvs, I8);
             /* per key and query head a vector of partial dot products, summed 16 at once */
             __m512 part[MAX_GROUP][KEYS];
             for (int64_t i = 0; i < KEYS; i++) {
-                if (i < nn) prefetch_row(nkp[i], D, 0);
-                if (i < nt) prefetch_row(vp[i], D, 0);
+                if (i < nn) prefetch_row(nkp[i], row_bytes, 0);
+                if (i < nt) prefetch_row(vp[i], row_bytes, 0);
                 if (i >= nt) {
                     for (int64_t g = 0; g < G; g++) part[g][i] = _mm512_setzero_ps();
                     continue;
                 }
                 __m512 ke[MAX_DIM / 32], ko[MAX_DIM / 32];
-                for (int64_t c = 0; c < NC; c++) bf16x32_split(kp[i] + 32 * c, &ke[c], &ko[c]);
+                for (int64_t c = 0; c < NC; c++) row_chunk(kp[i], c, &ke[c], &ko[c], I8);
                 for (int64_t g = 0; g < G; g++) {
                     __m512 d = _mm512_mul_ps(qe[g][0], ke[0]);
                     d = _mm512_fmadd_ps(qo[g][0], ko[0], d);
@@ -705,10 +750,16 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
                 }
             }
             __mmask16 valid = (__mmask16)((1u << nt) - 1);
-            for (int64_t g = 0; g < G; g++)
-                sc[g][ch] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16x16(part[g]));
+            for (int64_t g = 0; g < G; g++) {
+                __m512 s = sum16x16(part[g]);
+                if (I8) s = _mm512_mul_ps(s, _mm512_loadu_ps(ks)); /* each key's scale, once per score */
+                if (softcap > 0.0f) /* Gemma 2: cap * tanh(s / cap), 16 scores at once, before the mask */
+                    s = _mm512_mul_ps(capv, tanh_ps(_mm512_div_ps(s, capv)));
+                sc[g][ch] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
+            }
             memcpy(kp, nkp, sizeof(kp));
             memcpy(vp, nvp, sizeof(vp));
+            if (I8) memcpy(ks, nks, sizeof(ks));
         }
         __mmask16 last = (__mmask16)((1u << (ns - (nch - 1) * KEYS)) - 1);
         for (int64_t g = 0; g < G; g++) {
@@ -732,14 +783,16 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
             }
         }
         /* values: each read once, accumulated into all G outputs */
-        key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0, s0 + ns, kp, vp);
+        key_rows(kv, table, h, s0, s0 + ns, kp, vp, ks, vs, I8);
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t nt = ns - ch * KEYS < KEYS ? ns - ch * KEYS : KEYS;
-            key_rows(k_cache, v_cache, tok_stride, table, block_size, h * D, s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp);
+            key_rows(kv, table, h, s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp, nks, nvs, I8);
+            if (I8) /* p s_v: the value scales ride on the probabilities, 16 at once */
+                for (int64_t g = 0; g < G; g++) sc[g][ch] = _mm512_mul_ps(sc[g][ch], _mm512_loadu_ps(vs));
             for (int64_t i = 0; i < nt; i++) {
-                if (next_head) prefetch_row(k_cache + (vp[i] - v_cache) + D, D, 1);
+                if (next_head) prefetch_row(kv->k + (vp[i] - kv->v) + row_bytes, row_bytes, 1);
                 __m512 ve[MAX_DIM / 32], vo[MAX_DIM / 32];
-                for (int64_t c = 0; c < NC; c++) bf16x32_split(vp[i] + 32 * c, &ve[c], &vo[c]);
+                for (int64_t c = 0; c < NC; c++) row_chunk(vp[i], c, &ve[c], &vo[c], I8);
                 for (int64_t g = 0; g < G; g++) {
                     __m512 pi = _mm512_set1_ps(((const float *)&sc[g][ch])[i]);
                     for (int64_t c = 0; c < NC; c++) {
@@ -749,29 +802,39 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
                 }
             }
             memcpy(vp, nvp, sizeof(vp));
+            if (I8) memcpy(vs, nvs, sizeof(vs));
         }
     }
-    /* back to element order: interleave even and odd lanes, round to bf16 */
+    /* back to element order (bf16: interleave even and odd lanes), round to bf16 */
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     for (int64_t g = 0; g < G; g++) {
         __m512 inv = _mm512_set1_ps(1.0f / l[g]);
         for (int64_t c = 0; c < NC; c++) {
             __m512 e = _mm512_mul_ps(ae[g][c], inv), od = _mm512_mul_ps(ao[g][c], inv);
-            __m256bh r0 = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, lo, od));
-            __m256bh r1 = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, hi, od));
+            __m256bh r0 = _mm512_cvtneps_pbh(I8 ? e : _mm512_permutex2var_ps(e, lo, od));
+            __m256bh r1 = _mm512_cvtneps_pbh(I8 ? od : _mm512_permutex2var_ps(e, hi, od));
             _mm256_storeu_si256((__m256i *)(o + g * D + 32 * c), (__m256i)r0);
             _mm256_storeu_si256((__m256i *)(o + g * D + 32 * c + 16), (__m256i)r1);
         }
     }
 }
 
+/* k_scales / v_scales NULL: bf16 caches; else int8 caches (kv_view above), the scales fp32 [slots, Hkv]
+ * (token stride Hkv). tok_stride counts the cache's elements either way. softcap > 0: each scaled
+ * score becomes softcap * tanh(score / softcap) before the softmax (Gemma 2's attention logit
+ * softcapping); 0: none, and the test on it sits outside the dot products' loops. */
 TARGET void rtp_paged_decode_attention_bf16(
-        const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
+        const uint16_t *q, const void *k_cache, const void *v_cache, int64_t tok_stride,
         const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
-        int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window) {
+        int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window,
+        const float *k_scales, const float *v_scales, float softcap) {
     int64_t G = H / Hkv;
     int64_t nc = D / 32; /* D is a multiple of 32, at most MAX_DIM */
+    int i8 = k_scales != NULL;
+    int64_t esize = i8 ? 1 : 2;
+    const kv_view kv = {(const char *)k_cache, (const char *)v_cache, tok_stride * esize, D * esize,
+                        k_scales, v_scales, Hkv, block_size};
     /* One task per row, its kv heads in turn: a token's K (and V) row of all heads is one
      * contiguous run, so the row's blocks stream through whole (a task per head read a third
      * of each run and got 9 GB/s from DRAM; per row, more). With fewer rows than two per
@@ -789,8 +852,8 @@ TARGET void rtp_paged_decode_attention_bf16(
         int64_t h0 = per_row == 1 ? 0 : task % per_row, h1 = per_row == 1 ? Hkv : h0 + 1;
         for (int64_t h = h0; h < h1; h++) {
             uint16_t *o = out + (b * H + h * G) * D;
-#define ATTEND(g, n) attend_task(q, k_cache, v_cache, tok_stride, table, len, o, b, h, H, D, block_size, scale, window, \
-                                     g, n, h + 1 < h1)
+#define ATTEND(g, n) (i8 ? attend_task(q, &kv, table, len, o, b, h, H, D, scale, window, softcap, g, n, h + 1 < h1, 1) \
+                         : attend_task(q, &kv, table, len, o, b, h, H, D, scale, window, softcap, g, n, h + 1 < h1, 0))
             /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
             switch (G * 16 + nc) {
             case 1 * 16 + 2: ATTEND(1, 2); break;
@@ -854,7 +917,9 @@ TARGET void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, in
  *   qkv bf16 [T, (H + 2 Hkv) * D] row stride ldq; positions int32 [T];
  *   cos_sin fp32 [max_position, rot] (cos in the first half of a row, sin in the second);
  *   q_out bf16 [T, H, D]; k_cache / v_cache bf16, token stride tok_stride, head stride D,
- *   num_slots slots each.
+ *   num_slots slots each; or int8 (k_scales / v_scales not NULL, fp32 [num_slots, Hkv]): each
+ *   (token, kv head) row x, rounded to bf16 as the bf16 cache would hold it, is stored as
+ *   q = round(x * 127 / absmax(x)) with the scale absmax(x) / 127 (all zeros: q 0, scale 0).
  * rot / 2 is a multiple of 16. The only kernel that stores at addresses taken from data: a slot
  * outside [0, num_slots) would land in whatever memory lies near the cache (weights, another
  * layer's blocks), so its K and V are not written and the call returns 0 (else 1).
@@ -874,10 +939,23 @@ TARGET static inline void rope_head(const uint16_t *x, const float *cs, int64_t 
     if (rot < D) memcpy(dst + rot, x + rot, (size_t)(D - rot) * sizeof(uint16_t));
 }
 
+/* One row of D bf16 (D a multiple of 16) into the int8 cache: symmetric absmax / 127. */
+TARGET static inline void quantize_head(const uint16_t *x, int64_t D, int8_t *dst, float *scale) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(bf16x16_to_f32(x + c)));
+    float amax = _mm512_reduce_max_ps(mx);
+    __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    *scale = amax / 127.0f;
+    for (int64_t c = 0; c < D; c += 16) /* round to nearest even, as torch.round */
+        _mm_storeu_si128((__m128i *)(dst + c),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_f32(x + c), inv))));
+}
+
 TARGET int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions,
-                             const float *cos_sin, int64_t rot, uint16_t *q_out, uint16_t *k_cache,
-                             uint16_t *v_cache, int64_t tok_stride, const int64_t *slots,
-                             int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t num_slots) {
+                             const float *cos_sin, int64_t rot, uint16_t *q_out, void *k_cache,
+                             void *v_cache, int64_t tok_stride, const int64_t *slots,
+                             int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t num_slots,
+                             float *k_scales, float *v_scales) {
     int bad = 0;
 #pragma omp parallel for schedule(static) if (T >= 16) reduction(| : bad)
     for (int64_t t = 0; t < T; t++) {
@@ -889,7 +967,17 @@ TARGET int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *po
             bad = 1;
             continue;
         }
-        uint16_t *kd = k_cache + slot * tok_stride, *vd = v_cache + slot * tok_stride;
+        if (k_scales) {
+            int8_t *kd = (int8_t *)k_cache + slot * tok_stride, *vd = (int8_t *)v_cache + slot * tok_stride;
+            uint16_t rotated[MAX_DIM];
+            for (int64_t h = 0; h < Hkv; h++) {
+                rope_head(row + (H + h) * D, cs, rot, D, rotated);
+                quantize_head(rotated, D, kd + h * D, k_scales + slot * Hkv + h);
+                quantize_head(row + (H + Hkv + h) * D, D, vd + h * D, v_scales + slot * Hkv + h);
+            }
+            continue;
+        }
+        uint16_t *kd = (uint16_t *)k_cache + slot * tok_stride, *vd = (uint16_t *)v_cache + slot * tok_stride;
         for (int64_t h = 0; h < Hkv; h++) rope_head(row + (H + h) * D, cs, rot, D, kd + h * D);
         memcpy(vd, row + (H + Hkv) * D, (size_t)(Hkv * D) * sizeof(uint16_t));
     }
@@ -899,12 +987,34 @@ TARGET int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *po
 /* ---------------------------------------------------------------------------------------------
  * The first and the middle op of a layer stack, so that a decode step runs on these kernels
  * alone (rtp/kernels/cpu_graph.py replays it without Python):
- *   embed_rows: out fp32 [T, H] (row stride ldo) = table[ids[t]] (bf16 or fp32, row stride ldt)
+ *   embed_rows: out fp32 [T, H] (row stride ldo) = table[ids[t]] (bf16 or fp32, row stride ldt),
+ *               times scale unless it is 1 (Gemma's sqrt(hidden_size)), the product rounded to the
+ *               table's dtype as torch rounds a bf16 row times a scalar (the fp32 product of two
+ *               bf16 values is exact, so one rounding gives torch's bf16 product)
  *   silu_mul:   out bf16 [T, I] = silu(x[:, :I]) * x[:, I:], x bf16 [T, 2I] (row stride ldx);
  *               in fp32, rounded once; I a multiple of 16.
  * ------------------------------------------------------------------------------------------- */
+TARGET static void scale_row(float *o, int64_t H, float scale, int round_bf16) {
+    const __m512 s = _mm512_set1_ps(scale);
+    int64_t c = 0;
+    for (; c + 16 <= H; c += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(o + c), s);
+        if (round_bf16)
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+        _mm512_storeu_ps(o + c, v);
+    }
+    for (; c < H; c++) {
+        float v = o[c] * scale;
+        if (round_bf16) {
+            uint32_t u = (uint32_t)f32_to_bf16(v) << 16;
+            memcpy(&v, &u, 4);
+        }
+        o[c] = v;
+    }
+}
+
 TARGET void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const int32_t *ids, float *out,
-                           int64_t ldo, int64_t T, int64_t H) {
+                           int64_t ldo, int64_t T, int64_t H, float scale) {
     for (int64_t t = 0; t < T; t++) {
         float *o = out + t * ldo;
         if (table_bf16) {
@@ -918,6 +1028,7 @@ TARGET void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const
         } else {
             memcpy(o, (const float *)table + (int64_t)ids[t] * ldt, (size_t)H * sizeof(float));
         }
+        if (scale != 1.0f) scale_row(o, H, scale, table_bf16);
     }
 }
 

@@ -36,20 +36,21 @@ int rtp_run_call(const int64_t *c) {
         return 1;
     case RTP_OP_ROPE_STORE_KV:
         return rtp_rope_store_kv(P(1), c[2], P(3), P(4), c[5], P(6), P(7), P(8), c[9], P(10), c[11], c[12], c[13],
-                                 c[14], c[15]);
+                                 c[14], c[15], P(16), P(17));
     case RTP_OP_DECODE_ATTENTION:
         rtp_paged_decode_attention_bf16(P(1), P(2), P(3), c[4], P(5), c[6], P(7), P(8), c[9], c[10], c[11], c[12],
-                                        c[13], arg_float(c[14]), c[15]);
+                                        c[13], arg_float(c[14]), c[15], P(16), P(17), arg_float(c[18]));
         return 1;
     case RTP_OP_EMBED_ROWS:
-        rtp_embed_rows(P(1), (int)c[2], c[3], P(4), P(5), c[6], c[7], c[8]);
+        rtp_embed_rows(P(1), (int)c[2], c[3], P(4), P(5), c[6], c[7], c[8], arg_float(c[9]));
         return 1;
     case RTP_OP_SILU_MUL:
         rtp_silu_mul(P(1), c[2], P(3), c[4], c[5], c[6]);
         return 1;
     case RTP_OP_PREFILL_ATTENTION:
         return rtp_prefill_attention_bf16(P(1), P(2), P(3), c[4], P(5), P(6), P(7), c[8], c[9], c[10], P(11), c[12],
-                                          c[13], c[14], c[15], arg_float(c[16]), c[17], (int)c[18]);
+                                          c[13], c[14], c[15], arg_float(c[16]), c[17], (int)c[18], P(19), P(20),
+                                          arg_float(c[21]));
     case RTP_OP_GATHER_ROWS:
         rtp_gather_rows(P(1), c[2], P(3), c[4], P(5), c[6], c[7]);
         return 1;
@@ -61,6 +62,18 @@ int rtp_run_call(const int64_t *c) {
     case RTP_OP_LINEAR_U8:
         return rtp_linear_u8(P(1), c[2], (int)c[3], P(4), P(5), P(6), (int)c[7], (int)c[8], P(9), P(10), c[11],
                              (int)c[12], c[13], c[14], c[15]);
+    case RTP_OP_RMS_NORM:
+        rtp_rms_norm(P(1), c[2], (int)c[3], P(4), (int)c[5], arg_float(c[6]), P(7), c[8], (int)c[9], c[10], c[11]);
+        return 1;
+    case RTP_OP_QK_RMS_NORM:
+        rtp_qk_rms_norm(P(1), c[2], P(3), P(4), (int)c[5], arg_float(c[6]), c[7], c[8], c[9], c[10]);
+        return 1;
+    case RTP_OP_GELU_TANH_MUL:
+        rtp_gelu_tanh_mul(P(1), c[2], P(3), c[4], c[5], c[6]);
+        return 1;
+    case RTP_OP_SOFTCAP:
+        rtp_softcap(P(1), c[2], arg_float(c[3]), c[4], c[5]);
+        return 1;
     }
     return 0;
 }
@@ -82,6 +95,10 @@ int rtp_call_rows_word(int64_t op) {
     case RTP_OP_LINEAR_Q4_K: return 10;
     case RTP_OP_LINEAR_BF16: return 10;
     case RTP_OP_LINEAR_U8: return 13;
+    case RTP_OP_RMS_NORM: return 10;
+    case RTP_OP_QK_RMS_NORM: return 7;
+    case RTP_OP_GELU_TANH_MUL: return 5;
+    case RTP_OP_SOFTCAP: return 4;
     }
     return 0;
 }
@@ -152,15 +169,22 @@ uint32_t rtp_call_address_words(int64_t op) {
     case RTP_OP_LINEAR_Q8: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 5 | 1u << 7 | 1u << 8;
     case RTP_OP_LINEAR_AMX: return 1u << 1 | 1u << 5 | 1u << 6 | 1u << 7;
     case RTP_OP_ADD_RMS_NORM: return 1u << 1 | 1u << 3 | 1u << 6 | 1u << 9;
-    case RTP_OP_ROPE_STORE_KV: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 6 | 1u << 7 | 1u << 8 | 1u << 10;
-    case RTP_OP_DECODE_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 7 | 1u << 8;
+    case RTP_OP_ROPE_STORE_KV: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 6 | 1u << 7 | 1u << 8 | 1u << 10 | 1u << 16
+                                      | 1u << 17;
+    case RTP_OP_DECODE_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 7 | 1u << 8 | 1u << 16
+                                         | 1u << 17;
     case RTP_OP_EMBED_ROWS: return 1u << 1 | 1u << 4 | 1u << 5;
     case RTP_OP_SILU_MUL: return 1u << 1 | 1u << 3;
-    case RTP_OP_PREFILL_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 6 | 1u << 7 | 1u << 11;
+    case RTP_OP_PREFILL_ATTENTION: return 1u << 1 | 1u << 2 | 1u << 3 | 1u << 5 | 1u << 6 | 1u << 7 | 1u << 11
+                                          | 1u << 19 | 1u << 20;
     case RTP_OP_GATHER_ROWS: return 1u << 1 | 1u << 3 | 1u << 5;
     case RTP_OP_LINEAR_Q4_K: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 5 | 1u << 6 | 1u << 7;
     case RTP_OP_LINEAR_BF16: return 1u << 1 | 1u << 4 | 1u << 6 | 1u << 7;
     case RTP_OP_LINEAR_U8: return 1u << 1 | 1u << 4 | 1u << 5 | 1u << 6 | 1u << 9 | 1u << 10;
+    case RTP_OP_RMS_NORM: return 1u << 1 | 1u << 4 | 1u << 7;
+    case RTP_OP_QK_RMS_NORM: return 1u << 1 | 1u << 3 | 1u << 4;
+    case RTP_OP_GELU_TANH_MUL: return 1u << 1 | 1u << 3;
+    case RTP_OP_SOFTCAP: return 1u << 1;
     }
     return 0;
 }

@@ -16,7 +16,8 @@
  *            once for all of them. Per step of KB keys: S = Q K^T (tiles) -> row max, p =
  *            exp(scale (s - m)), running sum and rescale of O (fp32, AVX-512) -> P rounded to
  *            bf16 -> O += P V (tiles). Tasks run longest first (dynamic schedule): a causal
- *            task's cost grows with its position.
+ *            task's cost grows with its position. With Gemma 2's softcap, S -> cap tanh(scale S /
+ *            cap) in a pass of its own (cap_scores) before the softmax.
  *
  * Layouts (uint32 = a pair of bf16):
  *   K^T   per key tile j (16 keys) and dimension step s (32 dims): 16 x 16 uint32, row r, column n
@@ -40,6 +41,7 @@
  */
 #include "cpu_kernels.h"
 #include "amx_tiles.h"
+#include "vec_math.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -82,18 +84,38 @@ typedef struct {
 
 /* ---- pack ------------------------------------------------------------------------------------ */
 
-/* Keys and values [32 t, 32 t + 32) of one kv head into their packed tiles. */
-AVX_TARGET static void pack_step(const uint16_t *k_cache, const uint16_t *v_cache, int64_t tok_stride,
+/* An int8 cache's row of D values (D a multiple of 16) as bf16: q * its scale, rounded once. The
+ * tile products then run as over a bf16 cache. */
+AVX_TARGET static inline void dequantize_row(const int8_t *src, float scale, int64_t D, uint16_t *dst) {
+    __m512 s = _mm512_set1_ps(scale);
+    for (int64_t c = 0; c < D; c += 16) {
+        __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + c))));
+        _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, s)));
+    }
+}
+
+/* Keys and values [32 t, 32 t + 32) of one kv head into their packed tiles; from an int8 cache
+ * (k_scales not NULL: fp32 [slots, Hkv]) dequantized to bf16 on the way. */
+AVX_TARGET static void pack_step(const void *k_cache, const void *v_cache, int64_t tok_stride,
+                                 const float *k_scales, const float *v_scales, int64_t Hkv,
                                  const int32_t *table, int64_t block_size, int64_t ctx, int64_t head,
                                  int64_t D, int64_t t, uint32_t *kp, uint32_t *vp) {
     uint16_t rows[32 * 256] __attribute__((aligned(64))); /* the 32 keys' K rows, zero past ctx */
+    uint16_t vrows[32 * 256] __attribute__((aligned(64))); /* int8: their V rows, dequantized */
     const uint16_t *vrow[32];
     for (int64_t i = 0; i < 32; i++) {
         int64_t pos = 32 * t + i;
         if (pos < ctx) {
             int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
-            memcpy(rows + i * D, k_cache + slot * tok_stride + head * D, (size_t)D * 2);
-            vrow[i] = v_cache + slot * tok_stride + head * D;
+            int64_t at = slot * tok_stride + head * D;
+            if (k_scales) {
+                dequantize_row((const int8_t *)k_cache + at, k_scales[slot * Hkv + head], D, rows + i * D);
+                dequantize_row((const int8_t *)v_cache + at, v_scales[slot * Hkv + head], D, vrows + i * D);
+                vrow[i] = vrows + i * D;
+            } else {
+                memcpy(rows + i * D, (const uint16_t *)k_cache + at, (size_t)D * 2);
+                vrow[i] = (const uint16_t *)v_cache + at;
+            }
         } else {
             memset(rows + i * D, 0, (size_t)D * 2);
             vrow[i] = NULL;
@@ -359,6 +381,22 @@ AVX_TARGET static void softmax_tile(const float *s, int64_t nt, int64_t k0, int6
     }
 }
 
+/* Gemma 2's attention logit softcapping over one step's raw scores (q . k, [G][16][KB], rows < `rows`
+ * and nt key tiles): s -> softcap * tanh(s scale / softcap), scaled as torch scales them. A pass of its
+ * own, so that softmax_tile's loops stay as they are and a model without a cap pays nothing; the
+ * capped scores come back already scaled (the caller's scale2 is then log2 e alone). */
+AVX_TARGET static void cap_scores(float *s, int64_t G, int64_t rows, int64_t nt, float scale, float softcap) {
+    const __m512 sv = _mm512_set1_ps(scale), cv = _mm512_set1_ps(softcap);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < rows; i++) {
+            float *si = s + (g * 16 + i) * KB;
+            for (int64_t j = 0; j < nt; j++) {
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + 16 * j), sv);
+                _mm512_storeu_ps(si + 16 * j, _mm512_mul_ps(cv, tanh_ps(_mm512_div_ps(x, cv))));
+            }
+        }
+}
+
 /* ---- one task ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -378,7 +416,7 @@ AMX_TARGET static inline void scores(const scratch *w, int64_t G, int64_t D, con
 
 AMX_TARGET static void attend(const uint16_t *q, uint16_t *out, const seq_info *sq, int64_t kvh, int64_t qb,
                               const uint32_t *kp, const uint32_t *vp, int64_t H, int64_t G, int64_t D,
-                              float scale, int64_t window, int amx, scratch *w) {
+                              float scale, int64_t window, float softcap, int amx, scratch *w) {
     int64_t i0 = qb * QB, rows = sq->n - i0 < QB ? sq->n - i0 : QB;
     int64_t first_pos = sq->ctx - sq->n + i0, last_pos = first_pos + rows - 1;
     for (int64_t g = 0; g < G; g++) {
@@ -395,7 +433,8 @@ AMX_TARGET static void attend(const uint16_t *q, uint16_t *out, const seq_info *
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
-    float scale2 = scale * 1.44269504088896341f; /* exponents in base 2 */
+    /* exponents in base 2; capped scores (cap_scores) come scaled already */
+    float scale2 = (softcap > 0.0f ? 1.0f : scale) * 1.44269504088896341f;
     int64_t start = window > 0 && first_pos - window + 1 > 0 ? (first_pos - window + 1) / KB * KB : 0;
     float *sb[2] = {w->s, w->s + G * 16 * KB};
     scores(w, G, D, kp, start, last_pos, rows, amx, sb[0]);
@@ -403,6 +442,7 @@ AMX_TARGET static void attend(const uint16_t *q, uint16_t *out, const seq_info *
         int64_t keys = last_pos + 1 - k0 < KB ? last_pos + 1 - k0 : KB;
         int64_t nt = (keys + 15) / 16, nsteps = (keys + 31) / 32;
         float *s = sb[b & 1];
+        if (softcap > 0.0f) cap_scores(s, G, rows, nt, scale, softcap);
         for (int64_t g = 0; g < G; g++)
             softmax_tile(s + g * 16 * KB, nt, k0, first_pos, rows, window, scale2, w->m + g * 16, w->l + g * 16,
                          w->o + g * 16 * D, D, w->p + g * 16 * KB);
@@ -435,19 +475,22 @@ static int longest_first(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* q bf16 [T, H, D] contiguous; k_cache / v_cache bf16, slot s of kv head h at s * tok_stride + h * D.
+/* q bf16 [T, H, D] contiguous; k_cache / v_cache bf16, slot s of kv head h at s * tok_stride + h * D, or
+ * int8 with fp32 scales k_scales / v_scales [slots, Hkv] (NULL: bf16; rtp_rope_store_kv writes both).
  * The sequences are rows [first_row, first_row + nseq) of a step plan (rtp/runtime/step_plan.pyx), read
  * as the plan holds them, so a captured call replays any step: row r's query tokens are
  * [qsl[r], qsl[r + 1]) of q and out, it attends to seq_lens[r] keys (its chunk's own included,
  * already in the cache), and its block ids are block_tables[r * ldt ...]. out bf16 [T, H, D]: rows of
  * tokens outside every sequence are left alone. D a multiple of 32, at most 256; H / Hkv at most 16.
  * window > 0: each token sees its last `window` positions. amx: use the tiles (the caller checked
- * rtp_amx_supported()). Returns 0 when scratch memory could not be had. */
-AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+ * rtp_amx_supported()). softcap > 0: each scaled score becomes softcap * tanh(score / softcap) before
+ * the mask and the softmax (Gemma 2); 0: none. Returns 0 when scratch memory could not be had. */
+AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const void *k_cache, const void *v_cache,
                                           int64_t tok_stride, const int32_t *qsl, const int32_t *seq_lens,
                                           const int32_t *tables, int64_t ldt, int64_t first_row, int64_t nseq,
                                           uint16_t *out, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
-                                          float scale, int64_t window, int amx) {
+                                          float scale, int64_t window, int amx, const float *k_scales,
+                                          const float *v_scales, float softcap) {
     if (nseq <= 0) return 1;
     int64_t G = H / Hkv;
     seq_info *info = malloc(sizeof(seq_info) * (size_t)(nseq > 0 ? nseq : 1));
@@ -495,8 +538,8 @@ AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_c
             const seq_info *sq = &info[i];
             int64_t h = rest / (sq->padded / 32), t = rest % (sq->padded / 32);
             int64_t off = sq->pack_off + h * sq->padded * D;
-            pack_step(k_cache, v_cache, tok_stride, tables + sq->table_off, block_size, sq->ctx, h, D, t,
-                      (uint32_t *)(kpack + off), (uint32_t *)(vpack + off));
+            pack_step(k_cache, v_cache, tok_stride, k_scales, v_scales, Hkv, tables + sq->table_off, block_size,
+                      sq->ctx, h, D, t, (uint32_t *)(kpack + off), (uint32_t *)(vpack + off));
         }
         scratch w = {0};
         size_t rowsz = (size_t)(G * 16);
@@ -520,7 +563,7 @@ AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const uint16_t *k_c
             const seq_info *sq = &info[tk->seq];
             int64_t h = u % Hkv, off = sq->pack_off + h * sq->padded * D;
             attend(q, out, sq, h, tk->qb, (const uint32_t *)(kpack + off), (const uint32_t *)(vpack + off), H, G, D,
-                   scale, window, amx, &w);
+                   scale, window, softcap, amx, &w);
         }
         if (amx && mem) _tile_release();
         free(mem);

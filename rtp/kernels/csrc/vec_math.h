@@ -1,6 +1,7 @@
-/* Vector math rtp's kernels share (AVX-512, fp32): the exponential of softmax arguments and
- * SiLU-and-mul. One definition, so that the fused MLP epilogue of the AMX linear
- * (amx_linear.c) and the separate SiLU-and-mul kernel (cpu_kernels.c) agree bit for bit. */
+/* Vector math rtp's kernels share (AVX-512, fp32): the exponential of softmax arguments,
+ * SiLU-and-mul, tanh and GELU(tanh)-and-mul. One definition, so that the fused MLP epilogue of
+ * the AMX linear (amx_linear.c) and the separate SiLU-and-mul kernel (cpu_kernels.c) agree bit
+ * for bit. */
 #ifndef RTP_VEC_MATH_H
 #define RTP_VEC_MATH_H
 
@@ -30,6 +31,39 @@ RTP_VEC_TARGET static inline __m512 exp_ps(__m512 x) {
 RTP_VEC_TARGET static inline __m512 silu_mul_ps(__m512 g, __m512 u) {
     __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
     __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e,
+                                      _mm512_set1_ps(1.0f));
+    __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
+}
+
+/* tanh(x), max rel. error about 3e-7, NaN kept: below |x| = 0.625 x + x^3 P(x^2) (a minimax
+ * polynomial, the one Cephes' tanhf uses), where (1 - e) / (1 + e) would lose the digits of a small
+ * x to cancellation; above it that quotient with e = exp(-2|x|) <= 0.29, the sign put back. */
+RTP_VEC_TARGET static inline __m512 tanh_ps(__m512 x) {
+    __m512 a = _mm512_abs_ps(x), z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+    __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
+    __m512 e = exp_ps(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+    __m512 big = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    big = _mm512_or_ps(big, _mm512_and_ps(x, _mm512_set1_ps(-0.0f)));
+    __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_LT_OQ), big, small);
+    return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* gelu(g) * u, tanh-approximated: torch's gelu(approximate="tanh"), 0.5 g (1 + tanh(y)) with
+ * y = sqrt(2 / pi) (g + 0.044715 g^3), as g sigmoid(2 y), the same function: where tanh(y) nears -1
+ * (a gate below about -4) 1 + tanh(y) keeps only the few digits fp32 has left below 1, while the
+ * sigmoid, from e = exp(-|2 y|) <= 1 as silu_mul_ps's, keeps them all. */
+RTP_VEC_TARGET static inline __m512 gelu_tanh_mul_ps(__m512 g, __m512 u) {
+    __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    __m512 y2 = _mm512_mul_ps(_mm512_set1_ps(2.0f * 0.7978845608028654f),
+                              _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
+    __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(y2)));
+    __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(y2, _mm512_setzero_ps(), _CMP_GE_OQ), e,
                                       _mm512_set1_ps(1.0f));
     __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
