@@ -13,6 +13,8 @@ vocabulary is the point."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,8 @@ import transformers
 
 from rtp import LLM, SamplingParams
 from rtp.config import EngineConfig
+
+from stats import same_distribution
 
 TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin covers seven "
         "million square kilometres, of which five and a half million are covered by the rainforest. The "
@@ -212,6 +216,35 @@ def test_a_draft_of_another_shape_on_a_tiny_target_keeps_greedy_output(tiny_dirs
         assert llm.engine.allocator.num_used == 0
     assert acceptance(own) > 0.9
     assert acceptance(other) < 0.5
+
+
+def test_unseeded_sampling_keeps_the_plain_distribution(tiny_dirs):
+    """Temperature 1 over the top 8 of a tiny target, drafted by a model with other weights: its
+    greedy drafts are kept only when the target samples them, so the rejection rule decides most
+    tokens. Positions 1-3 (drafted ones) are distributed as without drafts: rejected at p < 1e-4."""
+    target = str(tiny_dirs["target"])
+    prompt = list(range(1, 60))
+    sp = SamplingParams(temperature=1.0, top_k=8, max_tokens=4, n=10, ignore_eos=True)
+
+    def draws(**kw):
+        llm = LLM(model=target, dtype="float32", max_num_seqs=32, max_model_len=128, **kw)
+        by_position = [Counter() for _ in range(4)]
+        for _ in range(300):
+            for choice in llm.generate([prompt], sp, use_tqdm=False)[0].outputs:
+                for i, t in enumerate(choice.token_ids):
+                    by_position[i][t] += 1
+        return llm, by_position
+
+    # engines of other seeds: one seed would draw the same random numbers in both, so their tokens would
+    # agree far more than two independent samples do, and hide a difference
+    _, plain = draws(seed=1)
+    llm, spec = draws(seed=2, speculative_model=str(tiny_dirs["other"]), num_speculative_tokens=3,
+                      speculative_max_running=32)
+    s = llm.engine.scheduler
+    assert s.spec_draft_tokens > 1000 and 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+    for position in range(1, 4):
+        same, stat, df = same_distribution(plain[position], spec[position])
+        assert same, (position, stat, df)
 
 
 def test_the_draft_kv_is_the_targets_when_the_target_drafts_for_itself(tiny_dirs):
