@@ -146,6 +146,8 @@ def main() -> None:
     ap.add_argument("--speculative-model", metavar="PATH", default=None,
                     help="draft with this model (directory, GGUF or ID sharing --model's tokenizer) instead of ngram")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--speculative-max-running", type=int, default=None,
+                    help="draft only while at most this many requests run (default: the engine's)")
     ap.add_argument("--streams", type=int, default=8, help="requests at once in the batched runs (default 8)")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--workloads", default="summarise,code,chat")
@@ -161,7 +163,9 @@ def main() -> None:
     note(f"loading a plain engine and one with speculative decoding ({args.speculative_model or 'ngram'})")
     plain = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(16, args.streams * 2))
     spec = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(16, args.streams * 2),
-               num_speculative_tokens=args.num_speculative_tokens, **drafter)
+               num_speculative_tokens=args.num_speculative_tokens, **drafter,
+               **({} if args.speculative_max_running is None
+                  else {"speculative_max_running": args.speculative_max_running}))
     tok = plain.engine.tokenizer
     chosen = {name: asks[: args.requests] for name, asks in workloads().items() if name in args.workloads.split(",")}
     rows = []
