@@ -139,6 +139,49 @@ TARGET static inline __attribute__((always_inline)) void q4_1_tile(
     }
 }
 
+/* Every tile of an [M, N] product over one request's rows, TILE(m0, mr, n0, nr, NR_) each with mr and NR_
+ * literals so each always-inline tile kernel is compiled for its row count: 5-6 rows in one pass two
+ * weight rows a tile, any other M in passes of up to MR rows over NR weight rows. Shared by every
+ * small-batch linear below. */
+#define FOR_EACH_TILE(M, N, TILE)                                                                           \
+    do {                                                                                                    \
+        if ((M) > MR && (M) <= MR_MAX) {                                                                    \
+            int64_t tiles_ = ((N) + 1) / 2;                                                                 \
+            _Pragma("omp parallel for schedule(static)")                                                    \
+            for (int64_t t_ = 0; t_ < tiles_; t_++) {                                                       \
+                int64_t n0_ = t_ * 2, nr_ = (N) - n0_ < 2 ? (N) - n0_ : 2;                                  \
+                if ((M) == 5) TILE(0, 5, n0_, nr_, 2);                                                      \
+                else TILE(0, 6, n0_, nr_, 2);                                                               \
+            }                                                                                               \
+        } else {                                                                                            \
+            int64_t tiles_ = ((N) + NR - 1) / NR;                                                           \
+            _Pragma("omp parallel for schedule(static)")                                                    \
+            for (int64_t t_ = 0; t_ < tiles_; t_++) {                                                       \
+                int64_t n0_ = t_ * NR, nr_ = (N) - n0_ < NR ? (N) - n0_ : NR;                               \
+                for (int64_t m0_ = 0; m0_ < (M); m0_ += MR) {                                               \
+                    switch ((M) - m0_ < MR ? (M) - m0_ : MR) {                                              \
+                    case 1: TILE(m0_, 1, n0_, nr_, NR); break;                                              \
+                    case 2: TILE(m0_, 2, n0_, nr_, NR); break;                                              \
+                    case 3: TILE(m0_, 3, n0_, nr_, NR); break;                                              \
+                    default: TILE(m0_, 4, n0_, nr_, NR); break;                                             \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+    } while (0)
+
+/* xsum [M, K / group] = each bf16 row's sums over groups of `group` (16 or 32) weights: what the
+ * kernels that build weights with an offset (128 + q, ...) take back out. */
+TARGET static void group_sums(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int group, float *xsum) {
+    int64_t ng = K / group;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < ng; g++) {
+            __m512 v = bf16x16_to_f32(x + i * ldx + g * group);
+            if (group == 32) v = _mm512_add_ps(v, bf16x16_to_f32(x + i * ldx + g * group + 16));
+            xsum[i * ng + g] = _mm512_reduce_add_ps(v);
+        }
+}
+
 /* Returns 0, computing nothing, when the sums of a large batch could not be allocated. */
 TARGET int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
                            const float *mn, const float *bias, void *out, int64_t ldo,
@@ -148,37 +191,10 @@ TARGET int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, co
     float stack[16384];
     float *xsum = M * nb <= 16384 ? stack : (float *)malloc((size_t)(M * nb) * sizeof(float));
     if (!xsum) return 0;
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t b = 0; b < nb; b++) {
-            __m512 lo = bf16x16_to_f32(x + i * ldx + b * QK), hi = bf16x16_to_f32(x + i * ldx + b * QK + 16);
-            xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        }
-    if (M > MR && M <= MR_MAX) {
-        int64_t tiles = (N + 1) / 2;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n0 = t * 2, nr = N - n0 < 2 ? N - n0 : 2;
-            switch (M) {
-            case 5: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, 0, 5, n0, nr, 2); break;
-            default: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, 0, 6, n0, nr, 2); break;
-            }
-        }
-        if (xsum != stack) free(xsum);
-        return 1;
-    }
-    int64_t tiles = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            switch (M - m0 < MR ? M - m0 : MR) {
-            case 1: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, NR); break;
-            case 2: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, NR); break;
-            case 3: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, NR); break;
-            default: q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, NR); break;
-            }
-        }
-    }
+    group_sums(x, ldx, M, K, QK, xsum);
+#define Q4_1_TILE(m0, mr, n0, nr, NR_) q4_1_tile(x, ldx, xsum, qs, d, mn, K, bias, out, ldo, out_bf16, m0, mr, n0, nr, NR_)
+    FOR_EACH_TILE(M, N, Q4_1_TILE);
+#undef Q4_1_TILE
     if (xsum != stack) free(xsum);
     return 1;
 }
@@ -278,40 +294,16 @@ TARGET int rtp_linear_u8(const void *x, int64_t ldx, int x_fp32, const int8_t *q
         return 0;
     }
     const uint16_t *xr = x_fp32 ? xb : (const uint16_t *)x;
-    for (int64_t i = 0; i < M; i++) {
-        if (x_fp32)
+    if (x_fp32)
+        for (int64_t i = 0; i < M; i++)
             for (int64_t k = 0; k < K; k += 16)
                 _mm256_storeu_si256((__m256i *)(xb + i * K + k),
                                     (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps((const float *)x + i * ldx + k)));
-        for (int64_t g = 0; g < ng; g++) { /* the sums of the bf16 row the dot reads */
-            __m512 v = bf16x16_to_f32(xr + i * ldb + g * group);
-            if (group == 32) v = _mm512_add_ps(v, bf16x16_to_f32(xr + i * ldb + g * group + 16));
-            xsum[i * ng + g] = _mm512_reduce_add_ps(v);
-        }
-    }
-    if (M > MR && M <= MR_MAX) {
-        int64_t tiles = (N + 1) / 2;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n0 = t * 2, nr = N - n0 < 2 ? N - n0 : 2;
-            if (M == 5) u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, 0, 5, n0, nr, 2, split);
-            else u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, 0, 6, n0, nr, 2, split);
-        }
-    } else {
-        int64_t tiles = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
-            for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                switch (M - m0 < MR ? M - m0 : MR) {
-                case 1: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, NR, split); break;
-                case 2: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, NR, split); break;
-                case 3: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, NR, split); break;
-                default: u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, NR, split); break;
-                }
-            }
-        }
-    }
+    group_sums(xr, ldb, M, K, group, xsum); /* the sums of the bf16 rows the dot reads */
+#define U8_TILE(m0, mr, n0, nr, NR_) \
+    u8_tile(xr, ldb, xsum, qs, d, mn, group, offset, K, bias, out, ldo, out_bf16, m0, mr, n0, nr, NR_, split)
+    FOR_EACH_TILE(M, N, U8_TILE);
+#undef U8_TILE
     if (xsum != stack) free(xsum);
     if (xb && xb != xstack) free(xb);
     return 1;
@@ -359,29 +351,9 @@ TARGET static inline __attribute__((always_inline)) void bf16_tile(
 /* out [M, N] = x [M, K] @ W^T (+ bias), W bf16 [N, K] (row stride ldw); K a multiple of 32. */
 TARGET void rtp_linear_bf16(const void *x, int64_t ldx, int x_fp32, const uint16_t *w, int64_t ldw,
                             const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K) {
-    if (M > MR && M <= MR_MAX) {
-        int64_t tiles = (N + 1) / 2;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n0 = t * 2, nr = N - n0 < 2 ? N - n0 : 2;
-            if (M == 5) bf16_tile(x, x_fp32, ldx, w, ldw, K, bias, out, ldo, out_bf16, 0, 5, n0, nr, 2);
-            else bf16_tile(x, x_fp32, ldx, w, ldw, K, bias, out, ldo, out_bf16, 0, 6, n0, nr, 2);
-        }
-        return;
-    }
-    int64_t tiles = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            switch (M - m0 < MR ? M - m0 : MR) {
-            case 1: bf16_tile(x, x_fp32, ldx, w, ldw, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, NR); break;
-            case 2: bf16_tile(x, x_fp32, ldx, w, ldw, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, NR); break;
-            case 3: bf16_tile(x, x_fp32, ldx, w, ldw, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, NR); break;
-            default: bf16_tile(x, x_fp32, ldx, w, ldw, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, NR); break;
-            }
-        }
-    }
+#define BF16_TILE(m0, mr, n0, nr, NR_) bf16_tile(x, x_fp32, ldx, w, ldw, K, bias, out, ldo, out_bf16, m0, mr, n0, nr, NR_)
+    FOR_EACH_TILE(M, N, BF16_TILE);
+#undef BF16_TILE
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -462,34 +434,10 @@ TARGET int rtp_linear_q4_k(const uint16_t *x, int64_t ldx, const uint8_t *qs, co
     float stack[16384];
     float *xsum = M * nb <= 16384 ? stack : (float *)malloc((size_t)(M * nb) * sizeof(float));
     if (!xsum) return 0;
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t b = 0; b < nb; b++) {
-            __m512 lo = bf16x16_to_f32(x + i * ldx + b * QK), hi = bf16x16_to_f32(x + i * ldx + b * QK + 16);
-            xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        }
-    if (M > MR && M <= MR_MAX) {
-        int64_t tiles = (N + 1) / 2;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n0 = t * 2, nr = N - n0 < 2 ? N - n0 : 2;
-            if (M == 5) q4_k_tile(x, ldx, xsum, qs, scm, dd, K, bias, out, ldo, out_bf16, 0, 5, n0, nr, 2);
-            else q4_k_tile(x, ldx, xsum, qs, scm, dd, K, bias, out, ldo, out_bf16, 0, 6, n0, nr, 2);
-        }
-    } else {
-        int64_t tiles = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
-            for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                switch (M - m0 < MR ? M - m0 : MR) {
-                case 1: q4_k_tile(x, ldx, xsum, qs, scm, dd, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, NR); break;
-                case 2: q4_k_tile(x, ldx, xsum, qs, scm, dd, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, NR); break;
-                case 3: q4_k_tile(x, ldx, xsum, qs, scm, dd, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, NR); break;
-                default: q4_k_tile(x, ldx, xsum, qs, scm, dd, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, NR); break;
-                }
-            }
-        }
-    }
+    group_sums(x, ldx, M, K, QK, xsum);
+#define Q4_K_TILE(m0, mr, n0, nr, NR_) q4_k_tile(x, ldx, xsum, qs, scm, dd, K, bias, out, ldo, out_bf16, m0, mr, n0, nr, NR_)
+    FOR_EACH_TILE(M, N, Q4_K_TILE);
+#undef Q4_K_TILE
     if (xsum != stack) free(xsum);
     return 1;
 }
@@ -542,31 +490,9 @@ TARGET static inline __attribute__((always_inline)) void q8_tile(
 TARGET void rtp_linear_q8(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn,
                           int group, const float *bias, void *out, int64_t ldo, int out_bf16,
                           int64_t M, int64_t N, int64_t K) {
-    if (M > MR && M <= MR_MAX) { /* one pass, two weight rows a tile (as rtp_linear_q4_1) */
-        int64_t tiles = (N + 1) / 2;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n0 = t * 2, nr = N - n0 < 2 ? N - n0 : 2;
-            switch (M) {
-            case 5: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, 0, 5, n0, nr, 2); break;
-            default: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, 0, 6, n0, nr, 2); break;
-            }
-        }
-        return;
-    }
-    int64_t tiles = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            switch (M - m0 < MR ? M - m0 : MR) {
-            case 1: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, m0, 1, n0, nr, NR); break;
-            case 2: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, m0, 2, n0, nr, NR); break;
-            case 3: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, m0, 3, n0, nr, NR); break;
-            default: q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, m0, 4, n0, nr, NR); break;
-            }
-        }
-    }
+#define Q8_TILE(m0, mr, n0, nr, NR_) q8_tile(x, ldx, qs, d, mn, group, K, bias, out, ldo, out_bf16, m0, mr, n0, nr, NR_)
+    FOR_EACH_TILE(M, N, Q8_TILE);
+#undef Q8_TILE
 }
 
 /* ---------------------------------------------------------------------------------------------
