@@ -13,8 +13,8 @@ ranks with EP: with W = max(tp, ep) processes, tp and ep are each 1 or W.
   tp = W, ep = W   both: attention sharded, experts split
 
 The parallel layers in rtp/models/layers.py shard their weights by `tp_rank()` /
-`tp_size()` and call the collectives here, which go through torch's functional
-collectives so a compiled graph traces them. The expert exchange
+`tp_size()` and call the collectives here, torch's functional collective ops, which a
+compiled graph traces. The expert exchange
 (rtp/models/expert_parallel.py) uses `all_to_all` and `ep_all_gather`. With one rank
 (the default) every collective is the identity and nothing here touches
 torch.distributed.
@@ -127,11 +127,21 @@ def init_tensor_parallel(size: int | None = None, rank: int | None = None, *, ba
     init_parallel(size, 1, rank, backend=backend, init_method=init_method, timeout_s=timeout_s)
 
 
-def destroy_parallel() -> None:
+def destroy_parallel(meet_timeout_s: float | None = None) -> None:
+    """Leave the group. With meet_timeout_s every rank calls this together (a normal stop):
+    each first waits, that long at most, until all have arrived, so no rank tears down its
+    end while another still has a collective in flight, and the wait (GIL released) lets
+    gloo's workers drop their last tensors before the group's destructor joins them (a
+    worker that still needs the GIL then would deadlock it, or abort the interpreter's exit)."""
     if _WORLD_SIZE > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if meet_timeout_s is not None:
+                try:
+                    dist.barrier(async_op=True).wait(datetime.timedelta(seconds=meet_timeout_s))
+                except RuntimeError:  # a rank is gone: leave without it
+                    pass
             dist.destroy_process_group()
     _reset()
 
@@ -150,24 +160,25 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the tensor-parallel ranks (x itself with one rank)."""
     if _TP_SIZE == 1:
         return x
-    from torch.distributed import _functional_collectives as funcol
-
-    return _waited(funcol.all_reduce(x, "sum", _TP_GROUP))
+    # The functional collectives' own ops, named by the group, not funcol's Python wrappers:
+    # in torch 2.13 an eager funcol call keeps the process group alive past
+    # destroy_process_group, so gloo's worker threads outlive it and can abort the
+    # interpreter's exit (a worker dropping its last tensor needs the GIL finalization holds).
+    # These ops trace under torch.compile just as funcol's do.
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(x, "sum", _TP_GROUP.group_name))
 
 
 def all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The ranks' x concatenated along dim, in rank order (x itself with one rank)."""
     if _TP_SIZE == 1:
         return x
-    from torch.distributed import _functional_collectives as funcol
-
-    return _waited(funcol.all_gather_single(x.contiguous(), dim % x.dim(), _TP_GROUP))
-
-
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    # eager calls return an AsyncCollectiveTensor: wait here, so no caller sees a pending one
-    wait = getattr(t, "wait", None)
-    return wait() if wait is not None else t
+    ops = torch.ops._c10d_functional
+    dim %= x.dim()
+    if dim != 0:  # the collective stacks along dim 0: gather dim-0-major, then put the ranks' parts side by side
+        x = x.movedim(dim, 0)
+    out = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), _TP_SIZE, _TP_GROUP.group_name))
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None = None,

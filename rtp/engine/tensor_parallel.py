@@ -125,23 +125,32 @@ def start_ranks(config, checkpoint_config, device: torch.device, follower) -> tu
     return followers, device
 
 
+# How long a normal stop waits for every rank to leave the group together.
+_MEET_TIMEOUT_S = 30.0
+
+
 def follow(channel: PlanChannel, forward, on_rebalance=None) -> None:
     """A rank other than 0: run rank 0's steps (forward() once each) until it stops."""
+    stopped = False
     try:
         while channel.receive(on_rebalance):
             forward()
+        stopped = True
     finally:
-        destroy_parallel()
+        destroy_parallel(_MEET_TIMEOUT_S if stopped else None)  # rank 0 meets us on a stop
 
 
 def stop_followers(channel: PlanChannel, followers: list) -> None:
-    """Rank 0: tell the other ranks to stop, and wait for the ones it started."""
+    """Rank 0: tell the other ranks to stop, leave the group with them, and wait for the
+    ones it started to exit."""
+    sent = False
     try:
         channel.send_stop()
+        sent = all(proc.is_alive() for proc in followers)  # a dead follower will not meet us
     finally:
+        destroy_parallel(_MEET_TIMEOUT_S if sent else None)
         for proc in followers:
             proc.join(timeout=30)
-        destroy_parallel()
 
 
 def _spawn_followers(follower, config, size: int) -> tuple[str, list]:
