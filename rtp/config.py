@@ -321,7 +321,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Speculative decoding: a decoding request verifies tokens drafted from its own text, or by a
     small draft model, in the same step (one row each), keeping those the model would have chosen
     itself, so its output is what it would have been. Flat names: speculative (the method),
-    speculative_model, num_speculative_tokens, prompt_lookup_min/max, speculative_max_running."""
+    speculative_model, num_speculative_tokens, prompt_lookup_min/max, speculative_max_running,
+    speculative_measured."""
 
     method: _field(str | None, "draft tokens for requests by ngram, prompt lookup: where the last n tokens "
                                "occurred before in the request's own text, the tokens that followed; or by "
@@ -337,6 +338,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_running: _field(int, "draft only while at most this many requests run: past that a step is bound by "
                              "compute and verifying drafts stops being nearly free",
                         flat="speculative_max_running") = 16
+    measured: _field(bool, "below --speculative-max-running, draft only at batch sizes where the engine's own "
+                           "steps measured drafting faster a token than not (off: at every size)",
+                     flat="speculative_measured") = True
 
     def validate(self) -> None:
         if self.method not in (None, "ngram", "draft_model"):

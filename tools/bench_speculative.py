@@ -216,7 +216,8 @@ def main() -> None:
               f"{r['spec_tok_s']:>10,.1f} {r['speedup']:>7.2f}x {acc:>9} {per:>10} {str(r['identical']):>9}" + peer)
     print(json.dumps({"num_speculative_tokens": args.num_speculative_tokens, "max_tokens": args.max_tokens,
                       "drafter": args.speculative_model or "ngram",
-                      "other_cpu_s": cpu.other_cpu_s, "rows": rows}))
+                      "other_cpu_s": cpu.other_cpu_s, "rows": rows,
+                      "measured_ms_per_token": spec.engine.stats().get("speculation")}))
 
 
 if __name__ == "__main__":

@@ -9,23 +9,28 @@ distribution, and a draft model that guesses badly only costs time.
 
 The draft runs on a ModelRunner of its own whose KV cache is indexed by the target's block ids
 (as many blocks of the same size; its own per-layer tensors, shaped by its own layers): the
-target's BlockAllocator, prefix cache, preemption and rollback govern both caches unchanged,
-because the draft writes a position's KV in the step the target does, or the step after (a
-prefix-cache hit finds both). Each step, between schedule() and the target's forward (`propose`):
+target's BlockAllocator, prefix cache, preemption and rollback govern both caches unchanged. The
+draft computes only what a drafting request needs, when it drafts: a bit per KV slot (`valid`)
+says whether the draft's KV there is for the token the target's KV there is (the target's writes
+clear it, the draft's set it), so a request that did not draft for a while (more running than
+--speculative-max-running, a prompt just prefilled, a prefix-cache hit on blocks the draft never
+saw) catches up on the positions it missed the next time it drafts, and a step in which nobody
+drafts runs no draft at all. Each step, between schedule() and the target's forward (`propose`):
 
-  0. the first pass: the target's plan without its draft rows -- prompt chunks, plain decodes and
-     each drafting request's last token -- after one row for each request whose previous step
-     kept every draft (the last draft's KV, which step j below leaves to the step after, since it
-     is needed only then); the argmax at a drafting request's last token is its first draft;
+  0. the first pass: for each drafting request, its tokens from the first position whose draft KV
+     is not valid through its last token (usually one or two: its last token, and the last draft
+     of the step before, which the target kept but the draft never computed); the argmax at its
+     last token is its first draft;
   j. for j = 1 .. d - 1: one row per request drafting more than j tokens, its j-th draft at its
      place (a row the target's plan holds: the same position, KV slot, block table and context
      length, gathered into buffers made once); the argmax there is its draft j + 1;
 
 then the drafts go into the plan's input ids and the requests' token buffers (Scheduler.set_drafts).
-d drafts cost d forwards of the draft model, one row per drafting request each. Where the step
-after does not come as expected (the request finished, or was preempted and recomputes anyway), a
-kept last draft never gets its draft KV: a cached block may then hold one stale draft position,
-which can only cost acceptance, never a token of the output.
+d drafts cost d forwards of the draft model, one row per drafting request each (and the first
+pass's catch-up). A draft KV slot marked valid whose draft is then rejected is rolled back with
+the target's, and the target writes it again before any request reads it: stale draft KV can
+never be read as valid, and a draft that guesses badly only costs acceptance, never a token of
+the output.
 """
 
 from __future__ import annotations
@@ -63,33 +68,42 @@ class DraftModel:
                                   committed_blocks=committed_blocks, max_draft_tokens=max_draft_tokens)
         if self.runner.plan.width != tp.width:
             raise ValueError(f"the draft's block tables are {self.runner.plan.width} wide, the target's {tp.width}")
-        n = tp.max_num_seqs
+        n, bs = tp.max_num_seqs, target.block_size
         # per sampling row of the target's step: the drafted token its row verifies (set_drafts reads it)
         self.tokens = np.zeros(n, dtype=np.int64)
         self._next_offset = np.zeros(n, dtype=np.int32)
-        self._ramp = np.arange(max(n, tp.max_num_tokens) + 1, dtype=np.int32)
-        self._keep = np.zeros(n, dtype=bool)     # the target's decode rows the first pass keeps
-        self._where = np.zeros(n, dtype=np.int32)  # and where they go in it
-        # request id -> (position, token) of its last draft, whose draft KV the next step writes if kept
-        self._lag: dict[int, tuple[int, int]] = {}
+        ramp = np.arange(max(n, tp.max_num_tokens, max_model_len) + 1)
+        self._ramp = ramp.astype(np.int32)
+        self._block_of = (ramp // bs).astype(np.int32)   # a position's block-table column
+        self._offset_of = ramp % bs                      # and its place in that block (int64: slots are)
+        # Per KV slot: whether the draft's KV there is for the token the target's KV there is. The
+        # target's writes clear it, the draft's set it; a request about to draft first computes
+        # (catches up on) its positions from the first one not valid.
+        self.valid = np.zeros(num_blocks * bs, dtype=bool)
+        # request id -> positions before it known valid (it drafted in the last step and was not
+        # preempted since: only its own target rows, at or past that, write its blocks)
+        self._known: dict[int, int] = {}
+        self._preemptions = -1
         self.draft_steps = 0  # forwards of the draft model, every kind
         self.drafted_rows = 0  # rows of its steps 1 .. k
+        self.catch_up_tokens = 0  # tokens of the first passes: each drafting request's missed ones and its last
 
     def warmup(self, progress: bool = True) -> float:
         return self.runner.warmup(progress=progress)
 
     @torch.inference_mode()
-    def propose(self) -> bool:
-        """Run the draft over the target's planned step (keeping its KV cache in step with the
-        target's) and draft every drafting request's tokens into `tokens`; whether any drafts."""
+    def propose(self, scheduler) -> bool:
+        """Draft every drafting request's tokens of the target's planned step into `tokens` (whether
+        any request drafts): first catch the draft's KV cache up on each one's positions it lacks,
+        then run the draft once per further token. Steps that draft nothing run no draft at all."""
         tp, dp = self.target.plan, self.runner.plan
-        ns = tp.num_samples
+        ns, nt = tp.num_samples, tp.num_tokens
         off = tp.sample_offsets[:ns]
-        lag, self._lag = self._lag_rows(tp), {}
-        kept = self._first_pass(tp, dp, lag)
-        logits = self.runner.forward()
-        self.draft_steps += 1
+        if scheduler.num_preemptions != self._preemptions:  # a recomputed request's blocks may be others now
+            self._preemptions, self._known = scheduler.num_preemptions, {}
         if ns == 0 or not off.any():
+            self.valid[tp.slot_mapping[:nt]] = False  # the target writes these slots, the draft does not
+            self._known = {}
             return False
         # a drafting request's sampling rows are consecutive, offsets 0 .. d: its last row is one whose
         # successor starts another request (offset 0) or the step ends
@@ -99,103 +113,111 @@ class DraftModel:
         lasts = np.flatnonzero((off > 0) & (nxt == 0))
         counts = off[lasts].astype(np.int64)
         firsts = lasts - counts  # the sampling row of each one's last token
-        at = len(lag) + np.searchsorted(kept, firsts)  # their sampling rows in the first pass
-        drafts = greedy_tokens(logits[torch.from_numpy(at).to(logits.device)]).cpu().numpy()
-        self.tokens[firsts + 1] = drafts
+        at = self._first_pass(tp, dp, scheduler, firsts)  # its sampling row in the pass; -1: not caught up
+        self.valid[tp.slot_mapping[:nt]] = False
+        self.valid[dp.slot_mapping[:dp.num_tokens]] = True
+        logits = self.runner.forward()
+        self.draft_steps += 1
+        ready = at >= 0
+        # a request the pass could not catch up (its missed tokens outnumber the step's room) drafts
+        # its last token again: verification rejects it, and the step after goes on catching up
+        drafts = tp.input_ids[tp.logits_indices[firsts]].astype(np.int64)
+        if ready.any():
+            drafts[ready] = greedy_tokens(logits[torch.from_numpy(at[ready]).to(logits.device)]).cpu().numpy()
+        for j in range(counts.max()):
+            self.tokens[firsts[counts > j] + j + 1] = drafts[counts > j]
         for j in range(1, int(counts.max())):
-            active = np.flatnonzero(counts > j)
+            active = np.flatnonzero(ready & (counts > j))
+            if not active.size:
+                break
             rows = firsts[active] + j  # the target's sampling row verifying draft j: its position, slot, context
             self._write_rows(tp, dp, rows, drafts[active])
+            self.valid[dp.slot_mapping[:dp.num_tokens]] = True  # draft j's KV, the target's too if kept
             logits = self.runner.forward()
             self.draft_steps += 1
             self.drafted_rows += len(rows)
             drafts[active] = greedy_tokens(logits).cpu().numpy()
             self.tokens[rows + 1] = drafts[active]
-        # Each one's last draft has no draft KV yet: the step after writes it, in its first pass, if the
-        # target kept it (then it is the token before that request's next one).
-        at = tp.logits_indices[lasts]
-        for rid, pos, tok in zip(tp.sample_req_ids[lasts].tolist(), tp.positions[at].tolist(),
-                                 self.tokens[lasts].tolist()):
-            self._lag[rid] = (pos, tok)
         return True
 
-    def _lag_rows(self, tp: StepPlan) -> list[tuple[int, int, int, int]]:
-        """(target row, position, token, slot) of each request whose previous step kept every draft:
-        its last draft, just before the row's token, still lacks its draft KV."""
-        if not self._lag:
-            return []
-        ns, nd = tp.num_samples, tp.num_decode_rows
-        out = []
-        for k in np.flatnonzero(tp.sample_offsets[:ns] == 0).tolist():
-            row = int(tp.logits_indices[k])
-            entry = self._lag.get(int(tp.sample_req_ids[k]))
-            if entry is not None and row < nd and tp.positions[row] == entry[0] + 1:
-                out.append((row, *entry, int(tp.sample_slots[k])))
-        return out
-
-    def _first_pass(self, tp: StepPlan, dp: StepPlan, lag: list[tuple[int, int, int, int]]) -> np.ndarray:
-        """Write the first pass into the draft's plan: the target's step without its draft rows (their
-        tokens are not known yet), after a row for each of `lag`. Returns the target's sampling rows
-        the pass samples after the lag rows' own (which sample too: a step of decode rows that all
-        sample replays a decode graph)."""
-        ns, nd, nr, nt = tp.num_samples, tp.num_decode_rows, tp.num_rows, tp.num_tokens
-        off = tp.sample_offsets[:ns]
-        if not lag and not off.any():
-            self._copy_plan(tp, dp)
-            return self._ramp[:ns]
-        e = len(lag)
-        kept = np.flatnonzero(off == 0)
-        keep = self._keep[:nd]
-        keep[:] = True
-        keep[tp.logits_indices[:ns][off > 0]] = False  # draft rows: decode rows of one token
-        rows = np.flatnonzero(keep)
-        nd2 = e + len(rows)
-        delta = nd2 - nd
-        nt2, nr2, ns2 = nt + delta, nr + delta, e + len(kept)
-        old_t, old_r, old_s = dp.num_tokens, dp.num_rows, dp.num_samples
-        for name in ("input_ids", "positions", "slot_mapping"):
-            dst, src = getattr(dp, name), getattr(tp, name)
-            dst[e:nd2] = src[rows]
-            dst[nd2:nt2] = src[nd:nt]
-            dst[nt2:old_t] = 0
-        for name in ("seq_lens", "block_tables"):
-            dst, src = getattr(dp, name), getattr(tp, name)
-            dst[e:nd2] = src[rows]
-            dst[nd2:nr2] = src[nd:nr]
-            dst[nr2:old_r] = 0
+    def forget(self, blocks: np.ndarray) -> None:
+        """Blocks whose KV the target got without computing it (a prompt prefilled on another node):
+        the draft's KV there is not for their tokens."""
         bs = self.target.block_size
-        for i, (row, pos, tok, slot) in enumerate(lag):
-            dp.sample_slots[i] = slot  # its request's: one request's rows still run its exact kernels
-            dp.input_ids[i] = tok
-            dp.positions[i] = pos
-            dp.slot_mapping[i] = int(tp.block_tables[row, pos // bs]) * bs + pos % bs
-            dp.seq_lens[i] = pos + 1
-            dp.block_tables[i] = tp.block_tables[row]
-        qsl = dp.query_start_loc
-        qsl[: nd2 + 1] = self._ramp[: nd2 + 1]
-        qsl[nd2 + 1: nr2 + 1] = tp.query_start_loc[nd + 1: nr + 1] + delta
-        qsl[nr2 + 1: old_r + 1] = 0
-        where = self._where[:nd]
-        where[rows] = np.arange(e, nd2, dtype=np.int32)
-        li = tp.logits_indices[kept]
-        dp.logits_indices[:e] = self._ramp[:e]
-        dp.logits_indices[e:ns2] = np.where(li < nd, where[np.minimum(li, nd - 1)], li + delta)
-        dp.sample_slots[e:ns2] = tp.sample_slots[kept]
-        dp.sample_req_ids[:e] = 0
-        dp.sample_req_ids[e:ns2] = tp.sample_req_ids[kept]
-        dp.sample_offsets[:ns2] = 0
-        for name in ("logits_indices", "sample_slots", "sample_req_ids", "sample_offsets"):
-            getattr(dp, name)[ns2:old_s] = 0
-        dp.follow(nt2, nr2, nd2, ns2)
-        return kept
+        self.valid[(np.asarray(blocks, dtype=np.int64)[:, None] * bs + self._offset_of[:bs]).ravel()] = False
 
-    @staticmethod
-    def _copy_plan(src: StepPlan, dst: StepPlan) -> None:
-        """The target's plan into the draft's buffers, whole arrays (zero past the step's extent)."""
-        for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                     "logits_indices", "sample_slots", "sample_req_ids", "sample_offsets"):
-            np.copyto(getattr(dst, name), getattr(src, name))
-        dst.follow(src.num_tokens, src.num_rows, src.num_decode_rows, src.num_samples)
+    def _first_pass(self, tp: StepPlan, dp: StepPlan, scheduler, firsts: np.ndarray) -> np.ndarray:
+        """Write the first pass into the draft's plan: for each drafting request (its last token at
+        sampling row firsts[i] of the target's step), its tokens from the first position whose
+        draft KV is not valid through its last token, which samples (its first draft). Generated
+        tokens take a decode row each, as the target computed them (the same kernels, so a target
+        drafting for itself drafts exactly its own choices), prompt tokens one prompt row. Returns
+        each request's sampling row in the pass, -1 where the step's rows or tokens ran out first
+        (it catches up on the rest next step)."""
+        bs, valid = self.target.block_size, self.valid
+        rows_t = tp.logits_indices[firsts]
+        slots = tp.sample_slots[firsts]
+        rids = tp.sample_req_ids[firsts]
+        known, self._known = self._known, {}
+        room_t, room_r = dp.max_num_tokens, dp.max_num_seqs
+        decode, prompt = [], []  # (request, first position, tokens): a decode row a token / one prompt row
+        for i, row in enumerate(rows_t.tolist()):
+            last = int(tp.positions[row])
+            start = min(known.get(int(rids[i]), 0), last)
+            bt = tp.block_tables[row]
+            kv = bt[self._block_of[start:last]] * bs + self._offset_of[start:last]
+            stale = np.flatnonzero(~valid[kv])
+            a = start + int(stale[0]) if stale.size else last
+            plen = scheduler.prompt_length(int(slots[i]))
+            n_prompt, n_out = max(0, plen - a), last - max(a, plen) + 1
+            if n_prompt + n_out > room_t or n_out + (n_prompt > 0) > room_r:
+                # past the step's room: as much as fits in one prompt row, the rest next step
+                if room_r > 0 and room_t > 0:
+                    prompt.append((i, a, min(last - a + 1, room_t)))
+                    room_r, room_t = room_r - 1, room_t - min(last - a + 1, room_t)
+                continue
+            if n_prompt:
+                prompt.append((i, a, n_prompt))
+            decode.append((i, a + n_prompt, n_out))
+            room_r, room_t = room_r - n_out - (n_prompt > 0), room_t - n_prompt - n_out
+        at = np.full(len(firsts), -1, dtype=np.int32)
+        old_t, old_r, old_s = dp.num_tokens, dp.num_rows, dp.num_samples
+        t = r = k = 0
+        for group in (decode, prompt):
+            for i, a, n in group:
+                row = int(rows_t[i])
+                bt = tp.block_tables[row]
+                scheduler.copy_tokens(int(slots[i]), a, dp.input_ids[t:t + n])
+                dp.positions[t:t + n] = self._ramp[a:a + n]
+                dp.slot_mapping[t:t + n] = bt[self._block_of[a:a + n]] * bs + self._offset_of[a:a + n]
+                m = n if group is decode else 1  # rows: one a token, or one for the whole span
+                dp.block_tables[r:r + m] = bt
+                dp.seq_lens[r:r + m] = self._ramp[a + n - m + 1:a + n + 1]
+                dp.query_start_loc[r:r + m] = self._ramp[t:t + m]
+                ends = a + n - 1 == int(tp.positions[row])  # at the request's last token: it drafts
+                samples = m if group is decode else int(ends)  # decode rows all sample (a decode step's must)
+                dp.logits_indices[k:k + samples] = self._ramp[t + n - samples:t + n]
+                dp.sample_slots[k:k + samples] = slots[i]  # one request's rows still run its exact kernels
+                dp.sample_req_ids[k:k + samples] = rids[i]
+                k += samples
+                if ends:
+                    at[i] = k - 1
+                    self._known[int(rids[i])] = a + n
+                t += n
+                r += m
+        nd = sum(n for *_, n in decode)
+        self.catch_up_tokens += t
+        dp.query_start_loc[r] = t
+        dp.sample_offsets[:k] = 0
+        for name in ("input_ids", "positions", "slot_mapping"):
+            getattr(dp, name)[t:old_t] = 0
+        for name in ("block_tables", "seq_lens"):
+            getattr(dp, name)[r:old_r] = 0
+        dp.query_start_loc[r + 1:old_r + 1] = 0
+        for name in ("logits_indices", "sample_slots", "sample_req_ids", "sample_offsets"):
+            getattr(dp, name)[k:old_s] = 0
+        dp.follow(t, r, nd, k)
+        return at
 
     def _write_rows(self, src: StepPlan, dst: StepPlan, rows: np.ndarray, tokens: np.ndarray) -> None:
         """A decode-only step of one row per entry of `rows` (sampling rows of the target's decode rows,
@@ -222,7 +244,8 @@ class DraftModel:
         dst.follow(m, m, m, m)
 
     def stats(self) -> dict:
-        return {"draft_steps": self.draft_steps, "drafted_rows": self.drafted_rows}
+        return {"draft_steps": self.draft_steps, "drafted_rows": self.drafted_rows,
+                "catch_up_tokens": self.catch_up_tokens}
 
 
 def check_same_vocabulary(target: Tokenizer, target_vocab: int, draft: Tokenizer | None, draft_vocab: int,

@@ -38,6 +38,7 @@ from rtp.config import EngineConfig, ModelConfig
 from rtp.distributed import world_rank, world_size
 from rtp.engine.disaggregation import KVHandoff
 from rtp.engine.draft_model import DraftModel, check_same_vocabulary
+from rtp.engine.speculation_governor import SpeculationGovernor
 from rtp.engine.expert_balancer import ExpertBalancer, eplb_slots, lendable_kv_blocks
 from rtp.engine.grammar import GrammarCompiler, GrammarSlots
 from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
@@ -139,6 +140,9 @@ class LLMEngine:
                                              cap=sched.max_prefill_tokens_with_decodes or sched.max_num_batched_tokens,
                                              floor=cache.block_size)
                                if sched.step_time_target > 0 else None)
+        # drafting only at batch sizes where it measured faster (rtp/engine/speculation_governor.py)
+        self.governor = (SpeculationGovernor(self.speculative.max_running)
+                         if self.speculative.draft_tokens and self.speculative.measured else None)
         self.sampler = Sampler(seed=load.seed)
         self.sampling = SlotSettings(self.scheduler.max_requests)  # each request's, by its runtime slot
         self.grammars = GrammarSlots(self.scheduler.max_requests, sched.max_num_seqs, mc.vocab_size)
@@ -295,14 +299,24 @@ class LLMEngine:
 
     def _step(self) -> list[RequestDelta]:
         start = time.monotonic()
+        s = self.scheduler
         if self.prefill_budget is not None:
-            s = self.scheduler
             s.max_prefill_tokens_with_decodes = self.prefill_budget.budget(s.step_count, s.oldest_waiting_step, start)
+        if self.governor is not None:
+            s.spec_max_running = self.governor.cap(s.num_running)
+        before = (s.step_count, s.spec_verifications, s.spec_emitted_tokens)
         deltas = self._run_step()
+        if s.step_count == before[0]:
+            return deltas  # nothing was scheduled
+        seconds, plan = time.monotonic() - start, s.plan
         if self.prefill_budget is not None:
-            plan = self.scheduler.plan
-            self.prefill_budget.observe(time.monotonic() - start, plan.num_tokens - plan.num_decode_rows,
-                                        plan.num_decode_rows)
+            self.prefill_budget.observe(seconds, plan.num_tokens - plan.num_decode_rows, plan.num_decode_rows)
+        if self.governor is not None:
+            drafts = int(np.count_nonzero(plan.sample_offsets[:plan.num_samples]))
+            requests = plan.num_samples - drafts
+            # a request that verified emitted its kept drafts and one more; the others one token each
+            emitted = requests - (s.spec_verifications - before[1]) + (s.spec_emitted_tokens - before[2])
+            self.governor.observe(seconds, requests, emitted, drafts > 0, plan.num_tokens - plan.num_decode_rows)
         return deltas
 
     def _run_step(self) -> list[RequestDelta]:
@@ -312,7 +326,7 @@ class LLMEngine:
         if self._channel is not None:
             self._channel.send_step()
         plan = self.scheduler.plan
-        if self.drafter is not None and self.drafter.propose():  # the draft model's tokens into the draft rows
+        if self.drafter is not None and self.drafter.propose(self.scheduler):  # the draft model's tokens into the draft rows
             self.scheduler.set_drafts(self.drafter.tokens)
         rids = self.runner.sample_req_ids().tolist()
         slots = plan.sample_slots[:plan.num_samples]
@@ -407,8 +421,9 @@ class LLMEngine:
         grammar = None if spec is None else self.compile_grammar(spec).result()
         blocks = self.handoff.reserve(request_id, rid, prompt, max_tokens=max_tokens, min_tokens=params.min_tokens,
                                       stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                                      # a draft model has no KV of a prompt computed elsewhere: no drafts
-                                      speculate=self._drafts_for(params) and self.drafter is None)
+                                      speculate=self._drafts_for(params))
+        if self.drafter is not None:  # KV computed elsewhere: the draft catches up on it when the request drafts
+            self.drafter.forget(blocks)
         self._admit_slot(rid, params, 0, grammar)
         self.outputs.add(request_id, prompt_ids, params, [rid])
         return blocks
@@ -470,6 +485,8 @@ class LLMEngine:
             stats["eplb"] = self.balancer.stats()
         if self.drafter is not None:
             stats["draft_model"] = self.drafter.stats()
+        if self.governor is not None:
+            stats["speculation"] = self.governor.stats()
         if self._grammar_compiler is not None:  # once a request brought a structured output
             stats["grammar"] = {**self._grammar_compiler.stats(), **self.grammars.stats()}
         return stats

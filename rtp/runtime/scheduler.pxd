@@ -42,7 +42,8 @@ cdef class Scheduler:
     cdef readonly bint chunked_prefill
     # speculative decoding (n-gram / prompt lookup): most drafted tokens a request takes a step,
     # the n-gram lengths matched, and the most running requests for which drafting is on
-    cdef readonly int num_speculative_tokens, spec_ngram_min, spec_ngram_max, spec_max_running
+    cdef readonly int num_speculative_tokens, spec_ngram_min, spec_ngram_max
+    cdef public int spec_max_running  # the engine lowers it to 0 for steps where drafting measured slower
     # drafts come from outside the runtime (a draft model): schedule() reserves each drafting request's
     # rows and set_drafts() fills them before the forward, instead of _propose
     cdef readonly bint external_drafts

@@ -872,6 +872,23 @@ cdef class Scheduler:
         tokens = np.array(view[:n], dtype=np.int32)
         return tokens[:plen], tokens[plen:]
 
+    def prompt_length(self, int slot):
+        """The prompt's length of the request at `slot`."""
+        if slot < 0 or slot >= self.max_requests or self.r_state[slot] == _FREE:
+            raise IndexError(f"slot {slot} holds no request")
+        return self.r_prompt_len[slot]
+
+    def copy_tokens(self, int slot, int start, int32_t[::1] out):
+        """Tokens [start, start + len(out)) of the request at `slot` into out, allocating nothing
+        (the draft model reads the tokens it catches up on every step)."""
+        if slot < 0 or slot >= self.max_requests or self.r_state[slot] == _FREE:
+            raise IndexError(f"slot {slot} holds no request")
+        cdef Py_ssize_t n = out.shape[0]
+        if start < 0 or start + n > self.r_num_tokens[slot]:
+            raise IndexError(f"tokens [{start}, {start + n}) of a request of {self.r_num_tokens[slot]}")
+        if n:
+            memcpy(&out[0], self.r_tokens[slot] + start, n * sizeof(int32_t))
+
     def waiting_request_ids(self):
         return [self.r_id[self.waiting[i]] for i in range(self.num_waiting)]
 

@@ -44,7 +44,7 @@ def chat(llm: LLM, text: str) -> list[int]:
 def engines(default_gguf):
     plain = LLM(dtype="bfloat16", max_num_seqs=16, kv_cache_memory=256 << 20)
     spec = LLM(dtype="bfloat16", max_num_seqs=16, kv_cache_memory=256 << 20, speculative="ngram",
-               num_speculative_tokens=4)
+               num_speculative_tokens=4, speculative_measured=False)  # these tests count drafts: at every size
     return plain, spec
 
 
@@ -155,7 +155,8 @@ def test_unseeded_sampling_keeps_the_plain_distribution(tmp_path):
     # engines of other seeds: one seed would draw the same random numbers in both, so their tokens would
     # agree far more than two independent samples do, and hide a difference
     _, plain = draws(seed=1)
-    llm, spec = draws(seed=2, speculative="ngram", num_speculative_tokens=3, speculative_max_running=32)
+    llm, spec = draws(seed=2, speculative="ngram", num_speculative_tokens=3, speculative_max_running=32,
+                      speculative_measured=False)
     assert llm.engine.scheduler.spec_draft_tokens > 1000  # the drafts were verified, and some kept
     assert llm.engine.scheduler.spec_accepted_tokens > 0
     for position in range(1, 4):
