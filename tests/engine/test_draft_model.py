@@ -374,3 +374,44 @@ def test_speculative_flags():
     args = parser.parse_args(["--speculative-model", "d.gguf", "--num-speculative-tokens", "3"])
     assert engine_config(args).speculative.model == "d.gguf"
     assert "--speculative-model" in parser.format_help()
+
+
+def test_a_prompt_prefilled_on_another_node_drafts_after_the_draft_catches_up(tiny_dirs):
+    """A decode node's request whose prompt KV arrived from elsewhere (reserve, write_kv, resume): the
+    target has that KV, the draft never computed it; the first drafting step catches the draft up on
+    the whole prompt, so the target drafting for itself keeps nearly every draft, and the tokens are
+    the ones a single engine generates."""
+    from tiny_models import prompts_of
+
+    from rtp.engine.kv_transfer import gather, token_slots
+
+    target = str(tiny_dirs["target"])
+    prompt = prompts_of([37], seed=5)[0]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prefill = LLM(model=target, dtype="float32", max_model_len=128).engine
+    prefill.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    prefill.step()  # the prompt's step: its KV is in the prefill engine's blocks, its first token sampled
+    st = prefill.scheduler.request_state(prefill.scheduler.running_request_ids()[0])
+    first = int(st["token_ids"][len(prompt)])
+    bs = prefill.allocator.block_size
+    kv = [gather(cache, token_slots(st["block_ids"], bs, len(prompt))) for cache in prefill.runner.kv_caches]
+    want = LLM(model=target, dtype="float32", max_model_len=128).generate([prompt], sp, use_tqdm=False)[0]
+
+    # 14 blocks (as in the preemption test): other requests' blocks, their draft KV valid, come round again
+    llm = LLM(model=target, dtype="float32", max_model_len=128, kv_cache_memory=14 * 16 * 2 * 512,
+              speculative_measured=False, speculative_model=target, num_speculative_tokens=3)
+    llm.generate(prompts_of([37, 37], seed=6), sp, use_tqdm=False)
+    decode = llm.engine
+    blocks = decode.reserve_request("d", prompt, sp)
+    assert decode.drafter.valid.sum() > 0  # what the others left: not this prompt's draft KV
+    for layer, layer_kv in enumerate(kv):
+        decode.write_kv(layer, blocks, len(prompt), layer_kv)
+    text = decode.resume_request("d", first).choices[0].text
+    while decode.has_unfinished_requests():
+        for delta in decode.step():
+            text += "".join(c.text for c in delta.choices)
+        decode.scheduler.check_integrity()
+    s = decode.scheduler
+    assert text == want.outputs[0].text and len(want.outputs[0].token_ids) == 40
+    assert s.spec_draft_tokens > 10 and s.spec_accepted_tokens / s.spec_draft_tokens > 0.9
+    assert decode.drafter.catch_up_tokens >= len(prompt)
