@@ -339,8 +339,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True):
                              "compute and verifying drafts stops being nearly free",
                         flat="speculative_max_running") = 16
     measured: _field(bool, "below --speculative-max-running, draft only at batch sizes where the engine's own "
-                           "steps measured drafting faster a token than not (off: at every size)",
-                     flat="speculative_measured") = True
+                           "steps measured drafting cheaper a token than not (--no-speculative-measured: at "
+                           "every size)", flat="speculative_measured", negatable=True) = True
 
     def validate(self) -> None:
         if self.method not in (None, "ngram", "draft_model"):

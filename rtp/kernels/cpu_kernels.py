@@ -421,7 +421,9 @@ def rope_store_kv_int8(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
                        kv_scales: torch.Tensor, slot_mapping: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
     """rope_store_kv into an int8 cache [2, blocks, block_size, Hkv, D] and its fp32 scales [2, blocks,
     block_size, Hkv]: each token's K (rotated, rounded to bf16) and V row of a kv head as int8 with
-    one scale, symmetric absmax / 127 (rtp.models.attention.quantize_kv, the same numbers)."""
+    one scale, symmetric absmax / 127 (rtp.models.attention.quantize_kv, the same numbers). Where
+    rtp.models.attention.rotates_kv(D), K is quantized times the normalized Hadamard matrix
+    (rtp.models.attention.hadamard, in fp32) and the returned q is rotated alike, rounded to bf16."""
     if kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous() or kv_scales.shape != kv_cache.shape[:-1]:
         raise ValueError(f"rope_store_kv_int8: the scales must be contiguous fp32 {tuple(kv_cache.shape[:-1])}")
     return _rope_store_kv(qkv, positions, cos_sin, kv_cache, kv_scales, slot_mapping, heads, kv_heads)

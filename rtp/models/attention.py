@@ -25,7 +25,10 @@ With `--kv-cache-dtype int8` the cache is int8 and the layer also holds `kv_scal
 block ids (so the allocator, prefix cache and preemption need nothing new). A row is written as
 `quantize_kv` says (symmetric absmax / 127; rtp's RoPE + KV-write kernel computes the same
 numbers) and read back as scale * q: the kernels apply the scales to the scores and the
-probabilities, the torch paths below dequantize the gathered blocks.
+probabilities, the torch paths below dequantize the gathered blocks. K goes in times the
+normalized Hadamard matrix where `rotates_kv(head_dim)` (q rotated alike, so every score is
+unchanged): a head's few large channels, spread over all of them, no longer set one scale that
+rounds the rest to a few levels.
 
 The metadata reaches every layer through `forward_context(meta)`, a scoped
 context the runner sets around the model call, not through each signature.
@@ -34,6 +37,7 @@ context the runner sets around the model call, not through each signature.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -141,6 +145,27 @@ def get_forward_context() -> AttentionMetadata:
     if _CONTEXT is None:
         raise RuntimeError("attention ran outside forward_context(): the runner sets the step metadata")
     return _CONTEXT
+
+
+def rotates_kv(head_dim: int) -> bool:
+    """Whether an int8 cache holds K times the normalized Hadamard matrix, q rotated alike so the
+    scores are unchanged (a head dim that is a power of two, 16 or more): the rotation spreads a
+    head's few large channels over all of them, so one absmax scale a row loses far less."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] times the normalized Sylvester Hadamard matrix, in fp32: the butterflies of a fast
+    Walsh-Hadamard transform (a + b, a - b for each pair, strides 1, 2, 4, ...), then times 1/sqrt(D),
+    in the order rtp_rope_store_kv runs them, so both give the same bits."""
+    x = x.float()
+    d, h = x.shape[-1], 1
+    while h < d:
+        pairs = x.unflatten(-1, (d // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return x * (1.0 / math.sqrt(d))
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,6 +305,8 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
         scales = (None, None) if self.kv_scales is None else (self.kv_scales[0], self.kv_scales[1])
         if k is not None:
+            if self.kv_scales is not None and rotates_kv(self.head_dim):  # as rtp_rope_store_kv writes int8 K
+                q, k = hadamard(q).to(q.dtype), hadamard(k)
             self._store(k_cache, scales[0], meta.slot_mapping, k)
             self._store(v_cache, scales[1], meta.slot_mapping, v)
         dtype = q.dtype

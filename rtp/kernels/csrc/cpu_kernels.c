@@ -877,6 +877,57 @@ TARGET static inline void quantize_head(const uint16_t *x, int64_t D, int8_t *ds
                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_f32(x + c), inv))));
 }
 
+/* An int8 cache holds K times the normalized Sylvester Hadamard matrix H (D a power of two), and q
+ * is rotated alike, so every score q.k is what it was: the rotation spreads a head's few large
+ * channels over all D, so one absmax scale a row loses far less (SmolLM2-135M: the KL of its
+ * next-token distributions from an int8 cache's to an fp32 one's 1.4e-3 -> 3.1e-4). x: D fp32 in
+ * place, D a multiple of 16 and a power of two. The butterflies run in the order of
+ * rtp.models.attention.hadamard (a + b, a - b per pair, the strides 1, 2, 4, ...), then times
+ * (float)(1 / sqrt(D)): the same bits. Within a vector a pair is a lane and its partner lane^h. */
+TARGET static inline void hadamard_rows(float *x, int64_t D) {
+    __m512 v[MAX_DIM / 16];
+    const int64_t n = D / 16;
+    for (int64_t j = 0; j < n; j++) v[j] = _mm512_loadu_ps(x + j * 16);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int h = 1; h < 16; h *= 2) {
+        const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
+        const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(h)); /* lanes i + h */
+        for (int64_t j = 0; j < n; j++) {
+            __m512 p = _mm512_permutexvar_ps(partner, v[j]);
+            v[j] = _mm512_mask_blend_ps(upper, _mm512_add_ps(v[j], p), _mm512_sub_ps(p, v[j]));
+        }
+    }
+    for (int64_t h = 1; h < n; h *= 2)
+        for (int64_t j = 0; j < n; j++)
+            if (!(j & h)) {
+                __m512 a = v[j], b = v[j + h];
+                v[j] = _mm512_add_ps(a, b);
+                v[j + h] = _mm512_sub_ps(a, b);
+            }
+    const __m512 s = _mm512_set1_ps((float)(1.0 / sqrt((double)D)));
+    for (int64_t j = 0; j < n; j++) _mm512_storeu_ps(x + j * 16, _mm512_mul_ps(v[j], s));
+}
+
+TARGET static inline int rotates_kv(int64_t D) { return D >= 16 && (D & (D - 1)) == 0; }
+
+/* bf16 row -> fp32, rotated (hadamard_rows). */
+TARGET static inline void hadamard_bf16(const uint16_t *x, int64_t D, float *out) {
+    for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(out + c, bf16x16_to_f32(x + c));
+    hadamard_rows(out, D);
+}
+
+/* One row of D fp32 into the int8 cache, as quantize_head. */
+TARGET static inline void quantize_head_f32(const float *x, int64_t D, int8_t *dst, float *scale) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + c)));
+    float amax = _mm512_reduce_max_ps(mx);
+    __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    *scale = amax / 127.0f;
+    for (int64_t c = 0; c < D; c += 16)
+        _mm_storeu_si128((__m128i *)(dst + c),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c), inv))));
+}
+
 TARGET int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions,
                              const float *cos_sin, int64_t rot, uint16_t *q_out, void *k_cache,
                              void *v_cache, int64_t tok_stride, const int64_t *slots,
@@ -896,9 +947,24 @@ TARGET int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *po
         if (k_scales) {
             int8_t *kd = (int8_t *)k_cache + slot * tok_stride, *vd = (int8_t *)v_cache + slot * tok_stride;
             uint16_t rotated[MAX_DIM];
+            float spread[MAX_DIM];
+            const int spread_k = rotates_kv(D);
+            if (spread_k)
+                for (int64_t h = 0; h < H; h++) { /* q times H too: the scores stay q.k */
+                    uint16_t *qh = q_out + (t * H + h) * D;
+                    hadamard_bf16(qh, D, spread);
+                    for (int64_t c = 0; c < D; c += 16)
+                        _mm256_storeu_si256((__m256i *)(qh + c),
+                                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(spread + c)));
+                }
             for (int64_t h = 0; h < Hkv; h++) {
                 rope_head(row + (H + h) * D, cs, rot, D, rotated);
-                quantize_head(rotated, D, kd + h * D, k_scales + slot * Hkv + h);
+                if (spread_k) {
+                    hadamard_bf16(rotated, D, spread);
+                    quantize_head_f32(spread, D, kd + h * D, k_scales + slot * Hkv + h);
+                } else {
+                    quantize_head(rotated, D, kd + h * D, k_scales + slot * Hkv + h);
+                }
                 quantize_head(row + (H + Hkv + h) * D, D, vd + h * D, v_scales + slot * Hkv + h);
             }
             continue;
