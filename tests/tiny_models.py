@@ -151,23 +151,36 @@ def run_rtp(path, prompts, refs, *, block_size=4, max_batched=64, prefix_cache=T
                      prefix_cache=prefix_cache, compile=compile, max_num_seqs=max_num_seqs)
 
 
-def run_model(model, prompts, refs, *, kv_dtype=torch.float32, num_blocks=256, block_size=4, max_batched=64,
-              prefix_cache=True, compile=False, max_num_seqs=8, warmup=True, decode_only=False):
+def run_model(model, prompts, refs, *, decode_only=False, compile=False, **runtime):
     """run_rtp for a model already loaded (in any dtype). decode_only: the worst difference over
     the rows that decode, not those that end a prompt."""
+    rows, runner, sched, _ = teacher_force(model, prompts, refs, compile=compile, **runtime)
+    worst = max(diff for diff, decodes in rows if decodes or not decode_only)
+    if compile:
+        assert runner.compiled_steps >= NEW_TOKENS
+    return worst, sched
+
+
+def teacher_force(model, prompts, refs, *, kv_dtype=torch.float32, num_blocks=256, block_size=4, max_batched=64,
+                  prefix_cache=True, compile=False, max_num_seqs=8, warmup=True, max_model_len=128,
+                  new_tokens=NEW_TOKENS):
+    """Every prompt through the real runtime (scheduler, paged KV cache, prefix cache, chunked
+    prefill), fed the reference's tokens (refs[i]: (tokens, logits at each position)) so every run
+    sees the same contexts. Returns, per sampled row, (its largest |logit - reference|, whether it
+    decodes rather than ends a prompt); the runner; the scheduler; and the prompt tokens the prefix
+    cache supplied."""
     alloc = BlockAllocator(num_blocks, block_size)
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_batched, max_model_len=128,
+                         max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, device=torch.device("cpu"), compile=compile)
     if warmup:  # CPU graphs (and compiled graphs): captured where the forward allows
         runner.warmup(progress=False)
     sched = Scheduler(alloc, runner.plan, cache=RadixCache(alloc) if prefix_cache else None,
-                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=128)
+                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len)
     for i, p in enumerate(prompts):
-        sched.add_request(i, p, max_tokens=NEW_TOKENS, ignore_eos=True)
+        sched.add_request(i, p, max_tokens=new_tokens, ignore_eos=True)
     length = {i: len(p) for i, p in enumerate(prompts)}
-    worst = 0.0
-    compared = 0
+    rows, hits = [], 0
     while sched.has_unfinished:
         sched.schedule()
         logits = runner.forward()
@@ -175,17 +188,15 @@ def run_model(model, prompts, refs, *, kv_dtype=torch.float32, num_blocks=256, b
         for k, rid in enumerate(runner.sample_req_ids().tolist()):
             seq, ref = refs[rid]
             pos = length[rid] - 1
-            if not decode_only or length[rid] > len(prompts[rid]):
-                worst = max(worst, (logits[k] - ref[pos]).abs().max().item())
-            compared += 1
+            if length[rid] == len(prompts[rid]):
+                hits += sched.cached_prompt_tokens(rid)
+            rows.append(((logits[k].float() - ref[pos]).abs().max().item(), length[rid] > len(prompts[rid])))
             feed[k] = seq[pos + 1]
             length[rid] += 1
         sched.update(feed)
         sched.check_integrity()
-    assert compared == len(prompts) * NEW_TOKENS
-    if compile:
-        assert runner.compiled_steps >= NEW_TOKENS
-    return worst, sched
+    assert len(rows) == len(prompts) * new_tokens
+    return rows, runner, sched, hits
 
 
 # -- one expert layer, without a model -------------------------------------------------------------

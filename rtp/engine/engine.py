@@ -367,8 +367,7 @@ class LLMEngine:
         if sampled.failed or any(d.error is not None for d in deltas.values()):
             self._check_integrity()
         if self.balancer is not None:
-            self.balancer.between_steps(self.allocator, self.runner.kv_caches + self.runner.kv_scales,
-                                        self._channel)
+            self.balancer.between_steps(self.allocator, self.runner.kv_tensors, self._channel)
         return list(deltas.values())
 
     def _after(self, delta: RequestDelta) -> None:
@@ -463,7 +462,7 @@ class LLMEngine:
         on_rebalance = None
         if self.balancer is not None:
             def on_rebalance(slots, limit):
-                self.balancer.follow(slots, limit, self.allocator, self.runner.kv_caches + self.runner.kv_scales)
+                self.balancer.follow(slots, limit, self.allocator, self.runner.kv_tensors)
         follow(self._channel, self.runner.forward, on_rebalance)
 
     def followers_alive(self) -> bool:

@@ -83,6 +83,7 @@ class ModelRunner:
         # int8 caches: their per-token scales, by the same block ids (rtp/engine/kv_cache.py); else none
         self.kv_scales = (allocate_kv_scales(specs, num_blocks, block_size, device, committed=committed_blocks)
                           if kv_dtype == torch.int8 else [])
+        self.kv_tensors = self.kv_caches + self.kv_scales  # every tensor indexed by block id (EPLB lends blocks)
         for i, (layer, cache) in enumerate(zip(layers, self.kv_caches)):
             layer.kv_cache = cache
             if hasattr(layer, "kv_scales"):  # layers that take int8 caches (PagedAttention)

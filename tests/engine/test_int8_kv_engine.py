@@ -11,15 +11,14 @@ import argparse
 import numpy as np
 import pytest
 import torch
+from tiny_models import teacher_force
 
 from rtp import LLM, SamplingParams
 from rtp.checkpoint.loader import load_model
 from rtp.config import EngineConfig
 from rtp.engine.kv_cache import num_kv_blocks, resolve_kv_dtype
-from rtp.engine.runner import ModelRunner
 from rtp.kernels import cpu_kernels
 from rtp.models.attention import KVCacheSpec
-from rtp.runtime import BlockAllocator, RadixCache, Scheduler
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
              "What is 12 times 7?", "Who wrote Romeo and Juliet?", "Describe a cat in one sentence."]
@@ -49,34 +48,11 @@ def reference(hf_model, prompts):
 
 def teacher_forced(model, prompts, refs, kv_dtype):
     """Every prompt through the real runtime (block size 16, 64-token chunks, prefix cache), fed the
-    reference's tokens so every engine sees the same contexts: per sampled row, the largest logit
-    difference from the reference; the runner; and the prompt tokens found in the prefix cache."""
-    alloc = BlockAllocator(128, 16)
-    runner = ModelRunner(model, num_blocks=128, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
-                         max_model_len=256, kv_dtype=kv_dtype, device=torch.device("cpu"))
-    runner.warmup(progress=False)
-    sched = Scheduler(alloc, runner.plan, cache=RadixCache(alloc), max_num_seqs=4, max_num_batched_tokens=64,
-                      max_model_len=256)
-    for i, p in enumerate(prompts):
-        sched.add_request(i, p, max_tokens=NEW, ignore_eos=True)
-    length = {i: len(p) for i, p in enumerate(prompts)}
-    diffs, hits = [], 0
-    while sched.has_unfinished:
-        sched.schedule()
-        logits = runner.forward()
-        feed = np.zeros(len(logits), dtype=np.int64)
-        for k, rid in enumerate(runner.sample_req_ids().tolist()):
-            seq, ref = refs[rid]
-            pos = length[rid] - 1
-            if length[rid] == len(prompts[rid]):
-                hits += sched.cached_prompt_tokens(rid)
-            diffs.append((logits[k].float() - ref[pos]).abs().max().item())
-            feed[k] = seq[pos + 1]
-            length[rid] += 1
-        sched.update(feed)
-        sched.check_integrity()
-    assert len(diffs) == len(prompts) * NEW
-    return np.array(diffs), runner, hits
+    reference's tokens: per sampled row, the largest logit difference from the reference; the
+    runner; and the prompt tokens found in the prefix cache."""
+    rows, runner, _, hits = teacher_force(model, prompts, refs, kv_dtype=kv_dtype, num_blocks=128, block_size=16,
+                                          max_batched=64, max_num_seqs=4, max_model_len=256, new_tokens=NEW)
+    return np.array([diff for diff, _ in rows]), runner, hits
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (rtp's kernels)")
