@@ -78,11 +78,11 @@ def run_case(tokens: int, chunk: int, args) -> dict:
     scale = args.head_dim**-0.5
 
     def old():
-        return torch.cat([prefill_attention(q[r.query_start:r.query_end], kv[0], kv[1], r, scale, None)
-                          for r in rows])
+        return torch.cat([prefill_attention(q[r.query_start:r.query_end], kv[0], kv[1], r, scale, None,
+                                            args.softcap or None) for r in rows])
 
     def new():
-        return cpu_kernels.prefill_attention(q, kv[0], kv[1], *plan, scale, 0, amx=args.amx)
+        return cpu_kernels.prefill_attention(q, kv[0], kv[1], *plan, scale, 0, amx=args.amx, softcap=args.softcap)
 
     diff = (old().float() - new().float()).abs().max().item()  # also the warm-up
     times = {"old": [], "new": []}
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (0: torch's default)")
     p.add_argument("--no-amx", dest="amx", action="store_false", help="the kernel's AVX-512 BF16 loops")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--softcap", type=float, default=0.0, help="attention logit softcapping (Gemma 2: 50; 0: none)")
     args = p.parse_args(argv)
     if not cpu_kernels.prefill_attention_supported(torch.empty(1, args.heads, args.head_dim, dtype=torch.bfloat16),
                                                    torch.empty(1, 1, args.kv_heads, args.head_dim,

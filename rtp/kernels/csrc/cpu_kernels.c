@@ -620,7 +620,7 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
         int next_head, const int I8) {
     int64_t first = window > 0 && len > window ? len - window : 0;
     int64_t row_bytes = kv->head_bytes;
-    const __m512 capv = _mm512_set1_ps(softcap);
+    const __m512 capv = _mm512_set1_ps(softcap), inv_capv = _mm512_set1_ps(softcap > 0.0f ? 1.0f / softcap : 0.0f);
     /* query (scaled) and output accumulators in the keys' layout (row_chunk) */
     __m512 qe[MAX_GROUP][MAX_DIM / 32], qo[MAX_GROUP][MAX_DIM / 32];
     __m512 ae[MAX_GROUP][MAX_DIM / 32], ao[MAX_GROUP][MAX_DIM / 32];
@@ -680,7 +680,7 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
                 __m512 s = sum16x16(part[g]);
                 if (I8) s = _mm512_mul_ps(s, _mm512_loadu_ps(ks)); /* each key's scale, once per score */
                 if (softcap > 0.0f) /* Gemma 2: cap * tanh(s / cap), 16 scores at once, before the mask */
-                    s = _mm512_mul_ps(capv, tanh_ps(_mm512_div_ps(s, capv)));
+                    s = softcap_ps(_mm512_mul_ps(s, inv_capv), capv);
                 sc[g][ch] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
             }
             memcpy(kp, nkp, sizeof(kp));

@@ -386,14 +386,12 @@ AVX_TARGET static void softmax_tile(const float *s, int64_t nt, int64_t k0, int6
  * own, so that softmax_tile's loops stay as they are and a model without a cap pays nothing; the
  * capped scores come back already scaled (the caller's scale2 is then log2 e alone). */
 AVX_TARGET static void cap_scores(float *s, int64_t G, int64_t rows, int64_t nt, float scale, float softcap) {
-    const __m512 sv = _mm512_set1_ps(scale), cv = _mm512_set1_ps(softcap);
+    const __m512 yv = _mm512_set1_ps(scale / softcap), cv = _mm512_set1_ps(softcap);
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < rows; i++) {
             float *si = s + (g * 16 + i) * KB;
-            for (int64_t j = 0; j < nt; j++) {
-                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + 16 * j), sv);
-                _mm512_storeu_ps(si + 16 * j, _mm512_mul_ps(cv, tanh_ps(_mm512_div_ps(x, cv))));
-            }
+            for (int64_t j = 0; j < nt; j++)
+                _mm512_storeu_ps(si + 16 * j, softcap_ps(_mm512_mul_ps(_mm512_loadu_ps(si + 16 * j), yv), cv));
         }
 }
 

@@ -54,6 +54,20 @@ RTP_VEC_TARGET static inline __m512 tanh_ps(__m512 x) {
     return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
 
+/* cap * tanh(y), attention logit softcapping (y the score over cap): no division, absolute error
+ * about cap * 3e-7. The softmax that follows needs the scores' absolute accuracy, not tanh's relative
+ * one near 0, so (1 - e) / (1 + e) with e = exp(-2|y|) serves for every y, its reciprocal from
+ * rcp14 and one Newton step. tanh_ps (two divisions and a polynomial) took as long as the rest of
+ * the prefill attention kernel together. */
+RTP_VEC_TARGET static inline __m512 softcap_ps(__m512 y, __m512 cap) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 e = exp_ps(_mm512_mul_ps(_mm512_abs_ps(y), _mm512_set1_ps(-2.0f)));
+    __m512 d = _mm512_add_ps(one, e), r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+    __m512 t = _mm512_mul_ps(_mm512_sub_ps(one, e), r);
+    return _mm512_mul_ps(cap, _mm512_or_ps(t, _mm512_and_ps(y, _mm512_set1_ps(-0.0f))));
+}
+
 /* gelu(g) * u, tanh-approximated: torch's gelu(approximate="tanh"), 0.5 g (1 + tanh(y)) with
  * y = sqrt(2 / pi) (g + 0.044715 g^3), as g sigmoid(2 y), the same function: where tanh(y) nears -1
  * (a gate below about -4) 1 + tanh(y) keeps only the few digits fp32 has left below 1, while the
