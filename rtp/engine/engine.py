@@ -96,10 +96,8 @@ class LLMEngine:
         # --kv-cache-dtype (rtp/engine/kv_cache.py): what it cannot do yet is refused here
         self.kv_dtype = kv_dtype = resolve_kv_dtype(cache.kv_cache_dtype, self.dtype, self.device,
                                                     self.model.attention_layers())
-        if draft_model is not None and kv_dtype != self.dtype:
-            raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype} with --speculative-model is not supported yet "
-                             f"(the draft model's cache takes the model's dtype)")
-        if draft_model is not None:  # its cache takes the target's block ids: one block costs both
+        if draft_model is not None:  # its cache takes the target's block ids (one block costs both) and dtype
+            resolve_kv_dtype(cache.kv_cache_dtype, self.dtype, self.device, draft_model.attention_layers())
             specs += [layer.kv_cache_spec for layer in draft_model.attention_layers()]
         num_blocks = num_kv_blocks(specs, block_size=cache.block_size, dtype=kv_dtype,
                                    max_model_len=self.max_model_len, max_num_seqs=sched.max_num_seqs,
@@ -121,7 +119,7 @@ class LLMEngine:
                                   max_draft_tokens=self.speculative.draft_tokens)
         self.drafter = None if draft_model is None else DraftModel(
             draft_model, self.runner, num_blocks=num_blocks + lendable, committed_blocks=num_blocks,
-            max_model_len=self.max_model_len, max_draft_tokens=self.speculative.draft_tokens, kv_dtype=self.dtype,
+            max_model_len=self.max_model_len, max_draft_tokens=self.speculative.draft_tokens, kv_dtype=kv_dtype,
             device=self.device, compile=self.compile)
         self.allocator = BlockAllocator(num_blocks, cache.block_size, num_blocks + lendable)
         self.cache = RadixCache(self.allocator) if cache.enable_prefix_caching else None

@@ -415,3 +415,24 @@ def test_a_prompt_prefilled_on_another_node_drafts_after_the_draft_catches_up(ti
     assert text == want.outputs[0].text and len(want.outputs[0].token_ids) == 40
     assert s.spec_draft_tokens > 10 and s.spec_accepted_tokens / s.spec_draft_tokens > 0.9
     assert decode.drafter.catch_up_tokens >= len(prompt)
+
+
+def test_the_draft_runs_over_an_int8_cache_too(tiny_dirs):
+    """--kv-cache-dtype int8 with a draft model: both caches int8 (with their scales, K rotated), the
+    output is the int8 engine's without drafts token for token, and the target drafting for itself
+    keeps nearly everything."""
+    from tiny_models import prompts_of
+
+    target = str(tiny_dirs["target"])
+    common = dict(model=target, dtype="bfloat16", max_model_len=128, kv_cache_dtype="int8")
+    prompts = prompts_of([20, 35, 7], seed=12)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(**common, speculative_measured=False, speculative_model=target, num_speculative_tokens=3)
+    draft = llm.engine.drafter.runner
+    assert draft.kv_caches[0].dtype == torch.int8 and draft.kv_scales
+    for batch in (prompts, prompts[:1]):
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
+        assert got == want[:len(batch)]
+    llm.engine.scheduler.check_integrity()
+    assert acceptance(llm) > 0.9
