@@ -324,7 +324,8 @@ class LLMEngine:
         if self._channel is not None:
             self._channel.send_step()
         plan = self.scheduler.plan
-        if self.drafter is not None and self.drafter.propose(self.scheduler):  # the draft model's tokens into the draft rows
+        # the draft model's tokens into the draft rows
+        if self.drafter is not None and self.drafter.propose(self.scheduler):
             self.scheduler.set_drafts(self.drafter.tokens)
         rids = self.runner.sample_req_ids().tolist()
         slots = plan.sample_slots[:plan.num_samples]

@@ -142,6 +142,16 @@ class _EngineCollector:
                           s["spec_accepted_tokens"])
             yield counter("spec_decode_num_emitted_tokens", "Tokens emitted by steps that verified drafts (kept "
                           "drafts and the model's own token after them).", s["spec_emitted_tokens"])
+        if s.get("speculation"):  # the speculation governor's measured costs (rtp/engine/speculation_governor.py)
+            g = GaugeMetricFamily("rtp:spec_decode_seconds_per_token", "Measured seconds a decode step took per "
+                                  "token it emitted, with drafts and without, by batch size (the largest of its "
+                                  "bucket): drafting happens where it is the cheaper.",
+                                  labels=["model_name", "batch_size", "drafts"])
+            for batch, costs in s["speculation"].items():
+                for drafts, key in (("yes", "draft_ms_per_token"), ("no", "plain_ms_per_token")):
+                    if key in costs:
+                        g.add_metric([*name, batch, drafts], costs[key] / 1e3)
+            yield g
         if "prefill_budget" in s:
             yield gauge("prefill_budget_tokens", "Prompt tokens the latest step could take beside decoding requests "
                         "(sized from measured step costs: --step-time-target).", s["prefill_budget"])

@@ -59,8 +59,8 @@ def test_rope_store_kv_int8_quantizes_as_torch(heads, kv_heads, dim, tokens):
     q_plain, k_plain = q_ref, k_ref
     if rotates_kv(dim):  # K times the Hadamard matrix, q alike: the same scores
         q_ref, k_ref = hadamard(q_ref).bfloat16(), hadamard(k_ref)
-        assert torch.allclose((q_ref.float() * k_ref[:, :1]).sum(-1), (q_plain.float() * k_plain[:, :1].float()).sum(-1),
-                              rtol=0.02, atol=0.5)
+        scores, plain = (q_ref.float() * k_ref[:, :1]).sum(-1), (q_plain.float() * k_plain[:, :1].float()).sum(-1)
+        assert torch.allclose(scores, plain, rtol=0.02, atol=0.5)
     assert torch.equal(q, q_ref)
     flat = attn.kv_cache.view(2, -1, kv_heads, dim)
     flat_scales = attn.kv_scales.view(2, -1, kv_heads)
