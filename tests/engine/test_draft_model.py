@@ -13,8 +13,6 @@ vocabulary is the point."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
 import torch
@@ -23,18 +21,13 @@ import transformers
 from rtp import LLM, SamplingParams
 from rtp.config import EngineConfig
 
-from stats import same_distribution
+from speculation import (TEXT, assert_drafted_positions_distributed_as_plain,
+                         assert_logprobs_stops_and_min_tokens_are_plain, assert_seeded_sampling_is_plain, chat,
+                         first_tokens_by_position)
 
-TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin covers seven "
-        "million square kilometres, of which five and a half million are covered by the rainforest. The "
-        "region includes territory belonging to nine nations and 3,344 indigenous territories.")
 ASKS = [f"Repeat this text exactly:\n\n{TEXT}", f"Summarise this text in two sentences:\n\n{TEXT}",
         "Write a short poem about the sea.", "What is the capital of France?"]
 ENGINE = dict(dtype="bfloat16", max_num_seqs=16, kv_cache_memory=256 << 20, max_model_len=2048)
-
-
-def chat(llm: LLM, text: str) -> list[int]:
-    return llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
 
 
 def acceptance(llm: LLM, since: tuple[int, int] = (0, 0)) -> float:
@@ -113,24 +106,13 @@ def test_greedy_batched_is_token_for_token_what_it_was(engines):
 def test_seeded_sampling_is_what_it_was_and_reproduces_itself(engines):
     plain, own, small = engines
     ids = chat(plain, ASKS[0])
-    sp = SamplingParams(temperature=0.7, top_p=0.95, seed=11, max_tokens=48, n=2)
-    want = [c.token_ids for c in plain.generate([ids], sp, use_tqdm=False)[0].outputs]
     for llm in (own, small):
-        got = [c.token_ids for c in llm.generate([ids], sp, use_tqdm=False)[0].outputs]
-        assert got == want
-        assert [c.token_ids for c in llm.generate([ids], sp, use_tqdm=False)[0].outputs] == got
+        assert_seeded_sampling_is_plain(plain, llm, ids, max_tokens=48)
 
 
 def test_logprobs_stop_strings_and_min_tokens_are_what_they_were(engines):
     plain, own, _ = engines
-    ids = chat(plain, ASKS[0])
-    sp = SamplingParams(temperature=0, max_tokens=80, logprobs=2, stop=["square kilometres"], min_tokens=20)
-    want = plain.generate([ids], sp, use_tqdm=False)[0].outputs[0]
-    got = own.generate([ids], sp, use_tqdm=False)[0].outputs[0]
-    assert got.text == want.text and got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
-    assert len(got.logprobs) == len(want.logprobs) == len(got.token_ids)
-    for a, b in zip(got.logprobs, want.logprobs):
-        assert a.keys() == b.keys() and all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
+    assert_logprobs_stops_and_min_tokens_are_plain(plain, own, chat(plain, ASKS[0]))
 
 
 def test_every_step_keeps_the_runtime_whole_and_verified_tokens_go_out_as_one_delta(engines):
@@ -225,27 +207,13 @@ def test_unseeded_sampling_keeps_the_plain_distribution(tiny_dirs):
     tokens. Positions 1-3 (drafted ones) are distributed as without drafts: rejected at p < 1e-4."""
     target = str(tiny_dirs["target"])
     prompt = list(range(1, 60))
-    sp = SamplingParams(temperature=1.0, top_k=8, max_tokens=4, n=10, ignore_eos=True)
-
-    def draws(**kw):
-        llm = LLM(model=target, dtype="float32", max_num_seqs=32, max_model_len=128, **kw)
-        by_position = [Counter() for _ in range(4)]
-        for _ in range(300):
-            for choice in llm.generate([prompt], sp, use_tqdm=False)[0].outputs:
-                for i, t in enumerate(choice.token_ids):
-                    by_position[i][t] += 1
-        return llm, by_position
-
-    # engines of other seeds: one seed would draw the same random numbers in both, so their tokens would
-    # agree far more than two independent samples do, and hide a difference
-    _, plain = draws(seed=1)
-    llm, spec = draws(seed=2, speculative_measured=False, speculative_model=str(tiny_dirs["other"]),
-                      num_speculative_tokens=3, speculative_max_running=32)
+    _, plain = first_tokens_by_position(target, prompt, max_model_len=128, seed=1)
+    llm, spec = first_tokens_by_position(target, prompt, max_model_len=128, seed=2, speculative_measured=False,
+                                         speculative_model=str(tiny_dirs["other"]), num_speculative_tokens=3,
+                                         speculative_max_running=32)
     s = llm.engine.scheduler
     assert s.spec_draft_tokens > 1000 and 0 < s.spec_accepted_tokens < s.spec_draft_tokens
-    for position in range(1, 4):
-        same, stat, df = same_distribution(plain[position], spec[position])
-        assert same, (position, stat, df)
+    assert_drafted_positions_distributed_as_plain(plain, spec)
 
 
 @pytest.mark.parametrize("case", ["every-step", "one-at-a-time", "small-steps"])

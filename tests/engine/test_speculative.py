@@ -9,19 +9,14 @@ distribution on a tiny model (chi-square)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections import Counter
-
-import numpy as np
 import pytest
 
 from rtp import LLM, SamplingParams
 
-from stats import same_distribution
+from speculation import (TEXT, assert_drafted_positions_distributed_as_plain,
+                         assert_logprobs_stops_and_min_tokens_are_plain, assert_seeded_sampling_is_plain, chat,
+                         first_tokens_by_position)
 
-TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin covers seven "
-        "million square kilometres, of which five and a half million are covered by the rainforest. The "
-        "region includes territory belonging to nine nations and 3,344 indigenous territories.")
 CODE = '''def area(shapes):
     total = 0
     for shape in shapes:
@@ -34,10 +29,6 @@ CODE = '''def area(shapes):
 ASKS = [f"Repeat this text exactly:\n\n{TEXT}", f"Summarise this text in two sentences:\n\n{TEXT}",
         f"Rename the function to total_area and return the same code:\n\n{CODE}",
         "Write a short poem about the sea.", "What is the capital of France?"]
-
-
-def chat(llm: LLM, text: str) -> list[int]:
-    return llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
 
 
 @pytest.fixture(scope="module")
@@ -80,27 +71,13 @@ def test_greedy_batched_is_token_for_token_what_it_was(engines):
 
 
 def test_seeded_sampling_is_what_it_was_and_reproduces_itself(engines):
-    """A seeded row draws each token's noise from (seed, its index in the output): a drafted
-    position draws what the plain engine draws for that token."""
     plain, spec = engines
-    ids = chat(plain, ASKS[0])
-    sp = SamplingParams(temperature=0.7, top_p=0.95, seed=11, max_tokens=80, n=2)
-    want = [c.token_ids for c in plain.generate([ids], sp, use_tqdm=False)[0].outputs]
-    got = [c.token_ids for c in spec.generate([ids], sp, use_tqdm=False)[0].outputs]
-    assert got == want
-    assert [c.token_ids for c in spec.generate([ids], sp, use_tqdm=False)[0].outputs] == got
+    assert_seeded_sampling_is_plain(plain, spec, chat(plain, ASKS[0]), max_tokens=80)
 
 
 def test_logprobs_stop_strings_and_min_tokens_are_what_they_were(engines):
     plain, spec = engines
-    ids = chat(plain, ASKS[0])
-    sp = SamplingParams(temperature=0, max_tokens=80, logprobs=2, stop=["square kilometres"], min_tokens=20)
-    want = plain.generate([ids], sp, use_tqdm=False)[0].outputs[0]
-    got = spec.generate([ids], sp, use_tqdm=False)[0].outputs[0]
-    assert got.text == want.text and got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
-    assert len(got.logprobs) == len(want.logprobs) == len(got.token_ids)
-    for a, b in zip(got.logprobs, want.logprobs):
-        assert a.keys() == b.keys() and all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
+    assert_logprobs_stops_and_min_tokens_are_plain(plain, spec, chat(plain, ASKS[0]))
 
 
 def test_verified_tokens_go_out_as_one_delta_and_nothing_leaks(engines):
@@ -141,24 +118,9 @@ def test_unseeded_sampling_keeps_the_plain_distribution(tmp_path):
     path, _ = make_dense("llama", tmp_path)
     write_word_tokenizer(tmp_path, 160)
     prompt = list(range(1, 160))
-    sp = SamplingParams(temperature=1.0, top_k=8, max_tokens=4, n=10, ignore_eos=True)  # 10 running: rows spare
-
-    def draws(**kw):
-        llm = LLM(model=str(path), dtype="float32", max_num_seqs=32, **kw)
-        by_position = [Counter() for _ in range(4)]
-        for _ in range(300):
-            for choice in llm.generate([prompt], sp, use_tqdm=False)[0].outputs:
-                for i, t in enumerate(choice.token_ids):
-                    by_position[i][t] += 1
-        return llm, by_position
-
-    # engines of other seeds: one seed would draw the same random numbers in both, so their tokens would
-    # agree far more than two independent samples do, and hide a difference
-    _, plain = draws(seed=1)
-    llm, spec = draws(seed=2, speculative="ngram", num_speculative_tokens=3, speculative_max_running=32,
-                      speculative_measured=False)
+    _, plain = first_tokens_by_position(str(path), prompt, seed=1)
+    llm, spec = first_tokens_by_position(str(path), prompt, seed=2, speculative="ngram", num_speculative_tokens=3,
+                                         speculative_max_running=32, speculative_measured=False)
     assert llm.engine.scheduler.spec_draft_tokens > 1000  # the drafts were verified, and some kept
     assert llm.engine.scheduler.spec_accepted_tokens > 0
-    for position in range(1, 4):
-        same, stat, df = same_distribution(plain[position], spec[position])
-        assert same, (position, stat, df)
+    assert_drafted_positions_distributed_as_plain(plain, spec)
