@@ -181,7 +181,6 @@ class DraftModel:
             decode.append((i, a + n_prompt, n_out))
             room_r, room_t = room_r - n_out - (n_prompt > 0), room_t - n_prompt - n_out
         at = np.full(len(firsts), -1, dtype=np.int32)
-        old_t, old_r, old_s = dp.num_tokens, dp.num_rows, dp.num_samples
         t = r = k = 0
         for group in (decode, prompt):
             for i, a, n in group:
@@ -209,14 +208,7 @@ class DraftModel:
         self.catch_up_tokens += t
         dp.query_start_loc[r] = t
         dp.sample_offsets[:k] = 0
-        for name in ("input_ids", "positions", "slot_mapping"):
-            getattr(dp, name)[t:old_t] = 0
-        for name in ("block_tables", "seq_lens"):
-            getattr(dp, name)[r:old_r] = 0
-        dp.query_start_loc[r + 1:old_r + 1] = 0
-        for name in ("logits_indices", "sample_slots", "sample_req_ids", "sample_offsets"):
-            getattr(dp, name)[k:old_s] = 0
-        dp.follow(t, r, nd, k)
+        dp.take(t, r, nd, k)
         return at
 
     def _write_rows(self, src: StepPlan, dst: StepPlan, rows: np.ndarray, tokens: np.ndarray) -> None:
@@ -224,7 +216,6 @@ class DraftModel:
         whose position, KV slot, block table and context length it keeps), fed `tokens`; what the
         previous draft step wrote past it zeroed."""
         m = len(rows)
-        old_t, old_r, old_s = dst.num_tokens, dst.num_rows, dst.num_samples
         dst.input_ids[:m] = tokens
         at = src.logits_indices[rows]  # decode rows come first, one token each: token index == row index
         for name in _TOKEN_ARRAYS:
@@ -234,14 +225,7 @@ class DraftModel:
         dst.query_start_loc[: m + 1] = self._ramp[: m + 1]
         dst.logits_indices[:m] = self._ramp[:m]
         dst.sample_offsets[:m] = 0
-        for name in ("input_ids", "positions", "slot_mapping"):
-            getattr(dst, name)[m:old_t] = 0
-        for name in ("block_tables", "seq_lens"):
-            getattr(dst, name)[m:old_r] = 0
-        dst.query_start_loc[m + 1: old_r + 1] = 0
-        for name in ("logits_indices", "sample_slots", "sample_req_ids"):
-            getattr(dst, name)[m:old_s] = 0
-        dst.follow(m, m, m, m)
+        dst.take(m, m, m, m)
 
     def stats(self) -> dict:
         return {"draft_steps": self.draft_steps, "drafted_rows": self.drafted_rows,

@@ -22,3 +22,4 @@ cdef class StepPlan:
     cdef int32_t* row_width          # columns written in each row last time (to clear stale ones)
 
     cdef void _clear_tail(self, int num_tokens, int num_rows, int num_samples) noexcept nogil
+    cdef int _check_extent(self, int num_tokens, int num_rows, int num_decode_rows, int num_samples) except -1

@@ -107,14 +107,30 @@ cdef class StepPlan:
     def follow(self, int num_tokens, int num_rows, int num_decode_rows, int num_samples):
         """Take the extent of a plan another process wrote into these arrays (a tensor-parallel
         rank receiving rank 0's step): the arrays already hold it, the counts come here."""
-        if not (0 <= num_decode_rows <= num_rows <= self.max_num_seqs and 0 <= num_samples <= num_rows
-                and num_rows <= num_tokens <= self.max_num_tokens):
-            raise ValueError(f"a plan of {num_tokens} tokens, {num_rows} rows ({num_decode_rows} decode), "
-                             f"{num_samples} samples does not fit this StepPlan")
+        self._check_extent(num_tokens, num_rows, num_decode_rows, num_samples)
         self.num_tokens = num_tokens
         self.num_rows = num_rows
         self.num_decode_rows = num_decode_rows
         self.num_samples = num_samples
+
+    def take(self, int num_tokens, int num_rows, int num_decode_rows, int num_samples):
+        """Take the extent of a step this process wrote into these arrays from Python (the draft
+        model's sub-steps, rtp/engine/draft_model.py): what the previous step wrote past it is
+        zeroed, as the scheduler's own steps clear it (whole block-table rows: numpy writes record
+        no widths), then the counts, as follow() takes them."""
+        self._check_extent(num_tokens, num_rows, num_decode_rows, num_samples)
+        cdef int r
+        for r in range(num_rows, self.num_rows):
+            self.row_width[r] = self.width
+        self._clear_tail(num_tokens, num_rows, num_samples)
+        self.num_decode_rows = num_decode_rows
+
+    cdef int _check_extent(self, int num_tokens, int num_rows, int num_decode_rows, int num_samples) except -1:
+        if not (0 <= num_decode_rows <= num_rows <= self.max_num_seqs and 0 <= num_samples <= num_rows
+                and num_rows <= num_tokens <= self.max_num_tokens):
+            raise ValueError(f"a plan of {num_tokens} tokens, {num_rows} rows ({num_decode_rows} decode), "
+                             f"{num_samples} samples does not fit this StepPlan")
+        return 0
 
     cdef void _clear_tail(self, int num_tokens, int num_rows, int num_samples) noexcept nogil:
         """Zero what the previous step wrote past this step's extent."""

@@ -476,3 +476,29 @@ def test_sampled_tokens_must_be_integers():
         s.update(np.array([1.0]))
     assert s.update(np.array([4], dtype=np.int32)) == 1
     s.check_integrity()
+
+
+def test_a_step_written_from_python_takes_its_extent_and_clears_the_last_ones_tail():
+    """StepPlan.take: a step written with numpy (the draft model's sub-steps) after a larger one
+    leaves nothing of the larger past its extent (whole block-table rows, qsl, samples), keeps
+    its own, and an extent that does not fit is a ValueError changing nothing."""
+    plan = StepPlan(32, 4, 6)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices", "sample_slots",
+                 "sample_req_ids", "sample_offsets", "block_tables"):
+        getattr(plan, name)[...] = 7
+    plan.query_start_loc[:] = np.arange(5) * 8
+    plan.take(32, 4, 0, 4)
+    plan.input_ids[:3] = [1, 2, 3]
+    plan.query_start_loc[:3] = [0, 1, 3]
+    plan.take(3, 2, 1, 2)
+    assert (plan.num_tokens, plan.num_rows, plan.num_decode_rows, plan.num_samples) == (3, 2, 1, 2)
+    assert plan.input_ids[:3].tolist() == [1, 2, 3] and not plan.input_ids[3:].any()
+    assert not plan.positions[3:].any() and not plan.slot_mapping[3:].any()
+    assert (plan.block_tables[:2] == 7).all() and not plan.block_tables[2:].any()
+    assert (plan.seq_lens[:2] == 7).all() and not plan.seq_lens[2:].any()
+    assert plan.query_start_loc.tolist() == [0, 1, 3, 0, 0]
+    for name in ("logits_indices", "sample_slots", "sample_req_ids", "sample_offsets"):
+        assert (getattr(plan, name)[:2] == 7).all() and not getattr(plan, name)[2:].any(), name
+    with pytest.raises(ValueError, match="does not fit"):
+        plan.take(3, 5, 0, 0)
+    assert (plan.num_tokens, plan.num_rows) == (3, 2)
