@@ -111,6 +111,19 @@ def test_an_abort_while_drafts_are_in_flight_frees_everything():
     assert not s.has_unfinished and s.allocator.num_used == 0
 
 
+def add_repeating_requests(data, s) -> dict[int, tuple[list[int], int]]:
+    """1-6 requests whose prompts repeat a drawn unit (so n-grams match), drafting or not, added to
+    scheduler s; request id -> (prompt, max_tokens)."""
+    prompts = {}
+    for i in range(data.draw(st.integers(1, 6))):
+        unit = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=7))
+        prompt = (unit * 8)[: data.draw(st.integers(1, 30))]
+        max_tokens = data.draw(st.integers(1, 24))
+        prompts[i] = (prompt, max_tokens)
+        s.add_request(i, prompt, max_tokens=max_tokens, speculate=data.draw(st.booleans()))
+    return prompts
+
+
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_any_mix_of_drafting_requests_generates_the_oracles_tokens(data):
@@ -120,13 +133,7 @@ def test_any_mix_of_drafting_requests_generates_the_oracles_tokens(data):
                        max_num_batched_tokens=data.draw(st.integers(16, 64)), max_model_len=64,
                        spec_ngram_min=data.draw(st.integers(1, 2)), spec_ngram_max=data.draw(st.integers(2, 5)))
     r = ToyRunner(s, VOCAB, model=repeating_token)
-    prompts = {}
-    for i in range(data.draw(st.integers(1, 6))):
-        unit = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=7))
-        prompt = (unit * 8)[: data.draw(st.integers(1, 30))]
-        max_tokens = data.draw(st.integers(1, 24))
-        prompts[i] = (prompt, max_tokens)
-        s.add_request(i, prompt, max_tokens=max_tokens, speculate=data.draw(st.booleans()))
+    prompts = add_repeating_requests(data, s)
     out = run_to_completion(r)
     for i, (prompt, max_tokens) in prompts.items():
         budget = min(max_tokens, max(64 - len(prompt), 1))
@@ -226,13 +233,7 @@ def test_any_mix_with_external_drafts_generates_the_oracles_tokens(data):
         tok = repeating_token(c, VOCAB)
         return rng_tokens[len(c) % 8] if salt and len(c) % (salt + 1) == 0 else tok
 
-    prompts = {}
-    for i in range(data.draw(st.integers(1, 6))):
-        unit = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=7))
-        prompt = (unit * 8)[: data.draw(st.integers(1, 30))]
-        max_tokens = data.draw(st.integers(1, 24))
-        prompts[i] = (prompt, max_tokens)
-        s.add_request(i, prompt, max_tokens=max_tokens, speculate=data.draw(st.booleans()))
+    prompts = add_repeating_requests(data, s)
     out = run_with_external_drafts(s, r, guess)
     for i, (prompt, max_tokens) in prompts.items():
         assert out[i] == oracle(prompt, min(max_tokens, max(64 - len(prompt), 1)), VOCAB, model=repeating_token)
