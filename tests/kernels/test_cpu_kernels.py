@@ -161,6 +161,39 @@ def test_paged_decode_attention_matches_torch(heads, kv_heads, dim, window):
         assert torch.equal(part, out[-rows:])
 
 
+# rows past RTP_DECODE_AMX_MIN_LEN (512) keys go to the tiles' kernel where the CPU has AMX, split in
+# parts of 512 keys merged after; GQA ratios 3, 1, 4, 7 and head dims 64, 128, 32, 96
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 32), (14, 2, 96)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (300, 0.0), (700, 0.0), (0, 30.0)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_attention_of_long_rows_matches_torch(heads, kv_heads, dim, window, softcap, block_size):
+    g = torch.Generator().manual_seed(3)
+    width = 2100 // block_size + 1
+    blocks = 4 * width
+    kv = torch.randn(2, blocks, block_size, kv_heads, dim, generator=g).bfloat16()
+    tables = torch.randint(1, blocks, (7, width), dtype=torch.int32, generator=g)
+    # a part's edge, one key past it, two and three parts, a short row beside them, a padding row
+    lens = torch.tensor([512, 513, 1024, 1100, 2100, 40, 0], dtype=torch.int32)
+    q = torch.randn(7, heads, dim, generator=g).bfloat16()
+    scale = dim**-0.5
+    ref = decode_attention(q.float(), kv[0].float(), kv[1].float(), tables, lens, scale, window or None,
+                           softcap or None)
+    got = {amx: cpu_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, scale, window, softcap, amx=amx)
+           for amx in (True, False)}
+    live = lens > 0
+    for amx, out in got.items():
+        assert (out.float() - ref)[live].abs().max().item() < 8e-3, amx
+        assert torch.all(out[~live] == 0)
+    # the tiles' kernel is as close to fp32 as the vector kernel, whose probabilities stay fp32
+    tiles, vector = ((got[a].float() - ref)[live].abs().mean().item() for a in (True, False))
+    assert tiles < 1.1 * vector
+    # a row's output is the same alone as in any batch (speculative verification relies on it)
+    for r in range(7):
+        alone = cpu_kernels.paged_decode_attention(q[r:r + 1], kv[0], kv[1], tables[r:r + 1], lens[r:r + 1], scale,
+                                                   window, softcap)
+        assert torch.equal(alone[0], got[True][r] if cpu_kernels.amx_available() else got[False][r])
+
+
 def test_paged_decode_attention_reads_a_table_view():
     """The runner passes a column slice of a wider table (row stride > width)."""
     g = torch.Generator().manual_seed(2)

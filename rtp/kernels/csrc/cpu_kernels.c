@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
 #include "prefetch.h"
 #include "vec_math.h"
 
@@ -754,7 +755,14 @@ TARGET void rtp_paged_decode_attention_bf16(
         const uint16_t *q, const void *k_cache, const void *v_cache, int64_t tok_stride,
         const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
         int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window,
-        const float *k_scales, const float *v_scales, float softcap) {
+        const float *k_scales, const float *v_scales, float softcap, int amx) {
+    /* a bf16 cache on AMX: rows past RTP_DECODE_AMX_MIN_LEN keys go to the tiles' kernel
+     * (amx_decode_attention.c), unless its scratch is not to be had */
+    int64_t longest = INT64_MAX; /* rows longer than this are done */
+    if (amx && !k_scales && rtp_decode_attention_amx_applies(H, Hkv, D, block_size)
+        && rtp_paged_decode_attention_amx(q, k_cache, v_cache, tok_stride, block_tables, ldt, seq_lens, out, B, H,
+                                          Hkv, D, block_size, scale, window, softcap))
+        longest = RTP_DECODE_AMX_MIN_LEN;
     int64_t G = H / Hkv;
     int64_t nc = D / 32; /* D is a multiple of 32, at most MAX_DIM */
     int i8 = k_scales != NULL;
@@ -770,6 +778,7 @@ TARGET void rtp_paged_decode_attention_bf16(
     for (int64_t task = 0; task < B * per_row; task++) {
         int64_t b = task / per_row;
         int64_t len = seq_lens[b];
+        if (len > longest) continue;
         if (len <= 0) {
             if (task % per_row == 0) memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
             continue;

@@ -1,4 +1,4 @@
-/* Declarations of cpu_kernels.c and amx_linear.c; see there for layouts and semantics. */
+/* Declarations of the C kernels (rtp/kernels/csrc/); see each file for layouts and semantics. */
 #pragma once
 #include <stdint.h>
 
@@ -9,7 +9,15 @@ void rtp_paged_decode_attention_bf16(
     const uint16_t *q, const void *k_cache, const void *v_cache, int64_t tok_stride,
     const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window,
-    const float *k_scales, const float *v_scales, float softcap);
+    const float *k_scales, const float *v_scales, float softcap, int amx);
+/* amx_decode_attention.c: the rows of a bf16 cache longer than this many keys (the others are the
+ * vector kernel's: measured as fast there, and a row's kernel is set by its length alone) */
+#define RTP_DECODE_AMX_MIN_LEN 512
+int rtp_decode_attention_amx_applies(int64_t H, int64_t Hkv, int64_t D, int64_t block_size);
+int rtp_paged_decode_attention_amx(const uint16_t *q, const void *k_cache, const void *v_cache, int64_t tok_stride,
+                                   const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
+                                   int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                                   int64_t window, float softcap);
 int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
                     const float *mn, const float *bias, void *out, int64_t ldo,
                     int out_bf16, int64_t M, int64_t N, int64_t K);

@@ -57,21 +57,6 @@
 
 /* Tiles (amx_tiles.h, 8 configured): 0-3 accumulators, 4-5 A operands, 6-7 B operands. */
 
-/* 2^t for the softmax's arguments (already in base 2, at most 0): relative error under
- * 5e-5, far below the bf16 rounding (2e-3) the probabilities get next; the sum's error, the
- * same fraction, is below the output's bf16 rounding too. Far below -126 the scale step
- * flushes to 0. */
-AVX_TARGET static inline __m512 exp2_ps(__m512 t) {
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n); /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(9.6181291e-3f); /* (ln 2)^k / k!, k = 4 .. 0 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /* seqs: int32 [nseq][4] = query start (token index into q / out), query count, context length
