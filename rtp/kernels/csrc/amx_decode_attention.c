@@ -379,6 +379,7 @@ AMX_TARGET int rtp_paged_decode_attention_amx(const uint16_t *q, const void *k_c
     int ok = 1;
 #pragma omp parallel
     {
+        unsigned csr = rtp_flush_denormals();
         if (!scratch) scratch = aligned_alloc(64, sizeof(step_scratch));
         size_t need = qt_bytes + o_bytes + 2 * ((ml_bytes + 63) / 64 * 64);
         if (need > state_bytes) {
@@ -427,6 +428,7 @@ AMX_TARGET int rtp_paged_decode_attention_amx(const uint16_t *q, const void *k_c
             }
             _tile_release();
         }
+        rtp_restore_denormals(csr);
     }
     return ok;
 }

@@ -774,39 +774,44 @@ TARGET void rtp_paged_decode_attention_bf16(
      * of each run and got 9 GB/s from DRAM; per row, more). With fewer rows than two per
      * thread, one task per (row, kv head) instead, or a lone row would leave threads idle. */
     int64_t per_row = B < 2 * omp_get_max_threads() ? Hkv : 1;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * per_row; task++) {
-        int64_t b = task / per_row;
-        int64_t len = seq_lens[b];
-        if (len > longest) continue;
-        if (len <= 0) {
-            if (task % per_row == 0) memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
-            continue;
-        }
-        const int32_t *table = block_tables + b * ldt;
-        int64_t h0 = per_row == 1 ? 0 : task % per_row, h1 = per_row == 1 ? Hkv : h0 + 1;
-        for (int64_t h = h0; h < h1; h++) {
-            uint16_t *o = out + (b * H + h * G) * D;
-#define ATTEND(g, n) (i8 ? attend_task(q, &kv, table, len, o, b, h, H, D, scale, window, softcap, g, n, h + 1 < h1, 1) \
-                         : attend_task(q, &kv, table, len, o, b, h, H, D, scale, window, softcap, g, n, h + 1 < h1, 0))
-            /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
-            switch (G * 16 + nc) {
-            case 1 * 16 + 2: ATTEND(1, 2); break;
-            case 2 * 16 + 2: ATTEND(2, 2); break;
-            case 3 * 16 + 2: ATTEND(3, 2); break;
-            case 4 * 16 + 2: ATTEND(4, 2); break;
-            case 5 * 16 + 2: ATTEND(5, 2); break;
-            case 6 * 16 + 2: ATTEND(6, 2); break;
-            case 8 * 16 + 2: ATTEND(8, 2); break;
-            case 1 * 16 + 4: ATTEND(1, 4); break;
-            case 2 * 16 + 4: ATTEND(2, 4); break;
-            case 4 * 16 + 4: ATTEND(4, 4); break;
-            case 6 * 16 + 4: ATTEND(6, 4); break;
-            case 8 * 16 + 4: ATTEND(8, 4); break;
-            default: ATTEND(G, nc); break;
+#pragma omp parallel
+    {
+        unsigned csr = rtp_flush_denormals();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < B * per_row; task++) {
+            int64_t b = task / per_row;
+            int64_t len = seq_lens[b];
+            if (len > longest) continue;
+            if (len <= 0) {
+                if (task % per_row == 0) memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
+                continue;
             }
-        }
+            const int32_t *table = block_tables + b * ldt;
+            int64_t h0 = per_row == 1 ? 0 : task % per_row, h1 = per_row == 1 ? Hkv : h0 + 1;
+            for (int64_t h = h0; h < h1; h++) {
+                uint16_t *o = out + (b * H + h * G) * D;
+#define ATTEND(g, n) (i8 ? attend_task(q, &kv, table, len, o, b, h, H, D, scale, window, softcap, g, n, h + 1 < h1, 1) \
+                             : attend_task(q, &kv, table, len, o, b, h, H, D, scale, window, softcap, g, n, h + 1 < h1, 0))
+                /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
+                switch (G * 16 + nc) {
+                case 1 * 16 + 2: ATTEND(1, 2); break;
+                case 2 * 16 + 2: ATTEND(2, 2); break;
+                case 3 * 16 + 2: ATTEND(3, 2); break;
+                case 4 * 16 + 2: ATTEND(4, 2); break;
+                case 5 * 16 + 2: ATTEND(5, 2); break;
+                case 6 * 16 + 2: ATTEND(6, 2); break;
+                case 8 * 16 + 2: ATTEND(8, 2); break;
+                case 1 * 16 + 4: ATTEND(1, 4); break;
+                case 2 * 16 + 4: ATTEND(2, 4); break;
+                case 4 * 16 + 4: ATTEND(4, 4); break;
+                case 6 * 16 + 4: ATTEND(6, 4); break;
+                case 8 * 16 + 4: ATTEND(8, 4); break;
+                default: ATTEND(G, nc); break;
+                }
+            }
 #undef ATTEND
+        }
+        rtp_restore_denormals(csr);
     }
 }
 

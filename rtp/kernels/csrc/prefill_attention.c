@@ -513,6 +513,7 @@ AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const void *k_cache
     int failed = 0;
 #pragma omp parallel
     {
+        unsigned csr = rtp_flush_denormals();
         /* pack: tasks (sequence, kv head, step of 32 keys), flattened */
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < nsteps; u++) {
@@ -550,6 +551,7 @@ AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const void *k_cache
         }
         if (amx && mem) _tile_release();
         free(mem);
+        rtp_restore_denormals(csr);
     }
     free(info);
     free(kpack);
