@@ -116,12 +116,13 @@ static inline void prefetch_rows(const uint16_t *row, int64_t rows, int64_t stri
         for (int64_t c = 0; c < D; c += 32) rtp_prefetch_l1(row + r * stride + c);
 }
 
-/* Keys [s0, s1) of one span for kv head h: scores, the online softmax update, P V. The span's K and
- * V rows of all the task's heads lie together (a slot's heads are one run), so the heads go in
- * turn within a span and the span's bytes stream in whole. */
+/* Keys [s0, s1) of one span for kv head h (the task's head hs): scores, the online softmax update,
+ * P V; keys outside [first, len) are masked. The span's K and V rows of all the task's heads lie
+ * together (a slot's heads are one run), so the heads go in turn within a span; (next_h, next_s0)
+ * is the head and span the task attends next (next_h -1: none), whose keys are prefetched. */
 AMX_TARGET static void attend_span(const paged_kv *kv, int64_t h, int64_t hs, int64_t s0, int64_t s1,
-                                   int64_t next_h, int64_t next_s0, int64_t first, int64_t len, int64_t G, int64_t D, float scale, float softcap,
-                                   const head_state *st, step_scratch *w) {
+                                   int64_t next_h, int64_t next_s0, int64_t first, int64_t len, int64_t G,
+                                   int64_t D, float scale, float softcap, const head_state *st, step_scratch *w) {
     const int64_t nd = D / 32;
     const float log2e = 1.44269504088896341f;
     const __m512 sc = _mm512_set1_ps(scale * log2e), capv = _mm512_set1_ps(softcap);
@@ -186,7 +187,8 @@ AMX_TARGET static void attend_span(const paged_kv *kv, int64_t h, int64_t hs, in
             __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);
             /* the bf16 values back in fp32 (a bf16 is the top half of its fp32) */
             __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
-            __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+            __m512 hb = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
             _mm512_store_si512((void *)(w->p[t] + 32 * g), hi);
             _mm512_store_si512((void *)(w->plo[t] + 32 * g),
                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
@@ -258,7 +260,7 @@ AMX_TARGET static void attend_span(const paged_kv *kv, int64_t h, int64_t hs, in
     }
 }
 
-/* Head i's output rows (bf16, D each) from accumulators o (tiles' dim order) and sums l, G rows. */
+/* `rows` output rows (bf16, D each) from their accumulators o (in the tiles' dim order) and sums l. */
 AVX_TARGET static void write_rows(const float *o, const float *l, int64_t rows, int64_t D, uint16_t *out) {
     /* back to dim order: dims 32 s + [0, 16) are lo[0..3] hi[0..3] lo[4..7] hi[4..7], the next 16
      * the same of lanes 8..15 */
@@ -280,10 +282,9 @@ AVX_TARGET static void write_rows(const float *o, const float *l, int64_t rows, 
 /* Floats a part's state takes per kv head: m and l of G rows, then their G x D accumulators. */
 static inline int64_t part_floats(int64_t G, int64_t D) { return (2 * G + 15) / 16 * 16 + G * D; }
 
-/* One row's kv heads [h0, h1) over the keys of its part [k_lo, k_hi) (the whole context when it has
- * one part): q its query rows. With one part the output rows (bf16, [H][D] from head h0 * G) are
- * written to o; else each head's state goes to parts + (h - h0) * head_stride floats. */
-AMX_TARGET static void attend_row(const uint16_t *q, uint16_t *o, float *parts, int64_t head_stride,
+/* One row's kv heads [h0, h1) over the keys of one part [k_lo, k_hi): q its query rows; each head's
+ * state (m, l, accumulators) goes to parts + (h - h0) * head_stride floats, for merge_parts. */
+AMX_TARGET static void attend_row(const uint16_t *q, float *parts, int64_t head_stride,
                                   const paged_kv *kv, int64_t h0, int64_t h1, int64_t k_lo, int64_t k_hi,
                                   int64_t len, int64_t G, int64_t D, float scale, int64_t window, float softcap,
                                   const head_state *st, step_scratch *w) {
@@ -304,10 +305,6 @@ AMX_TARGET static void attend_row(const uint16_t *q, uint16_t *o, float *parts, 
             int64_t next_s0 = hs + 1 < nh ? s0 : s0 + SPAN;
             attend_span(kv, h0 + hs, hs, s0, s1, next_h, next_s0, first, len, G, D, scale, softcap, st, w);
         }
-    }
-    if (!parts) {
-        write_rows(st->o, st->l, nh * G, D, o);
-        return;
     }
     for (int64_t hs = 0; hs < nh; hs++) {
         float *p = parts + hs * head_stride;
@@ -362,19 +359,16 @@ AMX_TARGET int rtp_paged_decode_attention_amx(const uint16_t *q, const void *k_c
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     if (max_len <= RTP_DECODE_AMX_MIN_LEN) return 1; /* no row of this kernel's */
-    int64_t nparts = max_len > PART ? (max_len + PART - 1) / PART : 1;
+    int64_t nparts = (max_len + PART - 1) / PART;
     int64_t part_stride = part_floats(G, D), row_stride = Hkv * nparts * part_stride;
-    float *parts = NULL;
-    if (nparts > 1) { /* kept from call to call, on the calling thread */
-        size_t need = (size_t)(B * row_stride) * sizeof(float);
-        if (need > part_bytes) {
-            free(part_buf);
-            part_buf = aligned_alloc(64, need);
-            part_bytes = part_buf ? need : 0;
-        }
-        if (!part_buf) return 0;
-        parts = part_buf;
+    size_t part_need = (size_t)(B * row_stride) * sizeof(float);
+    if (part_need > part_bytes) { /* kept from call to call, on the calling thread */
+        free(part_buf);
+        part_buf = aligned_alloc(64, part_need);
+        part_bytes = part_buf ? part_need : 0;
     }
+    if (!part_buf) return 0;
+    float *parts = part_buf;
     size_t qt_bytes = (size_t)(nh * nd) * 1024, o_bytes = (size_t)(nh * G * D) * 4, ml_bytes = (size_t)(nh * G) * 4;
     int ok = 1;
 #pragma omp parallel
@@ -406,25 +400,22 @@ AMX_TARGET int rtp_paged_decode_attention_amx(const uint16_t *q, const void *k_c
                 int64_t h0 = per_row == 1 ? 0 : rest / nparts, part = rest % nparts, len = seq_lens[b];
                 if (len <= RTP_DECODE_AMX_MIN_LEN) continue; /* the vector kernel's */
                 int64_t first = window > 0 && len > window ? len - window : 0;
-                int64_t row_parts = len > PART ? (len + PART - 1) / PART : 1;
+                int64_t row_parts = (len + PART - 1) / PART;
                 int64_t k_lo = part * PART, k_hi = part + 1 < row_parts ? k_lo + PART : len;
                 if (part >= row_parts || k_hi <= first) continue; /* no keys of the row there */
                 paged_kv kv = {(const uint16_t *)k_cache, (const uint16_t *)v_cache, tok_stride,
                                block_tables + b * ldt, block_size};
-                float *mine = row_parts > 1 ? parts + b * row_stride + (h0 * nparts + part) * part_stride : NULL;
-                attend_row(q + (b * H + h0 * G) * D, out + (b * H + h0 * G) * D, mine, nparts * part_stride, &kv, h0,
-                           h0 + nh, row_parts > 1 ? k_lo : 0, row_parts > 1 ? k_hi : len, len, G, D, scale, window,
-                           softcap, &st, w);
+                attend_row(q + (b * H + h0 * G) * D, parts + b * row_stride + (h0 * nparts + part) * part_stride,
+                           nparts * part_stride, &kv, h0, h0 + nh, k_lo, k_hi, len, G, D, scale, window, softcap, &st,
+                           w);
             }
-            if (nparts > 1) {
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t task = 0; task < B * Hkv; task++) {
-                    int64_t b = task / Hkv, h = task % Hkv, len = seq_lens[b];
-                    if (len <= PART) continue;
-                    int64_t first = window > 0 && len > window ? len - window : 0;
-                    merge_parts(parts + b * row_stride + h * nparts * part_stride, part_stride, first / PART,
-                                (len + PART - 1) / PART, G, D, st.o, out + (b * H + h * G) * D);
-                }
+            for (int64_t task = 0; task < B * Hkv; task++) {
+                int64_t b = task / Hkv, h = task % Hkv, len = seq_lens[b];
+                if (len <= RTP_DECODE_AMX_MIN_LEN) continue;
+                int64_t first = window > 0 && len > window ? len - window : 0;
+                merge_parts(parts + b * row_stride + h * nparts * part_stride, part_stride, first / PART,
+                            (len + PART - 1) / PART, G, D, st.o, out + (b * H + h * G) * D);
             }
             _tile_release();
         }
