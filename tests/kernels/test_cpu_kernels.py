@@ -161,8 +161,8 @@ def test_paged_decode_attention_matches_torch(heads, kv_heads, dim, window):
         assert torch.equal(part, out[-rows:])
 
 
-# rows past RTP_DECODE_AMX_MIN_LEN (512) keys go to the tiles' kernel where the CPU has AMX, split in
-# parts of 512 keys merged after; GQA ratios 3, 1, 4, 7 and head dims 64, 128, 32, 96
+# rows past 512 keys go in parts of 512 keys merged after, on the tiles where the CPU has AMX (else,
+# and with amx=False, the AVX-512 kernel); GQA ratios 3, 1, 4, 7 and head dims 64, 128, 32, 96
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 32), (14, 2, 96)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (300, 0.0), (700, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -187,11 +187,13 @@ def test_paged_decode_attention_of_long_rows_matches_torch(heads, kv_heads, dim,
     # the tiles' kernel is as close to fp32 as the vector kernel, whose probabilities stay fp32
     tiles, vector = ((got[a].float() - ref)[live].abs().mean().item() for a in (True, False))
     assert tiles < 1.1 * vector
-    # a row's output is the same alone as in any batch (speculative verification relies on it)
-    for r in range(7):
-        alone = cpu_kernels.paged_decode_attention(q[r:r + 1], kv[0], kv[1], tables[r:r + 1], lens[r:r + 1], scale,
-                                                   window, softcap)
-        assert torch.equal(alone[0], got[True][r] if cpu_kernels.amx_available() else got[False][r])
+    # a row's output is the same alone as in any batch (speculative verification relies on it), on
+    # either kernel: long rows go in parts of 512 keys whatever the batch
+    for amx in (True, False):
+        for r in range(7):
+            alone = cpu_kernels.paged_decode_attention(q[r:r + 1], kv[0], kv[1], tables[r:r + 1], lens[r:r + 1],
+                                                       scale, window, softcap, amx=amx)
+            assert torch.equal(alone[0], got[amx][r]), (amx, r)
 
 
 @pytest.mark.parametrize("long_rows", [False, True])  # True: the tiles' kernel where the CPU has AMX

@@ -16,7 +16,9 @@
  *                 the dims within 128-bit lanes: accumulator column n of the lo tile of dim step s
  *                 is dim 32 s + 8 (n / 4) + n % 4, of the hi tile that + 4. The order is undone
  *                 once, when the output is written.
- * The online softmax runs per span of SPAN keys, in base 2 as prefill_attention.c's. Measured
+ * The parts (RTP_ATTN_PART, cpu_kernels.h) are merged by cpu_kernels.c's merge, which the AVX-512
+ * kernel's long rows share. The online softmax runs per span of SPAN keys, in base 2 as
+ * prefill_attention.c's. Measured
  * (tools/bench_decode_step.py --rows 1 --context 2048): the step's attention 2.75-2.82 -> 2.27-2.57
  * ms. From memory at 64 rows of 256 keys the two kernels took the same time (about 20 ms for 30
  * layers, bound by the bytes): short rows stay on the vector kernel.
@@ -43,7 +45,7 @@
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 #define SPAN 128  /* keys per online-softmax update: 8 key tiles, 4 value steps */
-#define PART 512  /* keys per task of a long context (a multiple of SPAN), merged after */
+#define PART RTP_ATTN_PART /* keys per task of a long context (a multiple of SPAN), merged after */
 #define MAXG 16   /* query heads per kv head: the 16 columns of S^T */
 #define MAXD 256
 
@@ -66,8 +68,6 @@ typedef struct {
 } head_state;
 
 static __thread step_scratch *scratch;
-static __thread float *part_buf;
-static __thread size_t part_bytes;
 static __thread void *state_buf;
 static __thread size_t state_bytes;
 
@@ -260,30 +260,21 @@ AMX_TARGET static void attend_span(const paged_kv *kv, int64_t h, int64_t hs, in
     }
 }
 
-/* `rows` output rows (bf16, D each) from their accumulators o (in the tiles' dim order) and sums l. */
-AVX_TARGET static void write_rows(const float *o, const float *l, int64_t rows, int64_t D, uint16_t *out) {
-    /* back to dim order: dims 32 s + [0, 16) are lo[0..3] hi[0..3] lo[4..7] hi[4..7], the next 16
-     * the same of lanes 8..15 */
+/* `rows` rows of accumulators (in the tiles' dim order) into dim order, fp32: dims 32 s + [0, 16) are
+ * lo[0..3] hi[0..3] lo[4..7] hi[4..7] of step s's two tiles, the next 16 the same of lanes 8..15. */
+AVX_TARGET static void dim_order(const float *o, int64_t rows, int64_t D, float *out) {
     const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i next16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int64_t g = 0; g < rows; g++) {
-        __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+    for (int64_t g = 0; g < rows; g++)
         for (int64_t s = 0; s < D / 32; s++) {
-            __m512 lo = _mm512_mul_ps(_mm512_load_ps(o + g * D + 32 * s), inv);
-            __m512 hi = _mm512_mul_ps(_mm512_load_ps(o + g * D + 32 * s + 16), inv);
-            _mm256_storeu_si256((__m256i *)(out + g * D + 32 * s),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first16, hi)));
-            _mm256_storeu_si256((__m256i *)(out + g * D + 32 * s + 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, next16, hi)));
+            __m512 lo = _mm512_load_ps(o + g * D + 32 * s), hi = _mm512_load_ps(o + g * D + 32 * s + 16);
+            _mm512_storeu_ps(out + g * D + 32 * s, _mm512_permutex2var_ps(lo, first16, hi));
+            _mm512_storeu_ps(out + g * D + 32 * s + 16, _mm512_permutex2var_ps(lo, next16, hi));
         }
-    }
 }
 
-/* Floats a part's state takes per kv head: m and l of G rows, then their G x D accumulators. */
-static inline int64_t part_floats(int64_t G, int64_t D) { return (2 * G + 15) / 16 * 16 + G * D; }
-
 /* One row's kv heads [h0, h1) over the keys of one part [k_lo, k_hi): q its query rows; each head's
- * state (m, l, accumulators) goes to parts + (h - h0) * head_stride floats, for merge_parts. */
+ * state goes to parts + (h - h0) * head_stride floats (cpu_kernels.h, RTP_ATTN_PART). */
 AMX_TARGET static void attend_row(const uint16_t *q, float *parts, int64_t head_stride,
                                   const paged_kv *kv, int64_t h0, int64_t h1, int64_t k_lo, int64_t k_hi,
                                   int64_t len, int64_t G, int64_t D, float scale, int64_t window, float softcap,
@@ -310,32 +301,8 @@ AMX_TARGET static void attend_row(const uint16_t *q, float *parts, int64_t head_
         float *p = parts + hs * head_stride;
         memcpy(p, st->m + hs * G, (size_t)G * sizeof(float));
         memcpy(p + G, st->l + hs * G, (size_t)G * sizeof(float));
-        memcpy(p + (2 * G + 15) / 16 * 16, st->o + hs * G * D, (size_t)(G * D) * sizeof(float));
+        dim_order(st->o + hs * G * D, G, D, p + (2 * G + 15) / 16 * 16);
     }
-}
-
-/* The parts [p_lo, p_hi) of one (row, kv head) merged into its output rows: every part's sums and
- * accumulators rescaled to the largest running max. acc: G x D floats of scratch. */
-AVX_TARGET static void merge_parts(const float *parts, int64_t part_stride, int64_t p_lo, int64_t p_hi, int64_t G,
-                                   int64_t D, float *acc, uint16_t *out) {
-    int64_t at = (2 * G + 15) / 16 * 16;
-    float l[MAXG];
-    for (int64_t g = 0; g < G; g++) {
-        float mx = -INFINITY, sum = 0.0f;
-        for (int64_t p = p_lo; p < p_hi; p++) mx = fmaxf(mx, parts[p * part_stride + g]);
-        memset(acc + g * D, 0, (size_t)D * sizeof(float));
-        for (int64_t p = p_lo; p < p_hi; p++) {
-            const float *st = parts + p * part_stride;
-            float f = exp2f(st[g] - mx);
-            sum += st[G + g] * f;
-            __m512 fv = _mm512_set1_ps(f);
-            for (int64_t d = 0; d < D; d += 16)
-                _mm512_store_ps(acc + g * D + d, _mm512_fmadd_ps(_mm512_loadu_ps(st + at + g * D + d), fv,
-                                                                 _mm512_load_ps(acc + g * D + d)));
-        }
-        l[g] = sum;
-    }
-    write_rows(acc, l, G, D, out);
 }
 
 int rtp_decode_attention_amx_applies(int64_t H, int64_t Hkv, int64_t D, int64_t block_size) {
@@ -360,15 +327,9 @@ AMX_TARGET int rtp_paged_decode_attention_amx(const uint16_t *q, const void *k_c
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     if (max_len <= RTP_DECODE_AMX_MIN_LEN) return 1; /* no row of this kernel's */
     int64_t nparts = (max_len + PART - 1) / PART;
-    int64_t part_stride = part_floats(G, D), row_stride = Hkv * nparts * part_stride;
-    size_t part_need = (size_t)(B * row_stride) * sizeof(float);
-    if (part_need > part_bytes) { /* kept from call to call, on the calling thread */
-        free(part_buf);
-        part_buf = aligned_alloc(64, part_need);
-        part_bytes = part_buf ? part_need : 0;
-    }
-    if (!part_buf) return 0;
-    float *parts = part_buf;
+    int64_t part_stride = RTP_ATTN_PART_FLOATS(G, D), row_stride = Hkv * nparts * part_stride;
+    float *parts = rtp_attention_parts((size_t)(B * row_stride) * sizeof(float));
+    if (!parts) return 0;
     size_t qt_bytes = (size_t)(nh * nd) * 1024, o_bytes = (size_t)(nh * G * D) * 4, ml_bytes = (size_t)(nh * G) * 4;
     int ok = 1;
 #pragma omp parallel
@@ -414,7 +375,7 @@ AMX_TARGET int rtp_paged_decode_attention_amx(const uint16_t *q, const void *k_c
                 int64_t b = task / Hkv, h = task % Hkv, len = seq_lens[b];
                 if (len <= RTP_DECODE_AMX_MIN_LEN) continue;
                 int64_t first = window > 0 && len > window ? len - window : 0;
-                merge_parts(parts + b * row_stride + h * nparts * part_stride, part_stride, first / PART,
+                rtp_merge_attention_parts(parts + b * row_stride + h * nparts * part_stride, part_stride, first / PART,
                             (len + PART - 1) / PART, G, D, st.o, out + (b * H + h * G) * D);
             }
             _tile_release();
