@@ -813,6 +813,9 @@ TARGET void rtp_paged_decode_attention_bf16(
         && rtp_paged_decode_attention_amx(q, k_cache, v_cache, tok_stride, block_tables, ldt, seq_lens, out, B, H,
                                           Hkv, D, block_size, scale, window, softcap))
         longest = RTP_DECODE_AMX_MIN_LEN;
+    int64_t left = 0; /* rows for this kernel: with none, no parallel region of its own (5-10 us) */
+    for (int64_t b = 0; b < B; b++) left += seq_lens[b] <= longest;
+    if (!left) return;
     int64_t G = H / Hkv;
     int64_t nc = D / 32; /* D is a multiple of 32, at most MAX_DIM */
     int i8 = k_scales != NULL;
