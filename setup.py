@@ -1,6 +1,6 @@
 """Builds the compiled parts: the runtime (rtp/runtime/*.pyx) and the CPU decode
 kernels (rtp/kernels/_cpu_kernels.pyx over rtp/kernels/csrc/: cpu_kernels.c, amx_linear.c,
-amx_gemm.c, prefill_attention.c, amx_decode_attention.c, row_kernels.c and kernel_calls.c).
+amx_gemm.c, prefill_attention.c, row_kernels.c and kernel_calls.c).
 
 Everything else about the package lives in pyproject.toml. Set RTP_ANNOTATE=1 to
 write Cython's annotated HTML (rtp/runtime/*.html) and check that the hot paths
@@ -47,7 +47,7 @@ cpu_kernels = Extension(
     "rtp.kernels._cpu_kernels",
     sources=["rtp/kernels/_cpu_kernels.pyx", "rtp/kernels/csrc/cpu_kernels.c", "rtp/kernels/csrc/amx_linear.c",
              "rtp/kernels/csrc/amx_gemm.c", "rtp/kernels/csrc/prefill_attention.c", "rtp/kernels/csrc/kernel_calls.c",
-             "rtp/kernels/csrc/row_kernels.c", "rtp/kernels/csrc/amx_decode_attention.c"],
+             "rtp/kernels/csrc/row_kernels.c"],
     include_dirs=["rtp/kernels/csrc"],
     depends=sorted(glob.glob("rtp/kernels/csrc/*.h")),
     extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"] + SANITIZE_COMPILE,

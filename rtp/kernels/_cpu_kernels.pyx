@@ -1,6 +1,5 @@
 # cython: language_level=3
-"""Python entry points of rtp/kernels/csrc/cpu_kernels.c, amx_linear.c, prefill_attention.c, amx_decode_attention.c
-and row_kernels.c
+"""Python entry points of rtp/kernels/csrc/cpu_kernels.c, amx_linear.c, prefill_attention.c and row_kernels.c
 (AVX-512 BF16 and AMX kernels).
 
 Arguments are raw addresses and sizes, so this module needs neither torch nor
@@ -225,15 +224,14 @@ def paged_decode_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, 
                                 intptr_t block_tables, int64_t ldt, intptr_t seq_lens, intptr_t out,
                                 int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t block_size,
                                 float scale, int64_t window, intptr_t k_scales=0, intptr_t v_scales=0,
-                                float softcap=0, bint amx=False) -> None:
+                                float softcap=0) -> None:
     """One bf16 query token per row over paged bf16 K/V, or int8 K/V with fp32 scales (k_scales,
     v_scales: [slots, hkv]; 0: bf16); softcap > 0: scores -> softcap * tanh(scores / softcap) (0:
-    none); amx: a bf16 cache on the tiles where amx_decode_attention.c applies; see cpu_kernels.c
-    for the layout."""
+    none); see cpu_kernels.c for the layout."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:20] = [RTP_OP_DECODE_ATTENTION, q, k_cache, v_cache, tok_stride, block_tables, ldt, seq_lens, out,
-              b, h, hkv, d, block_size, _float_word(scale), window, k_scales, v_scales, _float_word(softcap), amx]
-    _run(c, 20)
+    c[:19] = [RTP_OP_DECODE_ATTENTION, q, k_cache, v_cache, tok_stride, block_tables, ldt, seq_lens, out,
+              b, h, hkv, d, block_size, _float_word(scale), window, k_scales, v_scales, _float_word(softcap)]
+    _run(c, 19)
 
 
 def add_rms_norm(intptr_t residual, int64_t ldr, intptr_t delta, bint delta_bf16, int64_t ldd,

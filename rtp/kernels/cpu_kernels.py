@@ -461,16 +461,15 @@ def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 @_op("paged_decode_attention", (),
-     lambda q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap=0.0, amx=None: torch.empty_like(q))
+     lambda q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap=0.0: torch.empty_like(q))
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           window: int, softcap: float = 0.0, amx: bool | None = None) -> torch.Tensor:
+                           window: int, softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D] bf16 over k/v_cache [blocks, block_size, Hkv, D] bf16 -> [B, H, D] bf16.
     window 0: no sliding window. softcap > 0: scores -> softcap * tanh(scores / softcap) before the
-    softmax (Gemma 2's attention logit softcapping); 0: none. amx None: the tiles where this CPU
-    has them and the shapes fit (block_size a multiple of 16); False: the AVX-512 kernel."""
+    softmax (Gemma 2's attention logit softcapping); 0: none."""
     return paged_decode_attention_into(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                                       torch.empty_like(q.contiguous()), softcap=softcap, amx=amx)
+                                       torch.empty_like(q.contiguous()), softcap=softcap)
 
 
 @_op("paged_decode_attention_int8", (),
@@ -501,11 +500,10 @@ def _scale_ptrs(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: 
 def paged_decode_attention_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
                                 out: torch.Tensor, k_scales: torch.Tensor | None = None,
-                                v_scales: torch.Tensor | None = None, softcap: float = 0.0,
-                                amx: bool | None = None) -> torch.Tensor:
+                                v_scales: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """paged_decode_attention (int8 caches: with their scales) written into out ([B, H, D] bf16,
     contiguous: the decode rows of a step's attention output, which the prefill kernel fills after
-    them); returns out. amx as paged_decode_attention's (int8 caches: always the AVX-512 kernel)."""
+    them); returns out."""
     q = q.contiguous()
     b, h, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -516,8 +514,7 @@ def paged_decode_attention_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _k.paged_decode_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                    k_cache.stride(1), tables.data_ptr(), tables.stride(0),
                                    lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size,
-                                   scale, window, *_scale_ptrs(k_cache, k_scales, v_scales), softcap,
-                                   _AMX if amx is None else amx and _AMX)
+                                   scale, window, *_scale_ptrs(k_cache, k_scales, v_scales), softcap)
     return out
 
 

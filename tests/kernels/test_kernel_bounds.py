@@ -364,8 +364,7 @@ def _recorded(call) -> bytes:
 # G = 16 and D = 256: the largest group and head the kernel's stack arrays hold
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (16, 1, 256), (4, 4, 128), (14, 2, 96), (1, 1, 32)])
 @pytest.mark.parametrize("batch", [1, 5])  # 1: a task per (row, kv head); 5: per row
-@pytest.mark.parametrize("amx", [False, True])  # True: rows past 512 keys on the tiles, where the CPU has them
-def test_decode_attention_writes_only_its_output(heads, kv_heads, dim, batch, amx):
+def test_decode_attention_writes_only_its_output(heads, kv_heads, dim, batch):
     nblocks, block_size, width = 48, 16, 40
     g = torch.Generator().manual_seed(8)
     a = Canaries(8)
@@ -373,12 +372,12 @@ def test_decode_attention_writes_only_its_output(heads, kv_heads, dim, batch, am
     kv = a.place("kv_cache", torch.randn(2, nblocks, block_size, kv_heads, dim, generator=g).bfloat16())
     tables = a.place("block_tables", torch.randint(0, nblocks, (batch, width + 3), dtype=torch.int32, generator=g),
                      lambda v: v[:, :width])
-    lens_list = [width * block_size, 0, 17, 256, 513][:batch]  # all keys, a padding row, span and part edges
+    lens_list = [width * block_size, 0, 17, 256, 513][:batch]  # all keys (in parts), a padding row, span edges
     lens = a.place("seq_lens", torch.tensor(lens_list, dtype=torch.int32))
     out = a.place("out", torch.zeros(batch, heads, dim, dtype=torch.bfloat16), writes=first_rows)
     run_and_replay(a, lambda: cpu_kernels._k.paged_decode_attention_bf16(
         q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), kv.stride(2), tables.data_ptr(), tables.stride(0),
-        lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block_size, dim**-0.5, 0, amx=amx),
+        lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block_size, dim**-0.5, 0),
         batch, (1,) if batch == 1 else (1, 3))
 
 

@@ -761,9 +761,17 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
     }
 }
 
-/* The calling thread's buffer for long rows' parts (cpu_kernels.h), at least `bytes`, kept from call to
- * call; NULL when it cannot be had. */
-float *rtp_attention_parts(size_t bytes) {
+/* Long rows: a row past RTP_ATTN_PART keys is attended in parts of that many keys, as tasks of their
+ * own so one long row keeps every thread busy, each part's state written as RTP_ATTN_PART_FLOATS(G, D)
+ * floats per kv head (m and l of its G query heads, base 2, padded to 16 floats; then their G x D
+ * unnormalized outputs in dim order), then merged. Parts are set by positions alone, so a row's
+ * output does not depend on its batch (speculative verification relies on it). */
+#define RTP_ATTN_PART 512
+#define RTP_ATTN_PART_FLOATS(G, D) (((2 * (G) + 15) / 16 * 16) + (G) * (D))
+
+/* The calling thread's buffer for long rows' parts, at least `bytes`, kept from call to call; NULL
+ * when it cannot be had. */
+static float *attention_parts(size_t bytes) {
     static __thread float *buf;
     static __thread size_t have;
     if (bytes > have) {
@@ -776,8 +784,8 @@ float *rtp_attention_parts(size_t bytes) {
 
 /* The parts [p_lo, p_hi) of one (row, kv head) merged into its G output rows (bf16): every part's sums
  * and outputs rescaled to the largest running max. acc: G x D floats of scratch. */
-TARGET void rtp_merge_attention_parts(const float *parts, int64_t part_stride, int64_t p_lo, int64_t p_hi, int64_t G,
-                                      int64_t D, float *acc, uint16_t *out) {
+TARGET static void merge_attention_parts(const float *parts, int64_t part_stride, int64_t p_lo, int64_t p_hi,
+                                         int64_t G, int64_t D, float *acc, uint16_t *out) {
     int64_t at = (2 * G + 15) / 16 * 16;
     for (int64_t g = 0; g < G; g++) {
         float mx = -INFINITY, sum = 0.0f;
@@ -805,17 +813,7 @@ TARGET void rtp_paged_decode_attention_bf16(
         const uint16_t *q, const void *k_cache, const void *v_cache, int64_t tok_stride,
         const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
         int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window,
-        const float *k_scales, const float *v_scales, float softcap, int amx) {
-    /* a bf16 cache on AMX: rows past RTP_DECODE_AMX_MIN_LEN keys go to the tiles' kernel
-     * (amx_decode_attention.c), unless its scratch is not to be had */
-    int64_t longest = INT64_MAX; /* rows longer than this are done */
-    if (amx && !k_scales && rtp_decode_attention_amx_applies(H, Hkv, D, block_size)
-        && rtp_paged_decode_attention_amx(q, k_cache, v_cache, tok_stride, block_tables, ldt, seq_lens, out, B, H,
-                                          Hkv, D, block_size, scale, window, softcap))
-        longest = RTP_DECODE_AMX_MIN_LEN;
-    int64_t left = 0; /* rows for this kernel: with none, no parallel region of its own (5-10 us) */
-    for (int64_t b = 0; b < B; b++) left += seq_lens[b] <= longest;
-    if (!left) return;
+        const float *k_scales, const float *v_scales, float softcap) {
     int64_t G = H / Hkv;
     int64_t nc = D / 32; /* D is a multiple of 32, at most MAX_DIM */
     int i8 = k_scales != NULL;
@@ -827,28 +825,29 @@ TARGET void rtp_paged_decode_attention_bf16(
      * of each run and got 9 GB/s from DRAM; per row, more). With fewer rows than two per
      * thread, one task per (row, kv head) instead, or a lone row would leave threads idle. */
     int64_t per_row = B < 2 * omp_get_max_threads() ? Hkv : 1;
-    /* rows past RTP_ATTN_PART keys (not done above: an int8 cache, a CPU without AMX): a task per
-     * (row, kv head, part), merged after. One row of 2,048 keys: 2.84-2.90 -> 2.39-2.42 ms over 30
-     * layers; an int8 cache's step attention 2.24-2.36 -> 1.98-2.05 ms. */
+    /* rows past RTP_ATTN_PART keys: a task per (row, part), or (row, kv head, part) as short rows
+     * split, merged after. tools/bench_decode_step.py at context 2,048: one row's attention
+     * 2.72-2.84 -> 2.20-2.28 ms, 16 rows' 43.5-44.7 -> 40.3-41.4 ms; an int8 cache's one row
+     * 2.24-2.36 -> 1.98-2.05 ms. (Both products on AMX tiles, P as bf16 hi + lo for fidelity, measured
+     * no faster with the same parts: 2.14-2.17 and 42.5-43.7 ms. The KV reads bound it.) */
     int64_t max_long = 0;
     for (int64_t b = 0; b < B; b++)
-        if (seq_lens[b] > RTP_ATTN_PART && seq_lens[b] <= longest && seq_lens[b] > max_long) max_long = seq_lens[b];
+        if (seq_lens[b] > RTP_ATTN_PART && seq_lens[b] > max_long) max_long = seq_lens[b];
     int64_t nparts = (max_long + RTP_ATTN_PART - 1) / RTP_ATTN_PART, part_stride = RTP_ATTN_PART_FLOATS(G, D);
     int64_t row_stride = Hkv * nparts * part_stride;
-    float *parts = nparts ? rtp_attention_parts((size_t)(B * row_stride) * sizeof(float)) : NULL;
+    float *parts = nparts ? attention_parts((size_t)(B * row_stride) * sizeof(float)) : NULL;
     if (!parts) nparts = 0; /* no memory for the parts: whole rows, as short ones */
     int64_t short_tasks = B * per_row;
 #pragma omp parallel
     {
         unsigned csr = rtp_flush_denormals();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < short_tasks + B * Hkv * nparts; task++) {
-            int64_t b, h0, h1, k_lo = 0, len;
-            float *part = NULL;
+        for (int64_t task = 0; task < short_tasks + B * per_row * nparts; task++) {
+            int64_t b, h0, h1, k_lo = 0, len, p = -1;
             if (task < short_tasks) {
                 b = task / per_row;
                 len = seq_lens[b];
-                if (len > longest || (nparts && len > RTP_ATTN_PART)) continue;
+                if (nparts && len > RTP_ATTN_PART) continue;
                 if (len <= 0) {
                     if (task % per_row == 0) memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
                     continue;
@@ -856,20 +855,22 @@ TARGET void rtp_paged_decode_attention_bf16(
                 h0 = per_row == 1 ? 0 : task % per_row;
                 h1 = per_row == 1 ? Hkv : h0 + 1;
             } else {
-                int64_t u = task - short_tasks, p = u % nparts;
-                b = u / (Hkv * nparts);
-                h0 = u / nparts % Hkv;
-                h1 = h0 + 1;
+                /* a part of a row, its kv heads split as a short row's are */
+                int64_t u = task - short_tasks;
+                p = u % nparts;
+                b = u / (per_row * nparts);
+                h0 = per_row == 1 ? 0 : u / nparts % per_row;
+                h1 = per_row == 1 ? Hkv : h0 + 1;
                 len = seq_lens[b];
                 int64_t first = window > 0 && len > window ? len - window : 0;
                 k_lo = p * RTP_ATTN_PART;
-                if (len <= RTP_ATTN_PART || len > longest || k_lo >= len || k_lo + RTP_ATTN_PART <= first) continue;
-                part = parts + b * row_stride + (h0 * nparts + p) * part_stride;
+                if (len <= RTP_ATTN_PART || k_lo >= len || k_lo + RTP_ATTN_PART <= first) continue;
             }
-            int64_t k_hi = part && k_lo + RTP_ATTN_PART < len ? k_lo + RTP_ATTN_PART : len;
+            int64_t k_hi = p >= 0 && k_lo + RTP_ATTN_PART < len ? k_lo + RTP_ATTN_PART : len;
             const int32_t *table = block_tables + b * ldt;
             for (int64_t h = h0; h < h1; h++) {
                 uint16_t *o = out + (b * H + h * G) * D;
+                float *part = p >= 0 ? parts + b * row_stride + (h * nparts + p) * part_stride : NULL;
 #define ATTEND(g, n) (i8 ? attend_task(q, &kv, table, len, k_lo, k_hi, o, part, b, h, H, D, scale, window, softcap, g, n, \
                                        h + 1 < h1, 1)                                                              \
                          : attend_task(q, &kv, table, len, k_lo, k_hi, o, part, b, h, H, D, scale, window, softcap, g, n, \
@@ -898,11 +899,11 @@ TARGET void rtp_paged_decode_attention_bf16(
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < B * Hkv; task++) {
                 int64_t b = task / Hkv, h = task % Hkv, len = seq_lens[b];
-                if (len <= RTP_ATTN_PART || len > longest) continue;
+                if (len <= RTP_ATTN_PART) continue;
                 int64_t first = window > 0 && len > window ? len - window : 0;
-                rtp_merge_attention_parts(parts + b * row_stride + h * nparts * part_stride, part_stride,
-                                          first / RTP_ATTN_PART, (len + RTP_ATTN_PART - 1) / RTP_ATTN_PART, G, D, acc,
-                                          out + (b * H + h * G) * D);
+                merge_attention_parts(parts + b * row_stride + h * nparts * part_stride, part_stride,
+                                      first / RTP_ATTN_PART, (len + RTP_ATTN_PART - 1) / RTP_ATTN_PART, G, D, acc,
+                                      out + (b * H + h * G) * D);
             }
         }
         rtp_restore_denormals(csr);

@@ -1,6 +1,5 @@
 /* Declarations of the C kernels (rtp/kernels/csrc/); see each file for layouts and semantics. */
 #pragma once
-#include <stddef.h>
 #include <stdint.h>
 
 int rtp_cpu_kernels_supported(void);
@@ -10,25 +9,7 @@ void rtp_paged_decode_attention_bf16(
     const uint16_t *q, const void *k_cache, const void *v_cache, int64_t tok_stride,
     const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window,
-    const float *k_scales, const float *v_scales, float softcap, int amx);
-/* Decode attention of long rows (cpu_kernels.c, amx_decode_attention.c): a row past RTP_ATTN_PART keys is
- * attended in parts of that many keys, as tasks of their own so one long row keeps every thread busy,
- * each part's state written as RTP_ATTN_PART_FLOATS(G, D) floats per kv head (m and l of its G query
- * heads, base 2, padded to 16 floats; then their G x D unnormalized outputs in dim order), then merged.
- * Parts are set by positions alone, so a row's output does not depend on its batch. */
-#define RTP_ATTN_PART 512
-#define RTP_ATTN_PART_FLOATS(G, D) (((2 * (G) + 15) / 16 * 16) + (G) * (D))
-float *rtp_attention_parts(size_t bytes);
-void rtp_merge_attention_parts(const float *parts, int64_t part_stride, int64_t p_lo, int64_t p_hi, int64_t G,
-                               int64_t D, float *acc, uint16_t *out);
-/* amx_decode_attention.c: the rows of a bf16 cache longer than this many keys (the others are the
- * vector kernel's: measured as fast there, and a row's kernel is set by its length alone) */
-#define RTP_DECODE_AMX_MIN_LEN 512
-int rtp_decode_attention_amx_applies(int64_t H, int64_t Hkv, int64_t D, int64_t block_size);
-int rtp_paged_decode_attention_amx(const uint16_t *q, const void *k_cache, const void *v_cache, int64_t tok_stride,
-                                   const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
-                                   int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                                   int64_t window, float softcap);
+    const float *k_scales, const float *v_scales, float softcap);
 int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
                     const float *mn, const float *bias, void *out, int64_t ldo,
                     int out_bf16, int64_t M, int64_t N, int64_t K);

@@ -39,7 +39,7 @@ int rtp_run_call(const int64_t *c) {
                                  c[14], c[15], P(16), P(17));
     case RTP_OP_DECODE_ATTENTION:
         rtp_paged_decode_attention_bf16(P(1), P(2), P(3), c[4], P(5), c[6], P(7), P(8), c[9], c[10], c[11], c[12],
-                                        c[13], arg_float(c[14]), c[15], P(16), P(17), arg_float(c[18]), (int)c[19]);
+                                        c[13], arg_float(c[14]), c[15], P(16), P(17), arg_float(c[18]));
         return 1;
     case RTP_OP_EMBED_ROWS:
         rtp_embed_rows(P(1), (int)c[2], c[3], P(4), P(5), c[6], c[7], c[8], arg_float(c[9]));
