@@ -736,13 +736,14 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
     /* back to element order (bf16: interleave even and odd lanes), round to bf16 */
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    if (part) { /* a part's state (cpu_kernels.h): m in base 2, the sums, the outputs unnormalized */
+    if (part) { /* a part's state (RTP_ATTN_PART, below): m in base 2, the sums, the outputs unnormalized */
         int64_t at = (2 * G + 15) / 16 * 16;
         for (int64_t g = 0; g < G; g++) {
             part[g] = m[g] * 1.44269504088896341f;
             part[G + g] = l[g];
             for (int64_t c = 0; c < NC; c++) {
-                _mm512_storeu_ps(part + at + g * D + 32 * c, I8 ? ae[g][c] : _mm512_permutex2var_ps(ae[g][c], lo, ao[g][c]));
+                _mm512_storeu_ps(part + at + g * D + 32 * c,
+                                 I8 ? ae[g][c] : _mm512_permutex2var_ps(ae[g][c], lo, ao[g][c]));
                 _mm512_storeu_ps(part + at + g * D + 32 * c + 16,
                                  I8 ? ao[g][c] : _mm512_permutex2var_ps(ae[g][c], hi, ao[g][c]));
             }
@@ -783,7 +784,7 @@ static float *attention_parts(size_t bytes) {
 }
 
 /* The parts [p_lo, p_hi) of one (row, kv head) merged into its G output rows (bf16): every part's sums
- * and outputs rescaled to the largest running max. acc: G x D floats of scratch. */
+ * and outputs rescaled to the largest running max. acc: D floats of scratch. */
 TARGET static void merge_attention_parts(const float *parts, int64_t part_stride, int64_t p_lo, int64_t p_hi,
                                          int64_t G, int64_t D, float *acc, uint16_t *out) {
     int64_t at = (2 * G + 15) / 16 * 16;
@@ -797,11 +798,13 @@ TARGET static void merge_attention_parts(const float *parts, int64_t part_stride
             sum += st[G + g] * f;
             __m512 fv = _mm512_set1_ps(f);
             for (int64_t d = 0; d < D; d += 16)
-                _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(st + at + g * D + d), fv, _mm512_loadu_ps(acc + d)));
+                _mm512_storeu_ps(acc + d,
+                                 _mm512_fmadd_ps(_mm512_loadu_ps(st + at + g * D + d), fv, _mm512_loadu_ps(acc + d)));
         }
         __m512 inv = _mm512_set1_ps(1.0f / sum);
         for (int64_t d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(out + g * D + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), inv)));
+            _mm256_storeu_si256((__m256i *)(out + g * D + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), inv)));
     }
 }
 
@@ -895,7 +898,7 @@ TARGET void rtp_paged_decode_attention_bf16(
 #undef ATTEND
         }
         if (nparts) {
-            float acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(64)));
+            float acc[MAX_DIM] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < B * Hkv; task++) {
                 int64_t b = task / Hkv, h = task % Hkv, len = seq_lens[b];
