@@ -606,6 +606,20 @@ TARGET static inline __attribute__((always_inline)) void row_chunk(const char *r
     }
 }
 
+/* Long rows: a row past RTP_ATTN_PART keys is attended in parts of that many keys, as tasks of their
+ * own so one long row keeps every thread busy, each part's state written as RTP_ATTN_PART_FLOATS(G, D)
+ * floats per kv head (m and l of its G query heads, base 2, padded to 16 floats; then their G x D
+ * unnormalized outputs in dim order), then merged. Parts are set by positions alone, so a row's
+ * output does not depend on its batch (speculative verification relies on it). */
+#define RTP_ATTN_PART 512
+#define RTP_ATTN_PART_OUT(G) ((2 * (G) + 15) / 16 * 16)  /* where a part's outputs start */
+#define RTP_ATTN_PART_FLOATS(G, D) (RTP_ATTN_PART_OUT(G) + (G) * (D))
+
+/* The first key a row of len keys attends (window 0: no sliding window). */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* One (row, kv head) task. Always inlined into call sites with constant G, NC and I8, so the
  * compiler unrolls the head and dimension loops and keeps the accumulators in registers
  * (with them as variables every accumulator lived on the stack: 3x slower).
@@ -619,7 +633,7 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
         const uint16_t *q, const kv_view *kv, const int32_t *table, int64_t len, int64_t k_lo, int64_t k_hi,
         uint16_t *o, float *part, int64_t b, int64_t h, int64_t H, int64_t D, float scale, int64_t window, float softcap,
         const int64_t G, const int64_t NC, int next_head, const int I8) {
-    int64_t first = window > 0 && len > window ? len - window : 0;
+    int64_t first = window_start(len, window);
     if (first < k_lo) first = k_lo; /* a part of a long row (RTP_ATTN_PART): its keys alone */
     int64_t row_bytes = kv->head_bytes;
     const __m512 capv = _mm512_set1_ps(softcap), inv_capv = _mm512_set1_ps(softcap > 0.0f ? 1.0f / softcap : 0.0f);
@@ -736,8 +750,8 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
     /* back to element order (bf16: interleave even and odd lanes), round to bf16 */
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    if (part) { /* a part's state (RTP_ATTN_PART, below): m in base 2, the sums, the outputs unnormalized */
-        int64_t at = (2 * G + 15) / 16 * 16;
+    if (part) { /* a part's state (RTP_ATTN_PART, above): m in base 2, the sums, the outputs unnormalized */
+        int64_t at = RTP_ATTN_PART_OUT(G);
         for (int64_t g = 0; g < G; g++) {
             part[g] = m[g] * 1.44269504088896341f;
             part[G + g] = l[g];
@@ -762,14 +776,6 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
     }
 }
 
-/* Long rows: a row past RTP_ATTN_PART keys is attended in parts of that many keys, as tasks of their
- * own so one long row keeps every thread busy, each part's state written as RTP_ATTN_PART_FLOATS(G, D)
- * floats per kv head (m and l of its G query heads, base 2, padded to 16 floats; then their G x D
- * unnormalized outputs in dim order), then merged. Parts are set by positions alone, so a row's
- * output does not depend on its batch (speculative verification relies on it). */
-#define RTP_ATTN_PART 512
-#define RTP_ATTN_PART_FLOATS(G, D) (((2 * (G) + 15) / 16 * 16) + (G) * (D))
-
 /* The calling thread's buffer for long rows' parts, at least `bytes`, kept from call to call; NULL
  * when it cannot be had. */
 static float *attention_parts(size_t bytes) {
@@ -787,7 +793,7 @@ static float *attention_parts(size_t bytes) {
  * and outputs rescaled to the largest running max. acc: D floats of scratch. */
 TARGET static void merge_attention_parts(const float *parts, int64_t part_stride, int64_t p_lo, int64_t p_hi,
                                          int64_t G, int64_t D, float *acc, uint16_t *out) {
-    int64_t at = (2 * G + 15) / 16 * 16;
+    int64_t at = RTP_ATTN_PART_OUT(G);
     for (int64_t g = 0; g < G; g++) {
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t p = p_lo; p < p_hi; p++) mx = fmaxf(mx, parts[p * part_stride + g]);
@@ -846,28 +852,19 @@ TARGET void rtp_paged_decode_attention_bf16(
         unsigned csr = rtp_flush_denormals();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < short_tasks + B * per_row * nparts; task++) {
-            int64_t b, h0, h1, k_lo = 0, len, p = -1;
-            if (task < short_tasks) {
-                b = task / per_row;
-                len = seq_lens[b];
+            /* short rows' tasks first, then the long rows' parts, each row's kv heads split alike */
+            int64_t long_part = task >= short_tasks, u = long_part ? task - short_tasks : task;
+            int64_t p = long_part ? u % nparts : -1, ru = long_part ? u / nparts : u;
+            int64_t b = ru / per_row, h0 = per_row == 1 ? 0 : ru % per_row, h1 = per_row == 1 ? Hkv : h0 + 1;
+            int64_t len = seq_lens[b], k_lo = long_part ? p * RTP_ATTN_PART : 0;
+            if (!long_part) {
                 if (nparts && len > RTP_ATTN_PART) continue;
                 if (len <= 0) {
-                    if (task % per_row == 0) memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
+                    if (h0 == 0) memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
                     continue;
                 }
-                h0 = per_row == 1 ? 0 : task % per_row;
-                h1 = per_row == 1 ? Hkv : h0 + 1;
-            } else {
-                /* a part of a row, its kv heads split as a short row's are */
-                int64_t u = task - short_tasks;
-                p = u % nparts;
-                b = u / (per_row * nparts);
-                h0 = per_row == 1 ? 0 : u / nparts % per_row;
-                h1 = per_row == 1 ? Hkv : h0 + 1;
-                len = seq_lens[b];
-                int64_t first = window > 0 && len > window ? len - window : 0;
-                k_lo = p * RTP_ATTN_PART;
-                if (len <= RTP_ATTN_PART || k_lo >= len || k_lo + RTP_ATTN_PART <= first) continue;
+            } else if (len <= RTP_ATTN_PART || k_lo >= len || k_lo + RTP_ATTN_PART <= window_start(len, window)) {
+                continue; /* no keys of the row in this part */
             }
             int64_t k_hi = p >= 0 && k_lo + RTP_ATTN_PART < len ? k_lo + RTP_ATTN_PART : len;
             const int32_t *table = block_tables + b * ldt;
@@ -903,9 +900,8 @@ TARGET void rtp_paged_decode_attention_bf16(
             for (int64_t task = 0; task < B * Hkv; task++) {
                 int64_t b = task / Hkv, h = task % Hkv, len = seq_lens[b];
                 if (len <= RTP_ATTN_PART) continue;
-                int64_t first = window > 0 && len > window ? len - window : 0;
                 merge_attention_parts(parts + b * row_stride + h * nparts * part_stride, part_stride,
-                                      first / RTP_ATTN_PART, (len + RTP_ATTN_PART - 1) / RTP_ATTN_PART, G, D, acc,
+                                      window_start(len, window) / RTP_ATTN_PART, (len + RTP_ATTN_PART - 1) / RTP_ATTN_PART, G, D, acc,
                                       out + (b * H + h * G) * D);
             }
         }
