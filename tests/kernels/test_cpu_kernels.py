@@ -67,6 +67,23 @@ def test_amx_linear_equals_the_models_bf16_weights(kind, rows):
 
 
 @needs_amx
+@pytest.mark.parametrize("k", [1024, 1600])
+@pytest.mark.parametrize("rows", [17, 300, 529])
+def test_amx_linear_over_a_long_k_sums_its_slices_exactly(k, rows):
+    """Past 24 blocks of K (down_proj's 1,536) the prompt-sized GEMM walks K in slices, the
+    partial sums parked between them: still the fp32 sum of the model's bf16 weights, with an odd
+    last weight tile, uneven slices (50 blocks in four) and row counts off the tiles and chunks."""
+    n = 48
+    w = random_blocks("q4_1", n, k).with_amx_layout()
+    b = torch.randn(n)
+    x = torch.randn(rows, k).bfloat16()
+    ref = x.float() @ w.dequantize().bfloat16().float().T + b
+    out = cpu_kernels.linear_amx(x, 0, w.tiles, b, torch.float32)
+    assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert torch.equal(cpu_kernels.linear_amx(x[:2], 0, w.tiles, b, torch.float32), out[:2])
+
+
+@needs_amx
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [2, 15, 17, 64, 65, 300])
 @pytest.mark.parametrize("bias", [False, True])
