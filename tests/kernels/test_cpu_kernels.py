@@ -393,7 +393,8 @@ def _causal_reference(q, kv, chunks, block_size, scale, window, dtype):
 
 
 # GQA ratios 3, 1, 4 and 4 at head_dim 128; one-token chunks, chunks after a cached prefix, lengths
-# off the 16-token tiles and the 128-key softmax steps; a block size that is not a tile's multiple
+# off the 16-token tiles, the 32-token tasks and the 256-key softmax steps (three of them in the last
+# row); a block size that is not a tile's multiple
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (12, 3, 128)])
 @pytest.mark.parametrize("window", [0, 50])
 @pytest.mark.parametrize("block_size", [16, 7])
@@ -401,7 +402,7 @@ def _causal_reference(q, kv, chunks, block_size, scale, window, dtype):
 def test_prefill_attention_matches_fp32_reference(heads, kv_heads, dim, window, block_size, amx):
     if amx and not cpu_kernels.amx_available():
         pytest.skip("no AMX here")
-    rows = [(37, 37), (1, 50), (100, 300), (16, 16), (65, 129), (1, 1), (150, 400)]
+    rows = [(37, 37), (1, 50), (100, 300), (16, 16), (65, 129), (1, 1), (150, 400), (40, 600)]
     q, kv, chunks = _prefill_batch(heads, kv_heads, dim, rows, block_size)
     scale = dim**-0.5
     out = cpu_kernels.prefill_attention(q, kv[0], kv[1], *_kernel_args(chunks, block_size), scale, window, amx=amx)

@@ -23,6 +23,7 @@
 #include "cpu_kernels.h"
 #include "amx_blocks.h"
 #include "amx_tiles.h"
+#include "scratch.h"
 #include "vec_math.h"
 
 #include <immintrin.h>
@@ -82,23 +83,8 @@ AMX_TARGET static void dequant_column(int kind, const uint8_t *recs, int64_t nk,
     }
 }
 
-/* Scratch kept per thread from call to call (OpenMP's threads live as long as the process; a
- * fresh allocation per call over glibc's mmap threshold would page-fault every call). */
-static __thread uint32_t *weight_scratch;
-static __thread size_t weight_scratch_bytes;
-static __thread uint16_t *rows_scratch;
-static __thread size_t rows_scratch_bytes;
-static __thread float *acc_scratch;
-static __thread size_t acc_scratch_bytes;
-
-static void *grow(void **p, size_t *have, size_t bytes) {
-    if (bytes > *have) {
-        free(*p);
-        *p = aligned_alloc(64, bytes);
-        *have = *p ? bytes : 0;
-    }
-    return *p;
-}
+/* This thread's weight tiles, rows and parked sums (scratch.h). */
+static __thread rtp_scratch weight_scratch, rows_scratch, acc_scratch;
 
 /* Rows [m0, m0 + rows) of x as bf16 rows of K, zero up to a multiple of 16 rows. */
 AMX_TARGET static void copy_rows(const void *x, int x_fp32, int64_t ldx, int64_t m0, int64_t rows, int64_t K,
@@ -199,12 +185,12 @@ AMX_TARGET int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, co
         int nth = omp_get_num_threads(), me = omp_get_thread_num();
         int64_t u0 = units * me / nth, u1 = units * (me + 1) / nth;
         size_t wbytes = (size_t)(keep ? u1 - u0 : 1) * 2 * (size_t)nk * 1024;
-        uint32_t *wb = grow((void **)&weight_scratch, &weight_scratch_bytes, wbytes > 0 ? wbytes : 64);
+        uint32_t *wb = rtp_scratch_get(&weight_scratch, wbytes);
         int copy_any = x_fp32 || M % 16 || ldx % 2;
-        uint16_t *xb = copy_any ? grow((void **)&rows_scratch, &rows_scratch_bytes, (size_t)BM * K * 2) : NULL;
+        uint16_t *xb = copy_any ? rtp_scratch_get(&rows_scratch, (size_t)BM * K * 2) : NULL;
         /* the accumulators of one unit: of the chunk's every row-tile pair when K is sliced, else one */
         int64_t nslices = nk > 24 ? (nk + KSLICE - 1) / KSLICE : 1;
-        float *cacc = grow((void **)&acc_scratch, &acc_scratch_bytes, (size_t)(nslices > 1 ? BM / 32 : 1) * 4096);
+        float *cacc = rtp_scratch_get(&acc_scratch, (size_t)(nslices > 1 ? BM / 32 : 1) * 4096);
         if (!wb || (copy_any && !xb) || !cacc) {
 #pragma omp atomic write
             ok = 0;

@@ -27,6 +27,7 @@
 #include "amx_blocks.h"
 #include "amx_tiles.h"
 #include "prefetch.h"
+#include "scratch.h"
 #include "vec_math.h"
 
 #include <cpuid.h>
@@ -150,20 +151,8 @@ AMX_TARGET static void tile_pass(int kind, const uint8_t *recs, int64_t nk, cons
     _tile_stored(3, cbuf + 768, 64);
 }
 
-/* A thread's scratch for the packed activations, kept from call to call: OpenMP's threads live
- * as long as the process, and a fresh allocation per call over glibc's mmap threshold (the
- * 64-row down projection packs 192 KiB) would page-fault on every call. */
-static __thread uint32_t *packed_scratch;
-static __thread size_t packed_scratch_bytes;
-
-static uint32_t *thread_scratch(size_t bytes) {
-    if (bytes > packed_scratch_bytes) {
-        free(packed_scratch);
-        packed_scratch = aligned_alloc(64, bytes);
-        packed_scratch_bytes = packed_scratch ? bytes : 0;
-    }
-    return packed_scratch;
-}
+/* This thread's packed activations (scratch.h; the 64-row down projection packs 192 KiB). */
+static __thread rtp_scratch packed_scratch;
 
 /* out [M, N] = x [M, K] bf16 (row stride ldx, even) or fp32 (x_fp32) @ W^T, W [N, K] as GGUF blocks in tile
  * order (kind 0 Q4_1, 1 Q8_0; records above, 64-byte aligned). N a multiple of 16, K of 32.
@@ -182,7 +171,7 @@ AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, 
     {
         /* Each thread packs the whole batch for itself: every weight tile meets every row, and
          * tiles one core packed and the other read cost more than packing twice (measured). */
-        uint32_t *xt = thread_scratch((size_t)(nmt * nk) * 1024);
+        uint32_t *xt = (uint32_t *)rtp_scratch_get(&packed_scratch, (size_t)(nmt * nk) * 1024);
         if (xt)
             for (int64_t i = 0; i < nmt * nk; i++) pack_rows(x, x_fp32, ldx, M, (i / nk) * 16, i % nk, xt + i * 256);
         else {

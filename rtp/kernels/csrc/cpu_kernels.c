@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "scratch.h"
 #include "prefetch.h"
 #include "vec_math.h"
 
@@ -779,14 +780,8 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
 /* The calling thread's buffer for long rows' parts, at least `bytes`, kept from call to call; NULL
  * when it cannot be had. */
 static float *attention_parts(size_t bytes) {
-    static __thread float *buf;
-    static __thread size_t have;
-    if (bytes > have) {
-        free(buf);
-        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        have = buf ? bytes : 0;
-    }
-    return buf;
+    static __thread rtp_scratch parts;
+    return rtp_scratch_get(&parts, bytes);
 }
 
 /* The parts [p_lo, p_hi) of one (row, kv head) merged into its G output rows (bf16): every part's sums
