@@ -11,7 +11,8 @@
  *     16 x 16 pairs), and kept, per thread, for every chunk of BM rows: its cost is spread over
  *     all the rows of the call;
  *   - 2 x 2 register blocking: two row tiles meet two weight tiles (four accumulators, each
- *     loaded tile used twice), over all k blocks;
+ *     loaded tile used twice), over all k blocks (in slices of KSLICE past 24 blocks, below), the
+ *     row tiles with the streaming hint so that the weight tiles stay in L1 (tile_block);
  *   - the accumulators are rows of outputs, so the epilogue (bias, bf16 rounding, and for an
  *     MLP's interleaved gate and up tiles silu(gate) * up) writes output rows directly.
  * The rows are walked in chunks of BM so that a chunk of x stays in L2 while every weight tile of
