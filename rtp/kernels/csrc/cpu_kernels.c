@@ -777,12 +777,8 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
     }
 }
 
-/* The calling thread's buffer for long rows' parts, at least `bytes`, kept from call to call; NULL
- * when it cannot be had. */
-static float *attention_parts(size_t bytes) {
-    static __thread rtp_scratch parts;
-    return rtp_scratch_get(&parts, bytes);
-}
+/* The calling thread's buffer for long rows' parts (scratch.h). */
+static __thread rtp_scratch parts_scratch;
 
 /* The parts [p_lo, p_hi) of one (row, kv head) merged into its G output rows (bf16): every part's sums
  * and outputs rescaled to the largest running max. acc: D floats of scratch. */
@@ -839,7 +835,7 @@ TARGET void rtp_paged_decode_attention_bf16(
         if (seq_lens[b] > RTP_ATTN_PART && seq_lens[b] > max_long) max_long = seq_lens[b];
     int64_t nparts = (max_long + RTP_ATTN_PART - 1) / RTP_ATTN_PART, part_stride = RTP_ATTN_PART_FLOATS(G, D);
     int64_t row_stride = Hkv * nparts * part_stride;
-    float *parts = nparts ? attention_parts((size_t)(B * row_stride) * sizeof(float)) : NULL;
+    float *parts = nparts ? rtp_scratch_get(&parts_scratch, (size_t)(B * row_stride) * sizeof(float)) : NULL;
     if (!parts) nparts = 0; /* no memory for the parts: whole rows, as short ones */
     int64_t short_tasks = B * per_row;
 #pragma omp parallel
@@ -895,9 +891,11 @@ TARGET void rtp_paged_decode_attention_bf16(
             for (int64_t task = 0; task < B * Hkv; task++) {
                 int64_t b = task / Hkv, h = task % Hkv, len = seq_lens[b];
                 if (len <= RTP_ATTN_PART) continue;
-                merge_attention_parts(parts + b * row_stride + h * nparts * part_stride, part_stride,
-                                      window_start(len, window) / RTP_ATTN_PART, (len + RTP_ATTN_PART - 1) / RTP_ATTN_PART, G, D, acc,
-                                      out + (b * H + h * G) * D);
+                /* the parts holding the row's keys: those the part loop above did not skip */
+                int64_t p_lo = window_start(len, window) / RTP_ATTN_PART;
+                int64_t p_hi = (len + RTP_ATTN_PART - 1) / RTP_ATTN_PART;
+                merge_attention_parts(parts + b * row_stride + h * nparts * part_stride, part_stride, p_lo, p_hi, G, D,
+                                      acc, out + (b * H + h * G) * D);
             }
         }
         rtp_restore_denormals(csr);

@@ -56,10 +56,12 @@
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 /* Query tokens per task (QT tiles of rows per query head) and keys per online-softmax step. 16 and
- * 128 before; 32 and 256 measured 12-13 % faster on SmolLM2's 2,048- and 512-token prompts (A/B
- * alternated three times against 32/128, 32/192, 64/128, 64/256, all of them between): twice the
- * rows share each K and V tile load, and each step's max, rescale and sums serve twice the keys. The
- * cost: a task computes up to 31 hidden keys past its first rows, and scratch of 280 KiB a thread. */
+ * 128 before; 32 and 256 measured 12-13 % faster on SmolLM2's 2,048- and 512-token prompts with the
+ * kernel in a loop of its own (A/B alternated three times against 32/128, 32/192, 64/128, 64/256, all
+ * of them between), 7-9 % in the model's prefill step, 2-10 % in tools/bench_prefill_attention.py
+ * (which alternates it with SDPA): twice the rows share each K and V tile load, and each step's max,
+ * rescale and sums serve twice the keys. The cost: a task computes up to 31 hidden keys past its
+ * first rows, and scratch of 280 KiB a thread. */
 #define QB 32
 #define QT (QB / 16)
 #define KB 256
@@ -414,9 +416,9 @@ AMX_TARGET static void attend(const uint16_t *q, uint16_t *out, const seq_info *
     /* row tile t = g * QT + h: query head g's rows [16 h, 16 h + 16) of the block */
     int64_t R = G * QT, rows16 = rows < 16 ? rows : 16;
     for (int64_t t = 0; t < R; t++) {
-        int64_t head = kvh * G + t / QT;
+        int64_t head = kvh * G + t / QT, r0 = 16 * (t % QT); /* r0: the tile's first row in the block */
         for (int64_t i = 0; i < 16; i++) {
-            int64_t row = 16 * (t % QT) + i;
+            int64_t row = r0 + i;
             uint16_t *dst = w->q + (t * 16 + i) * D;
             if (row < rows) memcpy(dst, q + ((sq->q_start + i0 + row) * H + head) * D, (size_t)D * 2);
             else memset(dst, 0, (size_t)D * 2);
@@ -439,9 +441,9 @@ AMX_TARGET static void attend(const uint16_t *q, uint16_t *out, const seq_info *
         float *s = sb[b & 1];
         if (softcap > 0.0f) cap_scores(s, R, rows16, nt, scale, softcap);
         for (int64_t t = 0; t < R; t++) {
-            int64_t h = t % QT, trows = rows - 16 * h < 16 ? rows - 16 * h : 16;
+            int64_t r0 = 16 * (t % QT), trows = rows - r0 < 16 ? rows - r0 : 16;
             if (trows <= 0) continue;
-            softmax_tile(s + t * 16 * KB, nt, k0, first_pos + 16 * h, trows, window, scale2, w->m + t * 16,
+            softmax_tile(s + t * 16 * KB, nt, k0, first_pos + r0, trows, window, scale2, w->m + t * 16,
                          w->l + t * 16, w->o + t * 16 * D, D, w->p + t * 16 * KB);
         }
         /* the next step's scores go to the tiles between the writes of P and O and the tile loads
@@ -451,8 +453,8 @@ AMX_TARGET static void attend(const uint16_t *q, uint16_t *out, const seq_info *
         else values_avx(w->p, R, D, vp, k0 / 32, nsteps, w->o, rows16);
     }
     for (int64_t t = 0; t < R; t++)
-        for (int64_t i = 0; i < 16 && 16 * (t % QT) + i < rows; i++) {
-            int64_t r = t * 16 + i, row = 16 * (t % QT) + i;
+        for (int64_t i = 0, r0 = 16 * (t % QT); i < 16 && r0 + i < rows; i++) {
+            int64_t r = t * 16 + i, row = r0 + i;
             __m512 inv = _mm512_set1_ps(1.0f / w->l[r]);
             uint16_t *dst = out + ((sq->q_start + i0 + row) * H + kvh * G + t / QT) * D;
             for (int64_t c = 0; c < D; c += 16)
