@@ -51,7 +51,7 @@ from rtp.kernels import cpu_kernels  # noqa: E402
 _BYTES_PER_WEIGHT = {"q4_1": 24 / 32, "q8_0": 36 / 32, "q8_1": 40 / 32, "q8_16": 40 / 32, "q4_k": 152 / 256,
                      "bf16": 2.0}
 # call words (rtp/kernels/csrc/kernel_calls.c): (rows, N, K) and, for AMX, the block kind (0 Q4_1)
-_LINEAR_WORDS = {"linear_q4_1": (10, 11, 12), "linear_q8": (11, 12, 13), "linear_amx": (10, 11, 12),
+_LINEAR_WORDS = {"linear_q4_1": (10, 11, 12), "linear_q8": (11, 12, 13), "linear_tiles": (10, 11, 12),
                  "linear_q4_k": (10, 11, 12), "linear_bf16": (10, 11, 12)}
 _AMX_KINDS = {0: "q4_1", 1: "q8_0", 2: "q8_1", 3: "q8_16", 4: "bf16"}
 
@@ -68,14 +68,14 @@ def label(call: np.ndarray, names: dict[tuple[int, int], str]) -> tuple[str, str
         return kernel, kernel, 0, 0, ""
     _, nw, kw = _LINEAR_WORDS[kernel]
     n, k = int(call[nw]), int(call[kw])
-    if kernel == "linear_amx":
+    if kernel == "linear_tiles":
         kind = _AMX_KINDS[int(call[4])]
     elif kernel == "linear_q8":
         kind = "q8_16" if int(call[6]) == 16 else ("q8_1" if int(call[5]) else "q8_0")
     else:
         kind = {"linear_q4_k": "q4_k", "linear_bf16": "bf16"}.get(kernel, "q4_1")
     name = names.get((n, k), f"{n}x{k}")
-    if kernel == "linear_amx" and int(call[13]):
+    if kernel == "linear_tiles" and int(call[13]):
         name += " + silu_mul"  # the fused MLP epilogue (glu)
     # o_proj and qkv_proj coincide under MHA: the name map keeps the last; fine for a label
     return f"{name} ({kernel.removeprefix('linear_')}, {kind})", kernel, n, k, kind

@@ -296,7 +296,7 @@ def _attach_dense(model: torch.nn.Module) -> None:
                 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
                 or weight.shape[1] % 32 or weight.stride(1) != 1):
             continue
-        module.quant = BlockQuantized.from_dense(weight).with_amx_layout(glu=getattr(module, "silu_mul_after", False))
+        module.quant = BlockQuantized.from_dense(weight).with_tile_layout(glu=getattr(module, "silu_mul_after", False))
         count += 1
     if count:
         log.info("%d bf16 layers multiplied by rtp's kernels", count)
@@ -333,6 +333,6 @@ def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
         if blocks is None and not getattr(layer, "silu_mul_after", False):
             blocks = BlockParts([parts[s] for s in order])  # each part its own layout and kernels
         if blocks is not None and blocks.shape == tuple(layer.weight.shape):
-            layer.quant = blocks.on_huge_pages().with_amx_layout(glu=getattr(layer, "silu_mul_after", False))
+            layer.quant = blocks.on_huge_pages().with_tile_layout(glu=getattr(layer, "silu_mul_after", False))
             attached += 1
     log.info("%s: %d layers also keep their GGUF blocks for small-batch decode", gguf.path.name, attached)

@@ -21,7 +21,7 @@ cdef extern from "cpu_kernels.h":
         RTP_CALL_WORDS
         RTP_OP_LINEAR_Q4_1
         RTP_OP_LINEAR_Q8
-        RTP_OP_LINEAR_AMX
+        RTP_OP_LINEAR_TILES
         RTP_OP_ADD_RMS_NORM
         RTP_OP_ROPE_STORE_KV
         RTP_OP_DECODE_ATTENTION
@@ -54,7 +54,7 @@ cdef extern from "cpu_kernels.h":
 
 CALL_WORDS = RTP_CALL_WORDS
 # word 0 of a call -> the kernel's name (profiles of a replayed step)
-OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8: "linear_q8", RTP_OP_LINEAR_AMX: "linear_amx",
+OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8: "linear_q8", RTP_OP_LINEAR_TILES: "linear_tiles",
             RTP_OP_ADD_RMS_NORM: "add_rms_norm", RTP_OP_ROPE_STORE_KV: "rope_store_kv",
             RTP_OP_DECODE_ATTENTION: "decode_attention", RTP_OP_EMBED_ROWS: "embed_rows",
             RTP_OP_SILU_MUL: "silu_mul", RTP_OP_PREFILL_ATTENTION: "prefill_attention",
@@ -210,14 +210,16 @@ def linear_q8(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t mn, int
     _run(c, 14)
 
 
-def linear_amx(intptr_t x, int64_t ldx, bint x_fp32, int kind, intptr_t weights, intptr_t bias,
-               intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k, bint glu=False) -> None:
-    """out = x @ dequant(weight).T (+ bias) on AMX; kind 0 Q4_1, 1 Q8_0 (tile-order records);
-    x bf16 or fp32. glu: weight is gate and up interleaved by tiles, out bf16 [rows, n / 2] =
-    silu(gate) * up."""
+def linear_tiles(intptr_t x, int64_t ldx, bint x_fp32, int kind, intptr_t weights, intptr_t bias,
+                 intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k, bint glu,
+                 bint amx) -> None:
+    """out = x @ dequant(weight).T (+ bias) from weight records in tile order (kind 0 Q4_1, 1 Q8_0,
+    2 Q8_1, 3 Q8 with scales per 16, 4 bf16); x bf16 or fp32. glu: weight is gate and up interleaved
+    by tiles, out bf16 [rows, n / 2] = silu(gate) * up. amx: on AMX tiles (amx_linear.c, amx_gemm.c),
+    else with AVX-512 BF16 (avx_gemm.c)."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:14] = [RTP_OP_LINEAR_AMX, x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, rows, n, k, glu]
-    _run(c, 14)
+    c[:15] = [RTP_OP_LINEAR_TILES, x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, rows, n, k, glu, amx]
+    _run(c, 15)
 
 
 def paged_decode_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride,

@@ -167,7 +167,8 @@ def linear_q8_into(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.
     return out
 
 
-# The AMX kernel (rtp/kernels/csrc/amx_linear.c) takes any number of rows; decided at import like _AVAILABLE.
+# The tile-order linear kernels take any number of rows: on AMX (amx_linear.c, amx_gemm.c) where the CPU
+# has it, else with AVX-512 BF16 (avx_gemm.c); decided at import like _AVAILABLE.
 _AMX = _AVAILABLE and os.environ.get("RTP_AMX", "1") != "0" and _k.amx_supported()
 
 
@@ -175,43 +176,45 @@ def amx_available() -> bool:
     return _AMX
 
 
-@_op("linear_amx", (), lambda x, kind, weights, bias, out_dtype: x.new_empty(
+@_op("linear_tiles", (), lambda x, kind, weights, bias, out_dtype: x.new_empty(
     x.shape[0], weights.shape[0] * 16, dtype=out_dtype))
-def linear_amx(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+def linear_tiles(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
                out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] bf16 or fp32 (rounded to bf16 as it is read) @ W [N, K].T (+ bias fp32) -> [M, N]
-    in out_dtype, on AMX tiles. W: GGUF blocks in tile order, uint8 [N/16, K/32, record]
-    (BlockQuantized.amx_layout); kind 0 Q4_1, 1 Q8_0, 2 Q8_1, 3 Q8 with scales per 16."""
-    return _linear_amx(x, kind, weights, bias, out_dtype, glu=False)
+    in out_dtype, on AMX tiles or with AVX-512 BF16 (linear_tiles_into). W: GGUF blocks in tile order,
+    uint8 [N/16, K/32, record] (BlockQuantized.tile_layout); kind 0 Q4_1, 1 Q8_0, 2 Q8_1, 3 Q8 with
+    scales per 16, 4 bf16."""
+    return _linear_tiles(x, kind, weights, bias, out_dtype, glu=False)
 
 
-@_op("linear_amx_glu", (), lambda x, kind, weights, bias: x.new_empty(
+@_op("linear_tiles_glu", (), lambda x, kind, weights, bias: x.new_empty(
     x.shape[0], weights.shape[0] * 8, dtype=torch.bfloat16))
-def linear_amx_glu(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """An MLP's silu(x Wg^T + bg) * (x Wu^T + bu) in one AMX pass -> bf16 [M, I]: x [M, K] bf16;
+def linear_tiles_glu(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """An MLP's silu(x Wg^T + bg) * (x Wu^T + bu) in one pass -> bf16 [M, I]: x [M, K] bf16;
     weights: the gate and up blocks with their 16-row tiles interleaved, uint8 [2I/16, K/32,
-    record] (BlockQuantized.amx_layout(glu=True)); bias fp32 [gate I | up I] or None."""
-    return _linear_amx(x, kind, weights, bias, torch.bfloat16, glu=True)
+    record] (BlockQuantized.tile_layout(glu=True)); bias fp32 [gate I | up I] or None."""
+    return _linear_tiles(x, kind, weights, bias, torch.bfloat16, glu=True)
 
 
-def _linear_amx(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+def _linear_tiles(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype, glu: bool) -> torch.Tensor:
     n = weights.shape[0] * 16
-    return linear_amx_into(x, kind, weights, bias, torch.empty(x.shape[0], n // 2 if glu else n, dtype=out_dtype),
+    return linear_tiles_into(x, kind, weights, bias, torch.empty(x.shape[0], n // 2 if glu else n, dtype=out_dtype),
                            glu)
 
 
-def linear_amx_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
-                    out: torch.Tensor, glu: bool = False) -> torch.Tensor:
-    """linear_amx (glu: linear_amx_glu) written into out; returns out."""
+def linear_tiles_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+                      out: torch.Tensor, glu: bool = False, amx: bool | None = None) -> torch.Tensor:
+    """linear_tiles (glu: linear_tiles_glu) written into out; returns out. amx None: on the AMX unit
+    where this CPU has one; False: with AVX-512 BF16 (avx_gemm.c), which runs wherever rtp's kernels do."""
     fp32 = x.dtype == torch.float32
     if x.stride(1) != 1 or (not fp32 and x.stride(0) % 2):
         x = x.contiguous()
     rows, k = x.shape
     n = weights.shape[0] * 16
     _checked_out(out, rows, n // 2 if glu else n)
-    _k.linear_amx(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(),
-                  out.stride(0), out.dtype == torch.bfloat16, rows, n, k, glu)
+    _k.linear_tiles(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(),
+                    out.stride(0), out.dtype == torch.bfloat16, rows, n, k, glu, _AMX if amx is None else amx and _AMX)
     return out
 
 

@@ -7,13 +7,12 @@ and the others below). A decode step is bound by reading the
 weights, so the linear layers keep the packed blocks (a third to a half of bf16's bytes) and
 multiply them directly with rtp's CPU kernels:
   - one row: the AVX-512 kernel over the blocks, exact fp32 weights (cpu_kernels.c);
-  - on CPUs with AMX, every batch of 2 rows or more: the blocks in tile order, dequantized
-    to the model's bf16 weights in L1 and multiplied on the AMX unit -- decode batches
-    (amx_linear.c) and prompt-sized ones, prefill chunks and mixed steps, as a GEMM that
-    dequantizes each tile once for all the rows (amx_gemm.c). Such a layer then needs no
-    dense bf16 copy of its weights (serves_every_batch): the loader drops it.
-Without AMX, the AVX-512 kernel serves up to QUANT_MAX_ROWS rows and oneDNN's bf16 GEMM, on
-the dense weights, the rest.
+  - every larger batch: the blocks in tile order (tile_layout), dequantized to the model's bf16
+    weights in L1 and multiplied -- on CPUs with AMX on the tile unit, from 2 rows on: decode
+    batches (amx_linear.c) and prompt-sized ones, prefill chunks and mixed steps, as a GEMM that
+    dequantizes each tile once for all the rows (amx_gemm.c); without AMX with AVX-512 BF16 dot
+    products (avx_gemm.c), past the QUANT_MAX_ROWS rows the one-row kernel serves faster. Such a
+    layer then needs no dense bf16 copy of its weights (serves_every_batch): the loader drops it.
 
 Packed layout (per matrix of N rows by K columns, K a multiple of 32):
   q4_1:  qs uint8 [N, K/2], d fp32 [N, K/32], m fp32 [N, K/32]   (w = d * q + m)
@@ -39,8 +38,8 @@ from rtp.kernels import cpu_kernels, hugepages
 
 BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
-# the AMX kernels' kind codes (rtp/kernels/csrc/amx_blocks.h), and each kind's weights per scale
-AMX_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3, "bf16": 4}
+# the AMX kernels' kind codes (rtp/kernels/csrc/tile_blocks.h), and each kind's weights per scale
+TILE_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3, "bf16": 4}
 GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
 # the small-int8 kinds the one-row u8 kernel takes, and the offset that makes q + 128 + offset a bf16
 _U8_OFFSET = {"q8_1": 0, "q8_16": 32}
@@ -50,8 +49,10 @@ U8_SPLIT = 2176
 
 
 # Row ranges where each kernel measured fastest (docs/benchmarks.md, "Decode step").
-QUANT_MAX_ROWS = 4   # the AVX-512 kernel, when there is no AMX
+QUANT_MAX_ROWS = 4   # the one-row AVX-512 kernel, when there is no AMX
 AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 tile round trip)
+# the fewest rows the tile-order kernels take (decided at import, as cpu_kernels' AMX probe)
+TILE_MIN_ROWS = AMX_MIN_ROWS if cpu_kernels.amx_available() else QUANT_MAX_ROWS + 1
 
 # Batches of up to this many rows multiply the exact weights (the AVX-512 kernels) even where AMX
 # tiles exist: the runner sets it for a step whose rows are all one request's -- its last token and
@@ -91,7 +92,7 @@ class BlockQuantized:
     qs: torch.Tensor
     d: torch.Tensor | None      # None for bf16
     m: torch.Tensor | None      # q4_1 and q8_1
-    tiles: torch.Tensor | None = None  # the same blocks in AMX tile order (amx_layout), when made
+    tiles: torch.Tensor | None = None  # the same blocks in AMX tile order (tile_layout), when made
     glu: bool = False           # tiles interleave gate and up (an MLP's gate_up): only silu_mul reads them
     # a Q4_K file's own super-blocks (qs uint8 [N, K/2], scm uint8 [N, K/256, 16], dd fp32 [N, K/256, 2]),
     # which the one-row kernel multiplies: 0.59 bytes a weight where q4_1 reads 0.75
@@ -105,7 +106,7 @@ class BlockQuantized:
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> "BlockQuantized":
         """A dense bf16 layer's weight [N, K] (the tensor itself, not a copy), for rtp's kernels: the
-        one-row kernel reads it as it lies, the AMX kernels a copy in tile order (with_amx_layout).
+        one-row kernel reads it as it lies, the AMX kernels a copy in tile order (with_tile_layout).
         Without them such a layer ran on oneDNN, which a CPU graph cannot replay."""
         return cls("bf16", weight.detach(), None, None)
 
@@ -258,9 +259,10 @@ class BlockQuantized:
         return BlockQuantized(parts[0].kind, torch.cat([p.qs for p in parts]),
                               torch.cat([p.d for p in parts]), m, native=native)
 
-    def amx_layout(self, glu: bool = False) -> torch.Tensor:
-        """The blocks regrouped for rtp's AMX kernel (rtp/kernels/csrc/amx_linear.c): uint8 [N/16, K/32,
-        record], one record per 16 rows x 1 block: their quant bytes, then d (then m), fp32.
+    def tile_layout(self, glu: bool = False) -> torch.Tensor:
+        """The blocks regrouped for rtp's tile-order kernels (amx_linear.c, amx_gemm.c, avx_gemm.c):
+        uint8 [N/16, K/32, record], one record per 16 rows x 1 block: their quant bytes, then d
+        (then m), fp32.
         glu (rows [gate | up]): the 16-row tiles interleaved, gate tile j then up tile j, so that
         the kernel's SiLU-and-mul epilogue finds both halves of an output tile in one pass."""
         n, k = self.shape
@@ -288,11 +290,11 @@ class BlockQuantized:
             self.native = tuple(hugepages.copy(t) for t in self.native)
         return self
 
-    def with_amx_layout(self, glu: bool = False) -> "BlockQuantized":
-        """This, also holding amx_layout(glu) (when AMX is there and N is a multiple of 16, of 32
-        for glu)."""
-        if cpu_kernels.amx_available() and self.shape[0] % (32 if glu else 16) == 0:
-            self.tiles = self.amx_layout(glu)
+    def with_tile_layout(self, glu: bool = False) -> "BlockQuantized":
+        """This, also holding tile_layout(glu) (when rtp's CPU kernels run here and N is a multiple of
+        16, of 32 for glu)."""
+        if cpu_kernels.available() and self.shape[0] % (32 if glu else 16) == 0:
+            self.tiles = self.tile_layout(glu)
             self.glu = glu
         return self
 
@@ -321,26 +323,26 @@ class BlockQuantized:
         """Whether a batch of `rows` rows is multiplied from the blocks (else from dense bf16 weights)."""
         if self.tiles is not None:
             # interleaved tiles serve silu_mul only: a plain product is the one-row kernel's
-            return rows < AMX_MIN_ROWS or rows <= _exact_rows if self.glu else True
+            return rows < TILE_MIN_ROWS or rows <= _exact_rows if self.glu else True
         return rows <= max(QUANT_MAX_ROWS, _exact_rows)
 
     def takes_silu_mul(self, rows: int) -> bool:
-        """Whether silu_mul serves a batch of `rows` rows (tiles made with glu, 2 rows or more)."""
-        return self.glu and rows >= AMX_MIN_ROWS and rows > _exact_rows
+        """Whether silu_mul serves a batch of `rows` rows (tiles made with glu, TILE_MIN_ROWS rows or more)."""
+        return self.glu and rows >= TILE_MIN_ROWS and rows > _exact_rows
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """silu(gate) * up of these [gate | up] blocks (glu tiles) for x, bf16 [M, N/2], one kernel."""
-        return cpu_kernels.linear_amx_glu(x.to(torch.bfloat16), AMX_KIND[self.kind], self.tiles,
+        return cpu_kernels.linear_tiles_glu(x.to(torch.bfloat16), TILE_KIND[self.kind], self.tiles,
                                           None if bias is None else bias.float())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """x @ W.T (+ bias) in out_dtype, through the kernel this batch takes (each a torch custom op,
         so compiled graphs call it as one node)."""
         b = None if bias is None else bias.float()
-        if self.tiles is not None and x.shape[0] >= AMX_MIN_ROWS and x.shape[0] > _exact_rows:
+        if self.tiles is not None and x.shape[0] >= TILE_MIN_ROWS and x.shape[0] > _exact_rows:
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
-            return cpu_kernels.linear_amx(x, AMX_KIND[self.kind], self.tiles, b, out_dtype)
+            return cpu_kernels.linear_tiles(x, TILE_KIND[self.kind], self.tiles, b, out_dtype)
         if self.kind == "bf16":  # x bf16, or fp32 (the LM head's input) rounded in the kernel
             return cpu_kernels.linear_bf16(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
                                            out_dtype)
@@ -358,9 +360,9 @@ class BlockQuantized:
     def linear_into(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """linear() written into out ([M, N] with contiguous rows: a fused layer's columns), eagerly."""
         b = None if bias is None else bias.float()
-        if self.tiles is not None and x.shape[0] >= AMX_MIN_ROWS and x.shape[0] > _exact_rows:
-            return cpu_kernels.linear_amx_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16),
-                                               AMX_KIND[self.kind], self.tiles, b, out)
+        if self.tiles is not None and x.shape[0] >= TILE_MIN_ROWS and x.shape[0] > _exact_rows:
+            return cpu_kernels.linear_tiles_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16),
+                                               TILE_KIND[self.kind], self.tiles, b, out)
         if self.kind == "bf16":
             return cpu_kernels.linear_bf16_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
                                                 out)
@@ -413,9 +415,9 @@ class BlockParts:
             p.on_huge_pages()
         return self
 
-    def with_amx_layout(self, glu: bool = False) -> "BlockParts":
+    def with_tile_layout(self, glu: bool = False) -> "BlockParts":
         for p in self.parts:
-            p.with_amx_layout()
+            p.with_tile_layout()
         return self
 
     def dequantize(self) -> torch.Tensor:

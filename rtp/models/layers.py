@@ -126,7 +126,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input fused into one matmul (gate_up)."""
 
     # set by an MLP whose SiLU-and-mul reads this [gate | up] output: the loader then lays the
-    # packed blocks out for silu_mul() (BlockQuantized.amx_layout(glu=True))
+    # packed blocks out for silu_mul() (BlockQuantized.tile_layout(glu=True))
     silu_mul_after = False
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):

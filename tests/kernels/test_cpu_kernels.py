@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rtp.kernels import cpu_kernels
+from rtp.kernels import cpu_kernels, quant
 from rtp.kernels.quant import BlockQuantized
 from rtp.models.attention import decode_attention
 
@@ -43,90 +43,103 @@ def test_quantized_linear_matches_dequantized_weights(kind, rows, bias):
 
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs a CPU with AMX-BF16")
+# the tile-order kernels: on the AMX unit, and with AVX-512 BF16 (avx_gemm.c, what a CPU without AMX runs)
+PATHS = [pytest.param(True, id="amx", marks=needs_amx), pytest.param(False, id="avx512")]
 
 
-@needs_amx
+def tiles_linear(x, kind_id, w, b, dtype, amx, glu=False):
+    n = w.tiles.shape[0] * 16
+    out = torch.empty(x.shape[0], n // 2 if glu else n, dtype=dtype)
+    return cpu_kernels.linear_tiles_into(x, kind_id, w.tiles, b, out, glu, amx=amx)
+
+
+@pytest.mark.parametrize("amx", PATHS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 15, 17, 64, 65, 100, 256, 300, 529])
-def test_amx_linear_equals_the_models_bf16_weights(kind, rows):
-    """The AMX kernel multiplies exactly the model's bf16 weights (the dequantized blocks,
+def test_tile_linear_equals_the_models_bf16_weights(kind, rows, amx):
+    """The tile-order kernels multiply exactly the model's bf16 weights (the dequantized blocks,
     rounded once) with fp32 accumulation: fp32-rounding-level error, any row count."""
     n, k = 48, 192  # three tiles of 16 rows, six blocks per row
-    w = random_blocks(kind, n, k).with_amx_layout()
+    w = random_blocks(kind, n, k).with_tile_layout()
     assert w.tiles is not None and w.tiles.shape == (3, 6, 384 if kind == "q4_1" else 576)
     b = torch.randn(n)
     x = torch.randn(rows, k).bfloat16()
     ref = x.float() @ w.dequantize().bfloat16().float().T + b
     kind_id = 0 if kind == "q4_1" else 1
-    out = cpu_kernels.linear_amx(x, kind_id, w.tiles, b, torch.float32)
+    out = tiles_linear(x, kind_id, w, b, torch.float32, amx)
     assert out.shape == (rows, n) and (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-    assert torch.equal(cpu_kernels.linear_amx(x, kind_id, w.tiles, b, torch.bfloat16), out.bfloat16())
-    if rows >= 2:  # what the layers call: AMX from two rows on (one row: the AVX-512 kernel)
+    assert torch.equal(tiles_linear(x, kind_id, w, b, torch.bfloat16, amx), out.bfloat16())
+    if rows >= quant.TILE_MIN_ROWS and amx == cpu_kernels.amx_available():
+        # what the layers call: this CPU's path from TILE_MIN_ROWS rows on (fewer: the one-row kernel)
         assert torch.equal(w.linear(x, b, torch.float32), out)
 
 
-
-@needs_amx
+@pytest.mark.parametrize("amx", PATHS)
 @pytest.mark.parametrize("k", [1024, 1600])
 @pytest.mark.parametrize("rows", [17, 300, 529])
-def test_amx_linear_over_a_long_k_sums_its_slices_exactly(k, rows):
-    """Past 24 blocks of K (down_proj's 1,536) the prompt-sized GEMM walks K in slices, the
-    partial sums parked between them: still the fp32 sum of the model's bf16 weights, with an odd
-    last weight tile, uneven slices (50 blocks in four) and row counts off the tiles and chunks."""
+def test_tile_linear_over_a_long_k_sums_exactly(k, rows, amx):
+    """Past 24 blocks of K (down_proj's 1,536) the AMX GEMM walks K in slices, the partial sums
+    parked between them: still the fp32 sum of the model's bf16 weights, with an odd last weight
+    tile, uneven slices (50 blocks in four) and row counts off the tiles and chunks; and a row's
+    result is the same bits whichever rows come with it."""
     n = 48
-    w = random_blocks("q4_1", n, k).with_amx_layout()
+    w = random_blocks("q4_1", n, k).with_tile_layout()
     b = torch.randn(n)
     x = torch.randn(rows, k).bfloat16()
     ref = x.float() @ w.dequantize().bfloat16().float().T + b
-    out = cpu_kernels.linear_amx(x, 0, w.tiles, b, torch.float32)
+    out = tiles_linear(x, 0, w, b, torch.float32, amx)
     assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-    assert torch.equal(cpu_kernels.linear_amx(x[:2], 0, w.tiles, b, torch.float32), out[:2])
+    assert torch.equal(tiles_linear(x[:2], 0, w, b, torch.float32, amx), out[:2])
 
 
-@needs_amx
+@pytest.mark.parametrize("amx", PATHS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [2, 15, 17, 64, 65, 300])
+@pytest.mark.parametrize("rows", [2, 5, 15, 17, 64, 65, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_silu_mul_equals_the_projection_then_the_activation(kind, rows, bias):
+def test_tile_silu_mul_equals_the_projection_then_the_activation(kind, rows, bias, amx):
     """The fused MLP kernel (gate and up tiles interleaved, silu(gate) * up as the tiles leave
     the accumulators) gives the same bits as the gate_up product in bf16 and then the
     SiLU-and-mul kernel, which is what runs without it."""
     inter, k = 48, 192  # three 16-row tiles per half
-    plain = random_blocks(kind, 2 * inter, k).with_amx_layout()
-    fused = random_blocks(kind, 2 * inter, k).with_amx_layout(glu=True)
+    plain = random_blocks(kind, 2 * inter, k).with_tile_layout()
+    fused = random_blocks(kind, 2 * inter, k).with_tile_layout(glu=True)
     assert fused.glu and fused.tiles.shape == plain.tiles.shape
     b = torch.randn(2 * inter) if bias else None
     x = torch.randn(rows, k).bfloat16()
-    want = cpu_kernels.silu_mul(cpu_kernels.linear_amx(x, 0 if kind == "q4_1" else 1, plain.tiles, b, torch.bfloat16))
-    got = fused.silu_mul(x, b)
+    kind_id = 0 if kind == "q4_1" else 1
+    want = cpu_kernels.silu_mul(tiles_linear(x, kind_id, plain, b, torch.bfloat16, amx))
+    got = tiles_linear(x, kind_id, fused, b, torch.bfloat16, amx, glu=True)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
     assert torch.equal(got, want)
     ref = x.float() @ fused.dequantize().bfloat16().float().T + (b if bias else 0)
     gate, up = ref.bfloat16().float().chunk(2, dim=-1)
     assert torch.allclose(got.float(), torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
-    # the interleaved tiles serve only silu_mul, at any batch of 2+ rows; one row: the plain blocks
-    assert fused.takes_silu_mul(rows) and not fused.takes(rows) and fused.takes(1) and not fused.takes_silu_mul(1)
+    if amx == cpu_kernels.amx_available():
+        assert torch.equal(fused.silu_mul(x, b), got)
+    # the interleaved tiles serve only silu_mul, from TILE_MIN_ROWS rows on; fewer: the plain blocks
+    many = rows >= quant.TILE_MIN_ROWS
+    assert fused.takes_silu_mul(rows) == many and fused.takes(rows) != many
+    assert fused.takes(1) and not fused.takes_silu_mul(1)
     assert plain.takes(rows) and plain.takes(1) and plain.serves_every_batch
 
 
-@needs_amx
+@pytest.mark.parametrize("amx", PATHS)
 @pytest.mark.parametrize("rows", [2, 17])
-def test_amx_linear_rounds_fp32_rows_like_torch(rows):
+def test_tile_linear_rounds_fp32_rows_like_torch(rows, amx):
     """fp32 rows (the LM head's input) are rounded to bf16 as the kernel reads them: the same
     result as rounding them first."""
-    w = random_blocks("q8_0", 48, 128).with_amx_layout()
+    w = random_blocks("q8_0", 48, 128).with_tile_layout()
     x = torch.randn(rows, 128)
-    want = cpu_kernels.linear_amx(x.bfloat16(), 1, w.tiles, None, torch.float32)
-    assert torch.equal(cpu_kernels.linear_amx(x, 1, w.tiles, None, torch.float32), want)
+    want = tiles_linear(x.bfloat16(), 1, w, None, torch.float32, amx)
+    assert torch.equal(tiles_linear(x, 1, w, None, torch.float32, amx), want)
     wide = torch.randn(rows, 160)  # a row stride past K
-    assert torch.equal(cpu_kernels.linear_amx(wide[:, :128], 1, w.tiles, None, torch.float32),
-                       cpu_kernels.linear_amx(wide[:, :128].bfloat16(), 1, w.tiles, None, torch.float32))
+    assert torch.equal(tiles_linear(wide[:, :128], 1, w, None, torch.float32, amx),
+                       tiles_linear(wide[:, :128].bfloat16(), 1, w, None, torch.float32, amx))
 
 
-@needs_amx
-def test_amx_linear_reads_a_row_slice_and_compiles():
-    w = random_blocks("q4_1", 32, 64).with_amx_layout()
-    wide = torch.randn(4, 96).bfloat16()
+def test_tile_linear_reads_a_row_slice_and_compiles():
+    w = random_blocks("q4_1", 32, 64).with_tile_layout()
+    wide = torch.randn(8, 96).bfloat16()  # rows the tile-order kernels take, with AMX or without
     x = wide[:, :64]  # a row stride wider than K, as a slice of a fused output
     assert torch.equal(w.linear(x, None, torch.float32), w.linear(x.contiguous(), None, torch.float32))
 
@@ -506,7 +519,7 @@ def test_dense_bf16_layers_take_rtps_kernels(rows, x_fp32):
     ref = x.bfloat16().float() @ weight.float().T + bias
     plain = BlockQuantized.from_dense(weight)
     assert plain.qs.data_ptr() == weight.data_ptr() and plain.takes(1)
-    for w in (plain, BlockQuantized.from_dense(weight).with_amx_layout()):
+    for w in (plain, BlockQuantized.from_dense(weight).with_tile_layout()):
         out = w.linear(x, bias, torch.float32)
         assert out.shape == (rows, n) and (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
         if w.tiles is None or rows == 1:

@@ -192,19 +192,21 @@ def test_dense_bf16_linear_writes_only_its_output(m, n, k, x_fp32):
     run_and_replay(a, call, m, tuple(sorted({1, max(1, m - 1)})))
 
 
-@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("amx", [pytest.param(True, id="amx", marks=pytest.mark.skipif(
+    not cpu_kernels.amx_available(), reason="needs a CPU with AMX-BF16")), pytest.param(False, id="avx512")])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 15, 17, 64, 65, 100, 300, 529])  # past 64 rows: the GEMM (amx_gemm.c)
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("x_fp32", [False, True])
-def test_amx_linear_writes_only_its_output(kind, m, glu, x_fp32):
-    """The AMX kernels store tiles with _tile_stored, which AddressSanitizer does not see."""
+def test_tile_linear_writes_only_its_output(kind, m, glu, x_fp32, amx):
+    """The AMX kernels store tiles with _tile_stored, which AddressSanitizer does not see; the AVX-512
+    kernel writes only the rows and features it owns too."""
     from rtp.kernels.quant import BlockQuantized
 
     if glu and x_fp32:
         pytest.skip("glu takes bf16 rows")
     n, k = 64, 96
-    w = BlockQuantized(kind, *blocks(kind, n, k)).with_amx_layout(glu)
+    w = BlockQuantized(kind, *blocks(kind, n, k)).with_tile_layout(glu)
     x = torch.randn(m, k + 32).to(torch.float32 if x_fp32 else torch.bfloat16)
     bias = torch.randn(n)
     cols = n // 2 if glu else n
@@ -216,8 +218,9 @@ def test_amx_linear_writes_only_its_output(kind, m, glu, x_fp32):
                   lambda e, r: e[:r, :cols])
 
     def call():
-        cpu_kernels._k.linear_amx(xs.data_ptr(), xs.stride(0), x_fp32, 0 if kind == "q4_1" else 1, tiles.data_ptr(),
-                                  b_.data_ptr(), out.data_ptr(), cols + 8, True, m, n, k, glu)
+        cpu_kernels._k.linear_tiles(xs.data_ptr(), xs.stride(0), x_fp32, 0 if kind == "q4_1" else 1,
+                                    tiles.data_ptr(), b_.data_ptr(), out.data_ptr(), cols + 8, True, m, n, k, glu,
+                                    amx)
 
     run_and_replay(a, call, m, tuple(sorted({1, max(1, m - 1), max(1, m - 16)})))
 

@@ -22,7 +22,7 @@
  * glu rounds gate and up to bf16 before silu * up as the decode kernel does.
  */
 #include "cpu_kernels.h"
-#include "amx_blocks.h"
+#include "tile_blocks.h"
 #include "amx_tiles.h"
 #include "scratch.h"
 #include "vec_math.h"
@@ -46,33 +46,6 @@
  * the GEMM at 2,048 rows 2.64-2.85 -> 2.86-3.01 (A/B alternated). Slicing K = 576 (18 blocks,
  * whose columns fit) cost 7-30 % in the loop: each slice loads and stores the accumulators again. */
 #define KSLICE 16
-
-/* The 16 x 16 matrix of uint32 at in (rows of 16) transposed into out. */
-AMX_TARGET static inline void transpose16x16(const uint32_t *in, uint32_t *out) {
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512((const void *)(in + 16 * i));
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
-    for (int i = 0; i < 16; i++) _mm512_store_si512((void *)(out + 16 * i), r[i]);
-}
 
 /* The nk weight tiles of one record column as B tiles, 1 KiB each. */
 AMX_TARGET static void dequant_column(int kind, const uint8_t *recs, int64_t nk, uint32_t *b) {

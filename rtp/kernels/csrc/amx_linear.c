@@ -15,7 +15,7 @@
  * out once per call in AMX's pair-interleaved "B" layout.
  *
  * With glu set the weights are an MLP's gate and up projections, their 16-row tiles interleaved
- * (gate tile j, then up tile j: BlockQuantized.amx_layout(glu=True)), and the output is
+ * (gate tile j, then up tile j: BlockQuantized.tile_layout(glu=True)), and the output is
  * silu(gate) * up, computed as the tiles of a pair leave the accumulators: the gate_up product
  * is never written out and read back by a separate SiLU-and-mul pass.
  *
@@ -24,7 +24,7 @@
  * model holds. Products are exact in fp32 and accumulated in fp32; out fp32 or bf16.
  */
 #include "cpu_kernels.h"
-#include "amx_blocks.h"
+#include "tile_blocks.h"
 #include "amx_tiles.h"
 #include "prefetch.h"
 #include "scratch.h"

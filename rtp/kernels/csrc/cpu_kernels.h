@@ -34,6 +34,8 @@ int rtp_amx_supported(void);
 int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                    const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K,
                    int glu);
+int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
+                 const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K, int glu);
 int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                  const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K, int glu);
 void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const int32_t *ids, float *out,
@@ -63,7 +65,7 @@ void rtp_softcap(float *x, int64_t ldx, float cap, int64_t T, int64_t N);
 enum {
     RTP_OP_LINEAR_Q4_1 = 1,
     RTP_OP_LINEAR_Q8,
-    RTP_OP_LINEAR_AMX,
+    RTP_OP_LINEAR_TILES,
     RTP_OP_ADD_RMS_NORM,
     RTP_OP_ROPE_STORE_KV,
     RTP_OP_DECODE_ATTENTION,

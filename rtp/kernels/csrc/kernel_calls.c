@@ -27,9 +27,9 @@ int rtp_run_call(const int64_t *c) {
     case RTP_OP_LINEAR_Q8:
         rtp_linear_q8(P(1), c[2], P(3), P(4), P(5), (int)c[6], P(7), P(8), c[9], (int)c[10], c[11], c[12], c[13]);
         return 1;
-    case RTP_OP_LINEAR_AMX:
-        return rtp_linear_amx(P(1), c[2], (int)c[3], (int)c[4], P(5), P(6), P(7), c[8], (int)c[9], c[10], c[11],
-                              c[12], (int)c[13]);
+    case RTP_OP_LINEAR_TILES: /* word 14: on AMX, else AVX-512 BF16 */
+        return (c[14] ? rtp_linear_amx : rtp_gemm_avx)(P(1), c[2], (int)c[3], (int)c[4], P(5), P(6), P(7), c[8],
+                                                       (int)c[9], c[10], c[11], c[12], (int)c[13]);
     case RTP_OP_ADD_RMS_NORM:
         rtp_add_rms_norm(P(1), c[2], P(3), (int)c[4], c[5], P(6), (int)c[7], arg_float(c[8]), P(9), (int)c[10],
                          c[11], c[12], c[13]);
@@ -85,7 +85,7 @@ int rtp_call_rows_word(int64_t op) {
     switch (op) {
     case RTP_OP_LINEAR_Q4_1: return 10;
     case RTP_OP_LINEAR_Q8: return 11;
-    case RTP_OP_LINEAR_AMX: return 10;
+    case RTP_OP_LINEAR_TILES: return 10;
     case RTP_OP_ADD_RMS_NORM: return 12;
     case RTP_OP_ROPE_STORE_KV: return 11;
     case RTP_OP_DECODE_ATTENTION: return 9;
@@ -167,7 +167,7 @@ uint32_t rtp_call_address_words(int64_t op) {
     switch (op) {
     case RTP_OP_LINEAR_Q4_1: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 5 | 1u << 6 | 1u << 7;
     case RTP_OP_LINEAR_Q8: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 5 | 1u << 7 | 1u << 8;
-    case RTP_OP_LINEAR_AMX: return 1u << 1 | 1u << 5 | 1u << 6 | 1u << 7;
+    case RTP_OP_LINEAR_TILES: return 1u << 1 | 1u << 5 | 1u << 6 | 1u << 7;
     case RTP_OP_ADD_RMS_NORM: return 1u << 1 | 1u << 3 | 1u << 6 | 1u << 9;
     case RTP_OP_ROPE_STORE_KV: return 1u << 1 | 1u << 3 | 1u << 4 | 1u << 6 | 1u << 7 | 1u << 8 | 1u << 10 | 1u << 16
                                       | 1u << 17;

@@ -1,15 +1,19 @@
-/* What rtp's two AMX linear kernels share (amx_linear.c: decode rows; amx_gemm.c: prompt rows):
- * the weight records in tile order, and their dequantization into bf16 tiles. One definition,
- * so that both multiply exactly the same bf16 weights. */
-#ifndef RTP_AMX_BLOCKS_H
-#define RTP_AMX_BLOCKS_H
+/* What rtp's linear kernels over weight records in tile order share (amx_linear.c: AMX, decode
+ * rows; amx_gemm.c: AMX, prompt rows; avx_gemm.c: AVX-512 BF16, any rows on a CPU without AMX):
+ * the records, their dequantization into bf16 tiles, and a 16 x 16 transpose. One definition, so
+ * that all three multiply exactly the same bf16 weights. The helpers need AVX-512 BF16 only, so
+ * that the kernels built for AMX and the one built without it both inline them. */
+#ifndef RTP_TILE_BLOCKS_H
+#define RTP_TILE_BLOCKS_H
 
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "vec_math.h"
+
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
-/* The weights in tile order (rtp/kernels/quant.py, BlockQuantized.amx_layout): for each group
+/* The weights in tile order (rtp/kernels/quant.py, BlockQuantized.tile_layout): for each group
  * of 16 output rows and k block, one contiguous record: kind 0, Q4_1: the 16 rows' 16 quant
  * bytes, then their 16 d, then their 16 m (fp32): 384 bytes. 1, Q8_0: 16 x 32 quant bytes, 16 d:
  * 576. 2, Q8_1: 16 x 32 quant bytes, 16 d, 16 m: 640. 3, Q8 with a scale per 16 weights: 16 x 32
@@ -24,7 +28,7 @@ static inline int64_t record_bytes(int kind) { return kind == 0 ? 384 : kind == 
  * per row (the same fp32 then bf16 values as dequantizing each weight) and vpermw looks the
  * 32 nibbles up in that table: 7 vector ops a row where converting each nibble took 13, and
  * the dequantization shares the vector ports with the AMX loads. */
-AMX_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_t *tile) {
+RTP_VEC_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_t *tile) {
     if (kind == 4) { /* bf16: the record is the tile */
         for (int64_t r = 0; r < 16; r++)
             _mm512_store_si512((void *)(tile + r * 32), _mm512_load_si512((const void *)(rec + r * 64)));
@@ -60,9 +64,36 @@ AMX_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uint16_
 }
 
 /* v rounded to bf16 (nearest even) and widened back. */
-AMX_TARGET static inline __m512 round_bf16(__m512 v) {
+RTP_VEC_TARGET static inline __m512 round_bf16(__m512 v) {
     __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
     return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+/* The 16 x 16 matrix of uint32 at in (rows of 16) transposed into out. */
+RTP_VEC_TARGET static inline void transpose16x16(const uint32_t *in, uint32_t *out) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512((const void *)(in + 16 * i));
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_store_si512((void *)(out + 16 * i), r[i]);
 }
 
 #endif
