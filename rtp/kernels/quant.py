@@ -8,11 +8,11 @@ weights, so the linear layers keep the packed blocks (a third to a half of bf16'
 multiply them directly with rtp's CPU kernels:
   - one row: the AVX-512 kernel over the blocks, exact fp32 weights (cpu_kernels.c);
   - every larger batch: the blocks in tile order (tile_layout), dequantized to the model's bf16
-    weights in L1 and multiplied -- on CPUs with AMX on the tile unit, from 2 rows on: decode
-    batches (amx_linear.c) and prompt-sized ones, prefill chunks and mixed steps, as a GEMM that
-    dequantizes each tile once for all the rows (amx_gemm.c); without AMX with AVX-512 BF16 dot
-    products (avx_gemm.c), past the QUANT_MAX_ROWS rows the one-row kernel serves faster. Such a
-    layer then needs no dense bf16 copy of its weights (serves_every_batch): the loader drops it.
+    weights in L1 and multiplied, from 2 rows on (TILE_MIN_ROWS) -- on CPUs with AMX on the tile
+    unit: decode batches (amx_linear.c) and prompt-sized ones, prefill chunks and mixed steps, as a
+    GEMM that dequantizes each tile once for all the rows (amx_gemm.c); without AMX with AVX-512
+    BF16 dot products (avx_gemm.c). Such a layer then needs no dense bf16 copy of its weights
+    (serves_every_batch): the loader drops it.
 
 Packed layout (per matrix of N rows by K columns, K a multiple of 32):
   q4_1:  qs uint8 [N, K/2], d fp32 [N, K/32], m fp32 [N, K/32]   (w = d * q + m)
@@ -49,10 +49,15 @@ U8_SPLIT = 2176
 
 
 # Row ranges where each kernel measured fastest (docs/benchmarks.md, "Decode step").
-QUANT_MAX_ROWS = 4   # the one-row AVX-512 kernel, when there is no AMX
+QUANT_MAX_ROWS = 4   # the one-row AVX-512 kernel, for a layer without tiles (N not a multiple of 16)
 AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 tile round trip)
-# the fewest rows the tile-order kernels take (decided at import, as cpu_kernels' AMX probe)
-TILE_MIN_ROWS = AMX_MIN_ROWS if cpu_kernels.amx_available() else QUANT_MAX_ROWS + 1
+# The fewest rows the tile-order kernels take, with AMX or without: every batch of several rows then
+# multiplies the same bf16 weights in the same order per row, so a request's tokens do not depend on
+# how many rows share its step (a drafting engine's greedy output is the plain one's, token for token:
+# tests/engine/test_draft_model.py). Without AMX the one-row kernel would be faster at 2-4 rows (AMD
+# Zen 4, SmolLM2's qkv: 0.033 vs 0.071 ms at 2 rows, 0.057 vs 0.069 at 4; the tiles from 5 on), but
+# it multiplies the exact fp32 weights, and mixing the two by row count broke that test.
+TILE_MIN_ROWS = AMX_MIN_ROWS
 
 # Batches of up to this many rows multiply the exact weights (the AVX-512 kernels) even where AMX
 # tiles exist: the runner sets it for a step whose rows are all one request's -- its last token and

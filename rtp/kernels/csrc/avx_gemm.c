@@ -22,6 +22,7 @@
  * and up to bf16 before silu * up as the other kernels do.
  */
 #include "cpu_kernels.h"
+#include "prefetch.h"
 #include "scratch.h"
 #include "tile_blocks.h"
 #include "vec_math.h"
@@ -76,6 +77,30 @@ RTP_VEC_TARGET static void column_product(const uint32_t *w, const uint32_t *xg,
     transpose16x16((const uint32_t *)t, (uint32_t *)c);
 }
 
+/* column_product for a group of at most 8 rows: the same products on the lower 8 lanes (256-bit
+ * vectors, which AMD Zen 4 issues two a cycle against one of 512 bits), so each row's sums are the
+ * same bits as in a full group. A decode step of 2-8 rows: SmolLM2's qkv 0.071 -> 0.046 ms. */
+RTP_VEC_TARGET static void column_product8(const uint32_t *w, const uint32_t *xg, int64_t nk, float *c) {
+    __m256 acc[16];
+    for (int n = 0; n < 16; n++) acc[n] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < nk; kb++) {
+        const uint32_t *wt = w + kb * 256, *xt = xg + kb * 256;
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) {
+            __m256bh xv = (__m256bh)_mm256_load_si256((const __m256i *)(xt + 16 * r));
+#pragma GCC unroll 16
+            for (int n = 0; n < 16; n++)
+                acc[n] = _mm256_dpbf16_ps(acc[n], xv, (__m256bh)_mm256_set1_epi32((int)wt[16 * n + r]));
+        }
+    }
+    float t[256] __attribute__((aligned(64)));
+    for (int n = 0; n < 16; n++) {
+        _mm256_store_ps(t + 16 * n, acc[n]);
+        _mm256_store_ps(t + 16 * n + 8, _mm256_setzero_ps());
+    }
+    transpose16x16((const uint32_t *)t, (uint32_t *)c);
+}
+
 /* The nk weight tiles of one record column, dequantized. */
 RTP_VEC_TARGET static void dequant_column(int kind, const uint8_t *recs, int64_t nk, uint32_t *w) {
     int64_t rb = record_bytes(kind);
@@ -106,15 +131,22 @@ RTP_VEC_TARGET int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind
             if (!w) continue;
             int64_t n0 = 16 * u;
             float c[2][256] __attribute__((aligned(64)));
+            int64_t unit_bytes = (glu ? 2 : 1) * nk * rb;
+            /* the next unit's records into L2 while this one computes: a decode step streams every
+             * weight from memory once, and the hardware prefetcher does not run a column ahead */
+            if (u + 1 < units)
+                for (int64_t off = 0; off < unit_bytes; off += 64) rtp_prefetch_l2(weights + (u + 1) * unit_bytes + off);
             dequant_column(kind, weights + (glu ? 2 * u : u) * nk * rb, nk, w);
             if (glu) dequant_column(kind, weights + (2 * u + 1) * nk * rb, nk, w + nk * 256);
             const float *bg = bias ? bias + n0 : NULL, *bu = bias && glu ? bias + N / 2 + n0 : NULL;
             for (int64_t g = 0; g < ngroups; g++) {
                 const uint32_t *xg = xp + g * nk * 256;
                 int64_t valid = M - 16 * g < 16 ? M - 16 * g : 16;
-                column_product(w, xg, nk, c[0]);
+                void (*product)(const uint32_t *, const uint32_t *, int64_t, float *) =
+                    valid <= 8 ? column_product8 : column_product;
+                product(w, xg, nk, c[0]);
                 if (glu) {
-                    column_product(w + nk * 256, xg, nk, c[1]);
+                    product(w + nk * 256, xg, nk, c[1]);
                     __m512 vg = bg ? _mm512_loadu_ps(bg) : _mm512_setzero_ps();
                     __m512 vu = bu ? _mm512_loadu_ps(bu) : _mm512_setzero_ps();
                     for (int64_t j = 0; j < valid; j++) {
