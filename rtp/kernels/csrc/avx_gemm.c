@@ -63,26 +63,22 @@ RTP_VEC_TARGET static void pack_group(const void *x, int x_fp32, int64_t ldx, in
  * Each k block's 32 products are summed in a chain of their own, then added to the row's sum: at
  * K = 576 a row's result takes 18 additions of block sums after chains of 16, as AMX's tile product
  * sums a block per instruction, where one chain through every k took 288 roundings (and lost the
- * greedy-fidelity test to transformers' bf16, 4 of its prompts against 5). Two halves of 8 features,
- * so the block and running sums (16 + 16 vectors) leave registers for the rest. */
-#define COLUMN_PRODUCT(NAME, V, ZERO, LOAD, DOT, ADD, STORE, BH, BCAST, LANES)                             \
+ * greedy-fidelity test to transformers' bf16, 4 of its prompts against 5). The running sums wait in
+ * L1 (t) between blocks, so the block's 16 chains and the x vector have the registers; at 2,048 rows
+ * as fast as one chain, within the run-to-run spread (0.91-1.04x oneDNN either way, alternated). */
+#define COLUMN_PRODUCT(NAME, V, ZERO, LOAD, DOT, ADD, STORE, VLOAD, BH, BCAST)                          \
     RTP_VEC_TARGET static void NAME(const uint32_t *w, const uint32_t *xg, int64_t nk, float *c) {      \
         float t[256] __attribute__((aligned(64))) = {0};                                                  \
-        for (int h = 0; h < 2; h++) {                                                                    \
-            V sum[8];                                                                                    \
-            for (int n = 0; n < 8; n++) sum[n] = ZERO();                                                 \
-            for (int64_t kb = 0; kb < nk; kb++) {                                                        \
-                const uint32_t *wt = w + kb * 256 + 128 * h, *xt = xg + kb * 256;                        \
-                V blk[8];                                                                                \
-                for (int n = 0; n < 8; n++) blk[n] = ZERO();                                             \
-                _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {                                  \
-                    BH xv = (BH)LOAD((const void *)(xt + 16 * r));                                       \
-                    _Pragma("GCC unroll 8") for (int n = 0; n < 8; n++)                                  \
-                        blk[n] = DOT(blk[n], xv, (BH)BCAST((int)wt[16 * n + r]));                        \
-                }                                                                                        \
-                for (int n = 0; n < 8; n++) sum[n] = ADD(sum[n], blk[n]);                                \
+        for (int64_t kb = 0; kb < nk; kb++) {                                                            \
+            const uint32_t *wt = w + kb * 256, *xt = xg + kb * 256;                                      \
+            V blk[16];                                                                                   \
+            for (int n = 0; n < 16; n++) blk[n] = ZERO();                                                \
+            _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {                                      \
+                BH xv = (BH)LOAD((const void *)(xt + 16 * r));                                           \
+                _Pragma("GCC unroll 16") for (int n = 0; n < 16; n++)                                    \
+                    blk[n] = DOT(blk[n], xv, (BH)BCAST((int)wt[16 * n + r]));                            \
             }                                                                                            \
-            for (int n = 0; n < 8; n++) STORE(t + 16 * (8 * h + n), sum[n]);                             \
+            for (int n = 0; n < 16; n++) STORE(t + 16 * n, ADD(VLOAD(t + 16 * n), blk[n]));              \
         }                                                                                                \
         transpose16x16((const uint32_t *)t, (uint32_t *)c);                                              \
     }
@@ -91,12 +87,12 @@ RTP_VEC_TARGET static inline __m512i load512(const void *p) { return _mm512_load
 RTP_VEC_TARGET static inline __m256i load256(const void *p) { return _mm256_load_si256((const __m256i *)p); }
 
 COLUMN_PRODUCT(column_product, __m512, _mm512_setzero_ps, load512, _mm512_dpbf16_ps, _mm512_add_ps, _mm512_store_ps,
-               __m512bh, _mm512_set1_epi32, 16)
+               _mm512_load_ps, __m512bh, _mm512_set1_epi32)
 /* A group of at most 8 rows: the same products on the lower 8 lanes (256-bit vectors, which AMD Zen 4
  * issues two a cycle against one of 512 bits), so each row's sums are the same bits as in a full
  * group. A decode step of 2-8 rows: SmolLM2's qkv 0.071 -> 0.046 ms. */
 COLUMN_PRODUCT(column_product8, __m256, _mm256_setzero_ps, load256, _mm256_dpbf16_ps, _mm256_add_ps, _mm256_store_ps,
-               __m256bh, _mm256_set1_epi32, 8)
+               _mm256_load_ps, __m256bh, _mm256_set1_epi32)
 
 /* The nk weight tiles of one record column, dequantized. */
 RTP_VEC_TARGET static void dequant_column(int kind, const uint8_t *recs, int64_t nk, uint32_t *w) {
