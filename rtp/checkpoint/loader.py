@@ -261,7 +261,7 @@ def _pack_cpu_weights(model: torch.nn.Module) -> None:
 
 
 def _drop_dense_weights(model: torch.nn.Module) -> None:
-    """Free the dense bf16 weights of layers whose GGUF blocks serve every batch (AMX tiles): nothing
+    """Free the dense bf16 weights of layers whose GGUF blocks serve every batch (tile order): nothing
     multiplies them, and they were most of the weights' memory. The parameter stays, on the meta
     device (its shape and dtype, no storage), so a path that would still read it fails loudly. A
     weight the layer shares (a tied LM head's, the embedding's) stays."""
@@ -282,8 +282,8 @@ def _drop_dense_weights(model: torch.nn.Module) -> None:
 def _attach_dense(model: torch.nn.Module) -> None:
     """Give the bf16 linear layers no GGUF blocks reached (a safetensors checkpoint's, or a GGUF's
     F16/BF16/F32 tensors, a tied LM head's embedding) their weight as rtp's kernels take it
-    (BlockQuantized.from_dense): the one-row kernel over the weight as it lies, AMX over a copy in
-    tile order, so that their steps replay CPU graphs too."""
+    (BlockQuantized.from_dense): the one-row kernel over the weight as it lies, the tile kernels over a
+    copy in tile order, so that their steps replay CPU graphs too."""
     from rtp.kernels import cpu_kernels
     from rtp.kernels.quant import BlockQuantized
 
