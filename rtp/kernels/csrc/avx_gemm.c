@@ -1,5 +1,5 @@
-/* Linear layers over GGUF blocks on a CPU without AMX (AMD Zen 4: AVX-512 BF16), for every batch past
- * the one-row kernels' few rows: decode batches, prefill chunks and mixed steps alike, from the same
+/* Linear layers over GGUF blocks on a CPU without AMX (AMD Zen 4: AVX-512 BF16), for every batch of 2
+ * rows or more (quant.py's TILE_MIN_ROWS): decode batches, prefill chunks and mixed steps alike, from the same
  * weight records in tile order the AMX kernels read (tile_blocks.h), so that such a CPU needs no dense
  * bf16 copy of the weights either, and every step's linears are rtp kernels a CPU graph replays.
  *
@@ -18,8 +18,9 @@
  *     for an MLP's interleaved gate and up tiles silu(gate) * up, as amx_gemm.c).
  *
  * Numerics: the same bf16 weights as the AMX kernels (dequant_tile), x rounded to bf16 (nearest even),
- * products exact, sums in fp32 (in another order than AMX's, so not bit-equal to it); glu rounds gate
- * and up to bf16 before silu * up as the other kernels do.
+ * products exact, sums in fp32, a chain per k block and then the blocks' sums (column_product; in another
+ * order than AMX's, so not bit-equal to it); a row's bits do not depend on the rows beside it; glu rounds
+ * gate and up to bf16 before silu * up as the other kernels do.
  */
 #include "cpu_kernels.h"
 #include "prefetch.h"
