@@ -42,14 +42,16 @@ def engines(default_gguf):
 def test_greedy_alone_is_token_for_token_what_it_was(engines):
     plain, spec = engines
     sp = SamplingParams(temperature=0, max_tokens=96)
-    before = spec.engine.scheduler.spec_accepted_tokens
+    s = spec.engine.scheduler
     for ask in ASKS:
         ids = chat(plain, ask)
         want = plain.generate([ids], sp, use_tqdm=False)[0].outputs[0]
+        before = s.spec_accepted_tokens
         got = spec.generate([ids], sp, use_tqdm=False)[0].outputs[0]
         assert got.token_ids == want.token_ids and got.text == want.text and got.finish_reason == want.finish_reason
-    s = spec.engine.scheduler
-    assert s.spec_accepted_tokens - before > 100  # the quoting asks drafted most of their tokens
+        if ask == ASKS[0]:  # quoting: most of its tokens were drafted and kept (33 of 41 here). Not the total
+            # over every ask: that hung on whether the code ask fell into a repetition loop, a near-tie of logits
+            assert s.spec_accepted_tokens - before > len(got.token_ids) // 2
     assert spec.engine.allocator.num_used == 0
     s.check_integrity()
 

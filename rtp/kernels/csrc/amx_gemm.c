@@ -118,32 +118,6 @@ AMX_TARGET static void tile_block(const uint16_t *a, int64_t lda, int two_m, con
     _tile_stored(3, c + 768, 64);
 }
 
-/* Output rows of one accumulator (16 rows x 16 features at n0) + bias, for its valid rows. */
-AMX_TARGET static inline void store_rows(const float *c, int64_t m0, int64_t valid, int64_t n0, const float *bias,
-                                         void *out, int64_t ldo, int out_bf16) {
-    __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-    for (int64_t j = 0; j < valid; j++) {
-        __m512 v = _mm512_add_ps(_mm512_load_ps(c + 16 * j), b);
-        if (out_bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + j) * ldo + n0), (__m256i)_mm512_cvtneps_pbh(v));
-        else
-            _mm512_storeu_ps((float *)out + (m0 + j) * ldo + n0, v);
-    }
-}
-
-/* silu(gate + bg) * (up + bu) of one pair of accumulators into bf16 output rows (features n0..). */
-AMX_TARGET static inline void store_glu_rows(const float *cg, const float *cu, int64_t m0, int64_t valid,
-                                             int64_t n0, const float *bias_g, const float *bias_u, uint16_t *out,
-                                             int64_t ldo) {
-    __m512 bg = bias_g ? _mm512_loadu_ps(bias_g + n0) : _mm512_setzero_ps();
-    __m512 bu = bias_u ? _mm512_loadu_ps(bias_u + n0) : _mm512_setzero_ps();
-    for (int64_t j = 0; j < valid; j++) {
-        __m512 g = round_bf16(_mm512_add_ps(_mm512_load_ps(cg + 16 * j), bg));
-        __m512 u = round_bf16(_mm512_add_ps(_mm512_load_ps(cu + 16 * j), bu));
-        _mm256_storeu_si256((__m256i *)(out + (m0 + j) * ldo + n0), (__m256i)_mm512_cvtneps_pbh(silu_mul_ps(g, u)));
-    }
-}
-
 /* rtp_linear_amx's contract (amx_linear.c), for any number of rows. */
 AMX_TARGET int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                             const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K,

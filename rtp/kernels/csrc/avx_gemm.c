@@ -67,36 +67,28 @@ RTP_VEC_TARGET static void pack_group(const void *x, int x_fp32, int64_t ldx, in
  * greedy-fidelity test to transformers' bf16, 4 of its prompts against 5). The running sums wait in
  * L1 (t) between blocks, so the block's 16 chains and the x vector have the registers; at 2,048 rows
  * as fast as one chain, within the run-to-run spread (0.91-1.04x oneDNN either way, alternated). */
-#define COLUMN_PRODUCT(NAME, V, ZERO, LOAD, DOT, ADD, STORE, VLOAD, BH, BCAST)                          \
+#define COLUMN_PRODUCT(NAME, V, TILE_PRODUCT, ZERO, ADD, LOAD, STORE)                                   \
     RTP_VEC_TARGET static void NAME(const uint32_t *w, const uint32_t *xg, int64_t nk, float *c) {      \
         float t[256] __attribute__((aligned(64))) = {0};                                                  \
         for (int64_t kb = 0; kb < nk; kb++) {                                                            \
-            const uint32_t *wt = w + kb * 256, *xt = xg + kb * 256;                                      \
             V blk[16];                                                                                   \
             for (int n = 0; n < 16; n++) blk[n] = ZERO();                                                \
-            _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {                                      \
-                BH xv = (BH)LOAD((const void *)(xt + 16 * r));                                           \
-                _Pragma("GCC unroll 16") for (int n = 0; n < 16; n++)                                    \
-                    blk[n] = DOT(blk[n], xv, (BH)BCAST((int)wt[16 * n + r]));                            \
-            }                                                                                            \
-            for (int n = 0; n < 16; n++) STORE(t + 16 * n, ADD(VLOAD(t + 16 * n), blk[n]));              \
+            TILE_PRODUCT(blk, xg + kb * 256, w + kb * 256, 16);                                          \
+            for (int n = 0; n < 16; n++) STORE(t + 16 * n, ADD(LOAD(t + 16 * n), blk[n]));               \
         }                                                                                                \
         transpose16x16((const uint32_t *)t, (uint32_t *)c);                                              \
     }
 
-RTP_VEC_TARGET static inline __m512i load512(const void *p) { return _mm512_load_si512(p); }
-RTP_VEC_TARGET static inline __m256i load256(const void *p) { return _mm256_load_si256((const __m256i *)p); }
+COLUMN_PRODUCT(column_product, __m512, pair_tile_product, _mm512_setzero_ps, _mm512_add_ps, _mm512_load_ps,
+               _mm512_store_ps)
+/* A group of at most 8 rows: the same products on the lower 8 lanes, so each row's sums are the same
+ * bits as in a full group. A decode step of 2-8 rows: SmolLM2's qkv 0.071 -> 0.046 ms. */
+COLUMN_PRODUCT(column_product8, __m256, pair_tile_product8, _mm256_setzero_ps, _mm256_add_ps, _mm256_load_ps,
+               _mm256_store_ps)
 
-COLUMN_PRODUCT(column_product, __m512, _mm512_setzero_ps, load512, _mm512_dpbf16_ps, _mm512_add_ps, _mm512_store_ps,
-               _mm512_load_ps, __m512bh, _mm512_set1_epi32)
-/* A group of at most 8 rows: the same products on the lower 8 lanes (256-bit vectors, which AMD Zen 4
- * issues two a cycle against one of 512 bits), so each row's sums are the same bits as in a full
- * group. A decode step of 2-8 rows: SmolLM2's qkv 0.071 -> 0.046 ms. */
-COLUMN_PRODUCT(column_product8, __m256, _mm256_setzero_ps, load256, _mm256_dpbf16_ps, _mm256_add_ps, _mm256_store_ps,
-               _mm256_load_ps, __m256bh, _mm256_set1_epi32)
-
-/* The nk weight tiles of one record column, dequantized. */
-RTP_VEC_TARGET static void dequant_column(int kind, const uint8_t *recs, int64_t nk, uint32_t *w) {
+/* The nk weight tiles of one record column, dequantized as they lie (rows of 16 features; amx_gemm.c's
+ * dequant_column transposes them into AMX's B layout instead). */
+RTP_VEC_TARGET static void dequant_rows_column(int kind, const uint8_t *recs, int64_t nk, uint32_t *w) {
     int64_t rb = record_bytes(kind);
     for (int64_t kb = 0; kb < nk; kb++) dequant_tile(kind, recs + kb * rb, (uint16_t *)(w + kb * 256));
 }
@@ -108,6 +100,7 @@ RTP_VEC_TARGET int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind
     if (glu && (!out_bf16 || N % 32)) return 0;
     int64_t nk = K / 32, ngroups = (M + 15) / 16, ntiles = N / 16, rb = record_bytes(kind);
     int64_t units = glu ? ntiles / 2 : ntiles; /* output tiles of 16 features: one weight tile each, or a pair */
+    int64_t unit_bytes = (glu ? 2 : 1) * nk * rb;
     uint32_t *xp = rtp_scratch_get(&packed_rows_scratch, (size_t)(ngroups * nk) * 1024);
     if (!xp) return 0;
     int ok = 1;
@@ -124,15 +117,14 @@ RTP_VEC_TARGET int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind
         for (int64_t u = 0; u < units; u++) {
             if (!w) continue;
             int64_t n0 = 16 * u;
+            const uint8_t *recs = weights + u * unit_bytes; /* the unit's one or two record columns */
             float c[2][256] __attribute__((aligned(64)));
-            int64_t unit_bytes = (glu ? 2 : 1) * nk * rb;
             /* the next unit's records into L2 while this one computes: a decode step streams every
              * weight from memory once, and the hardware prefetcher does not run a column ahead */
             if (u + 1 < units)
-                for (int64_t off = 0; off < unit_bytes; off += 64) rtp_prefetch_l2(weights + (u + 1) * unit_bytes + off);
-            dequant_column(kind, weights + (glu ? 2 * u : u) * nk * rb, nk, w);
-            if (glu) dequant_column(kind, weights + (2 * u + 1) * nk * rb, nk, w + nk * 256);
-            const float *bg = bias ? bias + n0 : NULL, *bu = bias && glu ? bias + N / 2 + n0 : NULL;
+                for (int64_t off = 0; off < unit_bytes; off += 64) rtp_prefetch_l2(recs + unit_bytes + off);
+            dequant_rows_column(kind, recs, nk, w);
+            if (glu) dequant_rows_column(kind, recs + nk * rb, nk, w + nk * 256);
             for (int64_t g = 0; g < ngroups; g++) {
                 const uint32_t *xg = xp + g * nk * 256;
                 int64_t valid = M - 16 * g < 16 ? M - 16 * g : 16;
@@ -141,24 +133,9 @@ RTP_VEC_TARGET int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind
                 product(w, xg, nk, c[0]);
                 if (glu) {
                     product(w + nk * 256, xg, nk, c[1]);
-                    __m512 vg = bg ? _mm512_loadu_ps(bg) : _mm512_setzero_ps();
-                    __m512 vu = bu ? _mm512_loadu_ps(bu) : _mm512_setzero_ps();
-                    for (int64_t j = 0; j < valid; j++) {
-                        __m512 gv = round_bf16(_mm512_add_ps(_mm512_load_ps(c[0] + 16 * j), vg));
-                        __m512 uv = round_bf16(_mm512_add_ps(_mm512_load_ps(c[1] + 16 * j), vu));
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + (16 * g + j) * ldo + n0),
-                                            (__m256i)_mm512_cvtneps_pbh(silu_mul_ps(gv, uv)));
-                    }
-                    continue;
-                }
-                __m512 b = bg ? _mm512_loadu_ps(bg) : _mm512_setzero_ps();
-                for (int64_t j = 0; j < valid; j++) {
-                    __m512 v = _mm512_add_ps(_mm512_load_ps(c[0] + 16 * j), b);
-                    if (out_bf16)
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + (16 * g + j) * ldo + n0),
-                                            (__m256i)_mm512_cvtneps_pbh(v));
-                    else
-                        _mm512_storeu_ps((float *)out + (16 * g + j) * ldo + n0, v);
+                    store_glu_rows(c[0], c[1], 16 * g, valid, n0, bias, bias ? bias + N / 2 : NULL, out, ldo);
+                } else {
+                    store_rows(c[0], 16 * g, valid, n0, bias, out, ldo, out_bf16);
                 }
             }
         }

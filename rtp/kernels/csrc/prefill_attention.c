@@ -45,6 +45,7 @@
 #include "amx_tiles.h"
 #include "vec_math.h"
 #include "scratch.h"
+#include "tile_blocks.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -53,7 +54,6 @@
 #include <string.h>
 
 #define AVX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 /* Query tokens per task (QT tiles of rows per query head) and keys per online-softmax step. 16 and
  * 128 before; 32 and 256 measured 12-13 % faster on SmolLM2's 2,048- and 512-token prompts with the
@@ -226,10 +226,11 @@ AMX_TARGET static void values_amx(const uint16_t *pbuf, int64_t G, int64_t D, co
 
 /* ---- the same products with AVX-512 BF16 dot instructions (no AMX) ---------------------------- */
 
-/* Both register-block a row tile's 16 rows: each packed K (or V) row loaded feeds 16 dot products, one
- * per query row, whose other operand (a pair of q, or of P) is broadcast from memory; so the loops are
- * bound by the products, not the loads. One K or V load per product, as a row at a time did, ran at a
- * third of the rate (AMD Zen 4: 2,048-token prompt 38.5 ms a layer, 125 GFLOP/s). */
+/* Both register-block a row tile's 16 rows (pair_tile_product, tile_blocks.h): each packed K (or V) row
+ * loaded feeds 16 dot products, one per query row, whose other operand (a pair of q, or of P) is
+ * broadcast from memory; so the loops are bound by the products, not the loads. One K or V load per
+ * product, as a row at a time did, ran at a third of the rate (AMD Zen 4: 2,048-token prompt 38.5 ms a
+ * layer, 125 GFLOP/s). */
 
 AVX_TARGET static void scores_avx(const uint16_t *qbuf, int64_t G, int64_t D, const uint32_t *kp, int64_t j0,
                                   int64_t nt, float *sbuf) {
@@ -240,17 +241,8 @@ AVX_TARGET static void scores_avx(const uint16_t *qbuf, int64_t G, int64_t D, co
         for (int64_t j = 0; j < nt; j++) {
             __m512 acc[16];
             for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-            for (int64_t st = 0; st < ns; st++) {
-                const uint32_t *tile = kp + ((j0 + j) * ns + st) * 256;
-                const uint32_t *qs = qg + 16 * st;
-#pragma GCC unroll 16
-                for (int r = 0; r < 16; r++) {
-                    __m512bh kv = (__m512bh)_mm512_load_si512((const void *)(tile + 16 * r));
-#pragma GCC unroll 16
-                    for (int i = 0; i < 16; i++)
-                        acc[i] = _mm512_dpbf16_ps(acc[i], kv, (__m512bh)_mm512_set1_epi32((int)qs[i * half + r]));
-                }
-            }
+            for (int64_t st = 0; st < ns; st++)
+                pair_tile_product(acc, kp + ((j0 + j) * ns + st) * 256, qg + 16 * st, half);
             for (int i = 0; i < 16; i++) _mm512_storeu_ps(sg + i * KB + 16 * j, acc[i]);
         }
     }
@@ -265,17 +257,8 @@ AVX_TARGET static void values_avx(const uint16_t *pbuf, int64_t G, int64_t D, co
             float *o = obuf + g * 16 * D + 16 * c;
             __m512 acc[16];
             for (int i = 0; i < 16; i++) acc[i] = _mm512_loadu_ps(o + i * D);
-            for (int64_t t = 0; t < nsteps; t++) {
-                const uint32_t *tile = vp + ((t0 + t) * nc + c) * 256;
-                const uint32_t *ps = pg + 16 * t;
-#pragma GCC unroll 16
-                for (int r = 0; r < 16; r++) {
-                    __m512bh vv = (__m512bh)_mm512_load_si512((const void *)(tile + 16 * r));
-#pragma GCC unroll 16
-                    for (int i = 0; i < 16; i++)
-                        acc[i] = _mm512_dpbf16_ps(acc[i], vv, (__m512bh)_mm512_set1_epi32((int)ps[i * (KB / 2) + r]));
-                }
-            }
+            for (int64_t t = 0; t < nsteps; t++)
+                pair_tile_product(acc, vp + ((t0 + t) * nc + c) * 256, pg + 16 * t, KB / 2);
             for (int i = 0; i < 16; i++) _mm512_storeu_ps(o + i * D, acc[i]);
         }
     }

@@ -1,7 +1,8 @@
 /* What rtp's linear kernels over weight records in tile order share (amx_linear.c: AMX, decode
  * rows; amx_gemm.c: AMX, prompt rows; avx_gemm.c: AVX-512 BF16, any rows on a CPU without AMX):
- * the records, their dequantization into bf16 tiles, and a 16 x 16 transpose. One definition, so
- * that all three multiply exactly the same bf16 weights. The helpers need AVX-512 BF16 only, so
+ * the records, their dequantization into bf16 tiles, a 16 x 16 transpose, the GEMMs' epilogues, and
+ * the pair-tile product loop (which prefill_attention.c's AVX-512 products use too). One definition,
+ * so that all three multiply exactly the same bf16 weights. The helpers need AVX-512 BF16 only, so
  * that the kernels built for AMX and the one built without it both inline them. */
 #ifndef RTP_TILE_BLOCKS_H
 #define RTP_TILE_BLOCKS_H
@@ -95,5 +96,54 @@ RTP_VEC_TARGET static inline void transpose16x16(const uint32_t *in, uint32_t *o
     }
     for (int i = 0; i < 16; i++) _mm512_store_si512((void *)(out + 16 * i), r[i]);
 }
+
+/* The epilogues of the GEMMs (amx_gemm.c, avx_gemm.c), whose sums come out as 16 rows of 16 fp32 at
+ * c + 16 j: output rows m0 + j of features [n0, n0 + 16) for j < valid, in the output's dtype, the
+ * bias (if any) added. */
+RTP_VEC_TARGET static inline void store_rows(const float *c, int64_t m0, int64_t valid, int64_t n0, const float *bias,
+                                             void *out, int64_t ldo, int out_bf16) {
+    __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int64_t j = 0; j < valid; j++) {
+        __m512 v = _mm512_add_ps(_mm512_load_ps(c + 16 * j), b);
+        if (out_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + j) * ldo + n0), (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_storeu_ps((float *)out + (m0 + j) * ldo + n0, v);
+    }
+}
+
+/* An MLP's gate and up sums (cg, cu, as store_rows' c) into bf16 rows of silu(gate + bias_g) * (up + bias_u),
+ * gate and up rounded to bf16 first as the decode kernels round them. */
+RTP_VEC_TARGET static inline void store_glu_rows(const float *cg, const float *cu, int64_t m0, int64_t valid,
+                                                 int64_t n0, const float *bias_g, const float *bias_u, uint16_t *out,
+                                                 int64_t ldo) {
+    __m512 bg = bias_g ? _mm512_loadu_ps(bias_g + n0) : _mm512_setzero_ps();
+    __m512 bu = bias_u ? _mm512_loadu_ps(bias_u + n0) : _mm512_setzero_ps();
+    for (int64_t j = 0; j < valid; j++) {
+        __m512 g = round_bf16(_mm512_add_ps(_mm512_load_ps(cg + 16 * j), bg));
+        __m512 u = round_bf16(_mm512_add_ps(_mm512_load_ps(cu + 16 * j), bu));
+        _mm256_storeu_si256((__m256i *)(out + (m0 + j) * ldo + n0), (__m256i)_mm512_cvtneps_pbh(silu_mul_ps(g, u)));
+    }
+}
+
+/* The product loop of the kernels that multiply packed pair tiles with AVX-512 BF16 dot instructions
+ * (avx_gemm.c's weight columns, prefill_attention.c's scores and values): acc[i] += the sum over the
+ * tile's 16 rows r of row r (16 lanes, a pair of bf16 each) times the pair b[i * stride + r], broadcast.
+ * Each row loaded feeds 16 products, one per accumulator, so the loop is bound by the products, not
+ * the loads. pair_tile_product8 runs the same products on the lower 8 lanes (256-bit vectors: AMD
+ * Zen 4 issues two a cycle against one of 512 bits), with the same bits in those lanes. */
+#define RTP_PAIR_TILE_PRODUCT(NAME, V, BH, LOAD, BCAST, DOT)                                                  \
+    RTP_VEC_TARGET static inline __attribute__((always_inline)) void NAME(V acc[16], const uint32_t *tile,    \
+                                                                          const uint32_t *b, int64_t stride) { \
+        _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {                                               \
+            BH t = (BH)LOAD((const void *)(tile + 16 * r));                                                   \
+            _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++)                                             \
+                acc[i] = DOT(acc[i], t, (BH)BCAST((int)b[i * stride + r]));                                   \
+        }                                                                                                     \
+    }
+RTP_VEC_TARGET static inline __m256i rtp_load256(const void *p) { return _mm256_load_si256((const __m256i *)p); }
+RTP_PAIR_TILE_PRODUCT(pair_tile_product, __m512, __m512bh, _mm512_load_si512, _mm512_set1_epi32, _mm512_dpbf16_ps)
+RTP_PAIR_TILE_PRODUCT(pair_tile_product8, __m256, __m256bh, rtp_load256, _mm256_set1_epi32, _mm256_dpbf16_ps)
+#undef RTP_PAIR_TILE_PRODUCT
 
 #endif
