@@ -129,15 +129,20 @@ def cluster():
         "collocated": Server(*COMMON, threads=1, launcher=faulty),
         "collocated2": Server(*COMMON, threads=1, launcher=faulty),
     }
-    masters = []
+    # the masters start while the nodes load (their URLs are known): a master polls its workers
+    # until they answer, and is used only once it counts every one of them healthy
+    workers = ("--prefill", nodes["p0"].url, nodes["p1"].url, "--decode", decode.url)
+    masters = [start_master(*workers), start_master(*workers, "--beta", "0"),
+               start_master("--collocated", nodes["collocated"].url, nodes["collocated2"].url)]
     try:
         for node in nodes.values():
             node.wait_ready()
-        workers = ("--prefill", nodes["p0"].url, nodes["p1"].url, "--decode", decode.url)
-        masters = [start_master(*workers), start_master(*workers, "--beta", "0"),
-                   start_master("--collocated", nodes["collocated"].url, nodes["collocated2"].url)]
-        for m in masters:
+        for m, count in zip(masters, (3, 3, 2)):
             m.wait_ready()
+            deadline = time.monotonic() + 30
+            while sorted(metric(m.url, "rtp:route_worker_healthy").values()) != [1.0] * count:
+                assert time.monotonic() < deadline, metric(m.url, "rtp:route_worker_healthy")
+                time.sleep(0.1)
         yield {**nodes, "master": masters[0], "master_beta0": masters[1], "master_co": masters[2]}
     finally:
         for m in masters:
@@ -184,9 +189,11 @@ def test_routed_pd_output_equals_collocated(cluster):
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda a: complete(routed_client, *a), [(p, s) for p in PROMPTS for s in (False, True)]))
         got_chat = list(pool.map(lambda p: chat(routed_client, p), PROMPTS))
-    want = [complete(reference, p, False) for p in PROMPTS]
+        # the collocated references batch as well: float32 greedy tokens do not depend on the batch
+        want = list(pool.map(lambda p: complete(reference, p, False), PROMPTS))
+        want_chat = list(pool.map(lambda p: chat(reference, p), PROMPTS))
     assert got == [w for w in want for _ in (0, 1)]
-    assert got_chat == [chat(reference, p) for p in PROMPTS]
+    assert got_chat == want_chat
     assert all(routed(cluster["master"]).values())  # both prefill nodes served some
 
 
