@@ -12,7 +12,11 @@ def test_bench_offline_tiny_prints_a_json_last_line(default_gguf):
     cmd = [sys.executable, str(ROOT / "tools" / "bench_offline.py"), "--quick", "--no-compile",
            "--model", str(default_gguf), "--threads", "1", "--dtypes", "bf16",
            "--requests", "2", "--prompt-lens", "8-16", "--output-lens", "2-4", "--hf-batch-sizes", "2",
-           "--single-tokens", "3", "--decode-batch", "4", "--decode-prompt", "8", "--decode-tokens", "3"]
+           "--single-tokens", "3", "--decode-batch", "4", "--decode-prompt", "8", "--decode-tokens", "3",
+           # as many sequences as the decode batch, a step budget over the 32-token single prompt, and a
+           # small transformers KV pool: rtp's CPU-graph warm-up and transformers' continuous-batching
+           # warm-up capture those sizes, not the full-run defaults (64 sequences, 2048 tokens, 1 GiB)
+           "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--kv-cache-bytes", str(32 << 20)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
     figures = json.loads(out.strip().splitlines()[-1])
     assert set(figures) >= {"config", "rtp", "transformers_generate", "transformers_continuous", "vllm",
