@@ -77,6 +77,18 @@ def test_bench_decode_step_times_every_kernel_of_a_replayed_step(default_gguf):
     assert ref["rows"] == 3 and ref["matrices"] == 121 and 0 < ref["utilisation"] < 1
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="rtp's CPU kernels are not available here")
+def test_bench_decode_attention_times_the_kernel_alone():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_decode_attention.py"), "--shapes", "3x40,2x600",
+                          "--layers", "2", "--repeats", "1", "--threads", "1"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(r["rows"], r["keys"]) for r in res["decode_attention"]] == [(3, 40), (2, 600)]
+    assert all(r["ms_per_layer"] > 0 and r["kv_gb_per_s"] > 0 for r in res["decode_attention"])
+    assert "KV GB/s" in out.stdout  # the table for people comes first
+
+
 def test_bench_quant_times_each_type_and_prints_a_json_last_line(tmp_path, default_gguf):
     out = subprocess.run([sys.executable, "tools/bench_quant.py", "--types", "Q4_K,Q6_K,BF16", "--layers", "1",
                           "--hidden", "256", "--ffn", "512", "--heads", "4", "--kv-heads", "2", "--batch", "2",
