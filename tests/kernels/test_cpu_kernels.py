@@ -405,10 +405,12 @@ def _causal_reference(q, kv, chunks, block_size, scale, window, dtype):
     return torch.cat(outs)
 
 
-# GQA ratios 3, 1, 4 and 4 at head_dim 128; one-token chunks, chunks after a cached prefix, lengths
+# GQA ratios 3, 1, 4 and 4 at head_dim 128, head_dims 96 and 256 (the AVX-512 score loop has a copy per
+# head_dim); one-token chunks, chunks after a cached prefix, lengths
 # off the 16-token tiles, the 32-token tasks and the 256-key softmax steps (three of them in the last
 # row); a block size that is not a tile's multiple
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (12, 3, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (12, 3, 128), (6, 2, 96),
+                                                (4, 2, 256)])
 @pytest.mark.parametrize("window", [0, 50])
 @pytest.mark.parametrize("block_size", [16, 7])
 @pytest.mark.parametrize("amx", [True, False])
