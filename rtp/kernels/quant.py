@@ -54,9 +54,9 @@ AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 ti
 # The fewest rows the tile-order kernels take, with AMX or without: every batch of several rows then
 # multiplies the same bf16 weights in the same order per row, so a request's tokens do not depend on
 # how many rows share its step (a drafting engine's greedy output is the plain one's, token for token:
-# tests/engine/test_draft_model.py). Without AMX the one-row kernel would be faster at 2-4 rows (AMD
-# Zen 4, SmolLM2's qkv: 0.033 vs 0.071 ms at 2 rows, 0.057 vs 0.069 at 4; the tiles from 5 on), but
-# it multiplies the exact fp32 weights, and mixing the two by row count broke that test.
+# tests/engine/test_draft_model.py). Without AMX the one-row kernel is still faster at 2 rows (AMD
+# Zen 5, SmolLM2's qkv: 0.017 ms for one row, 0.022 for two on avx_gemm.c's few-row loop, 0.042 before
+# it), but it multiplies the exact fp32 weights, and mixing the two by row count broke that test.
 TILE_MIN_ROWS = AMX_MIN_ROWS
 
 # Batches of up to this many rows multiply the exact weights (the AVX-512 kernels) even where AMX

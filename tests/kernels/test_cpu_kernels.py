@@ -123,6 +123,28 @@ def test_tile_silu_mul_equals_the_projection_then_the_activation(kind, rows, bia
     assert plain.takes(rows) and plain.takes(1) and plain.serves_every_batch
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("x_fp32", [False, True])
+def test_avx_tile_linear_gives_a_row_the_same_bits_whatever_the_batch(kind, glu, x_fp32):
+    """Without AMX, batches of up to 8 rows put the weights in the vector lanes and larger ones the
+    rows (avx_gemm.c): each row's result is the same bits either way -- a decode step of 2 rows, the
+    last 5 rows of a 21-row group and a row of a 64-row prompt chunk give a row one answer -- with a
+    K that is not a multiple of the few-row loop's 4 or 8 blocks at a time."""
+    n, k, big = 64, 32 * 11, 64
+    w = random_blocks(kind, n, k).with_tile_layout(glu=glu and kind == "q4_1")
+    kind_id = 0 if kind == "q4_1" else 1
+    glu = w.glu
+    b = torch.randn(n)
+    x = torch.randn(big, k)
+    x = x if x_fp32 and not glu else x.bfloat16()
+    dtype = torch.bfloat16 if glu else torch.float32
+    every = tiles_linear(x, kind_id, w, b, dtype, False, glu=glu)
+    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 21]:
+        assert torch.equal(tiles_linear(x[:rows], kind_id, w, b, dtype, False, glu=glu), every[:rows]), rows
+    assert torch.equal(tiles_linear(x[16:21], kind_id, w, b, dtype, False, glu=glu), every[16:21])
+
+
 @pytest.mark.parametrize("amx", PATHS)
 @pytest.mark.parametrize("rows", [2, 17])
 def test_tile_linear_rounds_fp32_rows_like_torch(rows, amx):

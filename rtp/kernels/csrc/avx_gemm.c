@@ -1,25 +1,27 @@
-/* Linear layers over GGUF blocks on a CPU without AMX (AMD Zen 4: AVX-512 BF16), for every batch of 2
+/* Linear layers over GGUF blocks on a CPU without AMX (AMD Zen 4 and 5: AVX-512 BF16), for every batch of 2
  * rows or more (quant.py's TILE_MIN_ROWS): decode batches, prefill chunks and mixed steps alike, from the same
  * weight records in tile order the AMX kernels read (tile_blocks.h), so that such a CPU needs no dense
  * bf16 copy of the weights either, and every step's linears are rtp kernels a CPU graph replays.
  *
- * The product is vdpbf16ps: per lane, acc += a pair of bf16 times a pair of bf16, in fp32. The roles are
- * those of amx_linear.c (out^T = W x^T):
- *   - the rows of x are the lanes: x is packed once per call, 16 rows at a time, into pair tiles
- *     (k block kb, row r: the pairs (x[m][32 kb + 2 r], x[m][32 kb + 2 r + 1]) of its 16 rows m), shared
- *     by both threads;
- *   - a weight tile is dequantized as it lies (dequant_tile: 16 output features of 32 bf16 each), and
- *     each of its pairs is broadcast from memory into the product with one x vector: 16 accumulators
- *     (one per output feature of the tile) take 16 products per x vector loaded, so the loop is bound by
- *     the products, not the loads, and no weight is ever transposed;
- *   - a thread dequantizes each weight column (16 features, all k) once per call and runs every group
- *     of 16 rows over it, x coming from L2 or L3 at 4 bytes a product-cycle;
- *   - the 16 x 16 sums are transposed once into output rows, for the epilogue (bias, bf16 rounding, and
- *     for an MLP's interleaved gate and up tiles silu(gate) * up, as amx_gemm.c).
+ * The product is vdpbf16ps: per lane, acc += a pair of bf16 times a pair of bf16, in fp32. Two loops:
+ *   - more than FEW_ROWS rows: the roles of amx_linear.c (out^T = W x^T): the rows of x are the lanes.
+ *     x is packed once per call, 16 rows at a time, into pair tiles (k block kb, row r: the pairs
+ *     (x[m][32 kb + 2 r], x[m][32 kb + 2 r + 1]) of its 16 rows m), shared by both threads; a weight tile is
+ *     dequantized as it lies (dequant_tile: 16 output features of 32 bf16 each), and each of its pairs is
+ *     broadcast from memory into the product with one x vector: 16 accumulators (one per output feature)
+ *     take 16 products per x vector loaded, so the loop is bound by the products, not the loads, and no
+ *     weight is ever transposed. A thread dequantizes each weight column (16 features, all k) once per
+ *     call and runs every group of 16 rows over it, x coming from L2 or L3 at 4 bytes a product-cycle; the
+ *     16 x 16 sums are transposed once into output rows for the epilogue (bias, bf16 rounding, and for an
+ *     MLP's interleaved gate and up tiles silu(gate) * up, as amx_gemm.c).
+ *   - up to FEW_ROWS rows (decode steps of a few requests): the weights are the lanes (gemm_few_rows,
+ *     below), since with rows in the lanes most lanes would be empty while every weight is still
+ *     dequantized.
  *
  * Numerics: the same bf16 weights as the AMX kernels (dequant_tile), x rounded to bf16 (nearest even),
  * products exact, sums in fp32, a chain per k block and then the blocks' sums (column_product; in another
- * order than AMX's, so not bit-equal to it); a row's bits do not depend on the rows beside it; glu rounds
+ * order than AMX's, so not bit-equal to it); a row's bits do not depend on the rows beside it, nor on
+ * which of the two loops ran (tests/kernels/test_cpu_kernels.py); glu rounds
  * gate and up to bf16 before silu * up as the other kernels do.
  */
 #include "cpu_kernels.h"
@@ -93,11 +95,160 @@ RTP_VEC_TARGET static void dequant_rows_column(int kind, const uint8_t *recs, in
     for (int64_t kb = 0; kb < nk; kb++) dequant_tile(kind, recs + kb * rb, (uint16_t *)(w + kb * 256));
 }
 
+/* ---- a few rows: the weights in the lanes ------------------------------------------------------------
+ * With x's rows in the lanes, a decode step of 2 rows used 2 of each product's 16 lanes and still paid
+ * every weight's dequantization: 12.2 ms a SmolLM2 step on AMD Zen 5, against 3.5 ms for one row on the
+ * one-row kernel. Up to FEW_ROWS rows the roles turn: a dequantized tile is transposed into 16 vectors of
+ * the 16 features' pair r (amx_gemm.c's B layout) and each row's pair r is broadcast into it, so the lanes
+ * are the tile's 16 output features and a row costs 16 products a tile. Each lane runs the sequence the
+ * rows-in-lanes loop runs for that row and feature (a chain of 16 pair products per k block from zero,
+ * added to the running sum; the products are exact, so which operand is broadcast does not matter): the
+ * same bits, and a row's result still does not depend on how many rows share its step. A SmolLM2 decode step
+ * at context 256 (the replayed CPU graph, alternated twice with the rows-in-lanes build, same half hour):
+ * 2 rows 12.8-16.2 -> 7.1-9.3 ms, 4 rows 14.0-14.7 -> 9.5-12.5, 8 rows 14.2-15.9 -> 12.0-12.8; at 16 the
+ * rows-in-lanes loop stays (17-19 ms either way). */
+#define FEW_ROWS 8
+
+/* NB k blocks of a record column from block kb on, dequantized and transposed into B layout at wt + 256 b. */
+RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_rows_tiles(int kind, const uint8_t *recs,
+                                                                               int64_t kb, const int NB,
+                                                                               uint32_t *wt) {
+    uint16_t tile[16 * 32] __attribute__((aligned(64)));
+    int64_t rb = record_bytes(kind);
+    for (int b = 0; b < NB; b++) {
+        dequant_tile(kind, recs + (kb + b) * rb, tile);
+        transpose16x16((const uint32_t *)tile, wt + 256 * b);
+    }
+}
+
+/* One copy per (M rows, NB k blocks at a time, GLU) with its arrays sized exactly: GCC keeps such arrays in
+ * registers, where one sized for the largest case went to the stack with every broadcast beside it.
+ *   few_blocks_*: tg[m] (lanes: the tile's 16 features) += NB k blocks of row m in order, for rows whose
+ *     pairs are at x + m ldp, the blocks' B tiles at wg (and an MLP's up tiles at wu, into tu). The NB x M
+ *     chains run side by side, since a product waits for the one before it in its chain; each broadcast
+ *     row pair feeds the gate and the up product.
+ *   few_unit_*: one unit (16 output features, or an MLP's 16 gate and 16 up features) over the rows of
+ *     bf16 pairs xp (row m at xp + m K / 2), into out as rtp_gemm_avx's epilogues store it. */
+#define FEW_ROWS_COPY(M, NB, GLU)                                                                                \
+    RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_blocks_##M##_##NB##_##GLU(              \
+        const uint32_t *wg, const uint32_t *wu, const uint32_t *x, int64_t ldp, __m512 *tg, __m512 *tu) {        \
+        __m512 ag[(M) * (NB)], au[(M) * (NB)];                                                                   \
+        _Pragma("GCC unroll 16") for (int i = 0; i < (M) * (NB); i++) ag[i] = au[i] = _mm512_setzero_ps();      \
+        _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++)                                                   \
+            _Pragma("GCC unroll 8") for (int b = 0; b < (NB); b++) {                                            \
+                __m512bh g = (__m512bh)_mm512_load_si512((const void *)(wg + 256 * b + 16 * r));                 \
+                __m512bh u = (__m512bh)_mm512_load_si512((const void *)((GLU) ? wu + 256 * b + 16 * r : wg));    \
+                _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) {                                         \
+                    __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[m * ldp + 16 * b + r]);                     \
+                    ag[b * (M) + m] = _mm512_dpbf16_ps(ag[b * (M) + m], g, xv);                                  \
+                    if (GLU) au[b * (M) + m] = _mm512_dpbf16_ps(au[b * (M) + m], u, xv);                          \
+                }                                                                                                \
+            }                                                                                                    \
+        _Pragma("GCC unroll 8") for (int b = 0; b < (NB); b++)                                                  \
+            _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) {                                             \
+                tg[m] = _mm512_add_ps(tg[m], ag[b * (M) + m]);                                                   \
+                if (GLU) tu[m] = _mm512_add_ps(tu[m], au[b * (M) + m]);                                          \
+            }                                                                                                    \
+    }                                                                                                            \
+    RTP_VEC_TARGET static void few_unit_##M##_##NB##_##GLU(int kind, const uint8_t *recs, int64_t nk,            \
+                                                           const uint32_t *xp, int64_t n0, int64_t N,            \
+                                                           const float *bias, void *out, int64_t ldo,            \
+                                                           int out_bf16) {                                       \
+        uint32_t wg[(NB) * 256] __attribute__((aligned(64))), wu[(GLU) ? (NB) * 256 : 16] __attribute__((aligned(64))); \
+        int64_t rb = record_bytes(kind), ldp = nk * 16, kb = 0;                                                  \
+        __m512 tg[M], tu[M];                                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) tg[m] = tu[m] = _mm512_setzero_ps();              \
+        for (; kb + (NB) <= nk; kb += (NB)) {                                                                    \
+            few_rows_tiles(kind, recs, kb, (NB), wg);                                                            \
+            if (GLU) few_rows_tiles(kind, recs + nk * rb, kb, (NB), wu);                                         \
+            few_blocks_##M##_##NB##_##GLU(wg, wu, xp + kb * 16, ldp, tg, tu);                                    \
+        }                                                                                                        \
+        for (; kb < nk; kb++) { /* the last nk % NB blocks, one at a time */                                    \
+            few_rows_tiles(kind, recs, kb, 1, wg);                                                               \
+            if (GLU) few_rows_tiles(kind, recs + nk * rb, kb, 1, wu);                                            \
+            few_blocks_##M##_1_##GLU(wg, wu, xp + kb * 16, ldp, tg, tu);                                         \
+        }                                                                                                        \
+        few_rows_store(tg, tu, M, GLU, n0, N, bias, out, ldo, out_bf16);                                         \
+    }
+
+/* The epilogues of store_rows and store_glu_rows (tile_blocks.h) on sums whose lanes are the features. */
+RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_rows_store(const __m512 *tg, const __m512 *tu,
+                                                                               const int M, const int glu,
+                                                                               int64_t n0, int64_t N,
+                                                                               const float *bias, void *out,
+                                                                               int64_t ldo, int out_bf16) {
+    if (glu) {
+        __m512 bg = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+        __m512 bu = bias ? _mm512_loadu_ps(bias + N / 2 + n0) : _mm512_setzero_ps();
+        for (int m = 0; m < M; m++) {
+            __m512 g = round_bf16(_mm512_add_ps(tg[m], bg)), u = round_bf16(_mm512_add_ps(tu[m], bu));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + m * ldo + n0), (__m256i)_mm512_cvtneps_pbh(silu_mul_ps(g, u)));
+        }
+        return;
+    }
+    __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        __m512 v = _mm512_add_ps(tg[m], b);
+        if (out_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + m * ldo + n0), (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_storeu_ps((float *)out + m * ldo + n0, v);
+    }
+}
+
+/* NB: chains of M x NB (x 2 with GLU) products, 8 to 16. */
+#define FEW_ROWS_COPIES(M, NB, NBG) \
+    FEW_ROWS_COPY(M, 1, 0) FEW_ROWS_COPY(M, 1, 1) FEW_ROWS_COPY(M, NB, 0) FEW_ROWS_COPY(M, NBG, 1)
+FEW_ROWS_COPIES(1, 8, 4)
+FEW_ROWS_COPIES(2, 4, 2)
+FEW_ROWS_COPIES(3, 4, 2)
+FEW_ROWS_COPIES(4, 2, 2)
+FEW_ROWS_COPY(5, 1, 0) FEW_ROWS_COPY(5, 1, 1) FEW_ROWS_COPY(5, 2, 0)
+FEW_ROWS_COPY(6, 1, 0) FEW_ROWS_COPY(6, 1, 1) FEW_ROWS_COPY(6, 2, 0)
+FEW_ROWS_COPY(7, 1, 0) FEW_ROWS_COPY(7, 1, 1)
+FEW_ROWS_COPY(8, 1, 0) FEW_ROWS_COPY(8, 1, 1)
+#undef FEW_ROWS_COPIES
+#undef FEW_ROWS_COPY
+
+/* rtp_gemm_avx for M <= FEW_ROWS: x rounded into bf16 rows once, then the units split over the threads. */
+RTP_VEC_TARGET static int gemm_few_rows(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
+                                        const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M,
+                                        int64_t N, int64_t K, int glu) {
+    int64_t nk = K / 32, units = glu ? N / 32 : N / 16, unit_bytes = (glu ? 2 : 1) * nk * record_bytes(kind);
+    uint16_t *xb = rtp_scratch_get(&packed_rows_scratch, (size_t)(M * K) * 2);
+    if (!xb) return 0;
+    for (int64_t m = 0; m < M; m++) {
+        if (!x_fp32) {
+            memcpy(xb + m * K, (const uint16_t *)x + m * ldx, (size_t)K * 2);
+            continue;
+        }
+        const float *s = (const float *)x + m * ldx;
+        for (int64_t k = 0; k < K; k += 16)
+            _mm256_store_si256((__m256i *)(xb + m * K + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + k)));
+    }
+    const uint32_t *xp = (const uint32_t *)xb;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *recs = weights + u * unit_bytes;
+        if (u + 1 < units) /* as in rtp_gemm_avx: the next unit's records into L2 */
+            for (int64_t off = 0; off < unit_bytes; off += 64) rtp_prefetch_l2(recs + unit_bytes + off);
+        switch (M * 2 + (glu != 0)) {
+#define FEW(m, nb, nbg)                                                                                 \
+    case 2 * m: few_unit_##m##_##nb##_0(kind, recs, nk, xp, 16 * u, N, bias, out, ldo, out_bf16); break; \
+    case 2 * m + 1: few_unit_##m##_##nbg##_1(kind, recs, nk, xp, 16 * u, N, bias, out, ldo, out_bf16); break;
+            FEW(1, 8, 4) FEW(2, 4, 2) FEW(3, 4, 2) FEW(4, 2, 2) FEW(5, 2, 1) FEW(6, 2, 1) FEW(7, 1, 1) FEW(8, 1, 1)
+#undef FEW
+        }
+    }
+    return 1;
+}
+
 /* rtp_linear_amx's contract (amx_linear.c), for any number of rows, without AMX. */
 RTP_VEC_TARGET int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                                 const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N,
                                 int64_t K, int glu) {
     if (glu && (!out_bf16 || N % 32)) return 0;
+    if (M <= FEW_ROWS) return gemm_few_rows(x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, M, N, K, glu);
     int64_t nk = K / 32, ngroups = (M + 15) / 16, ntiles = N / 16, rb = record_bytes(kind);
     int64_t units = glu ? ntiles / 2 : ntiles; /* output tiles of 16 features: one weight tile each, or a pair */
     int64_t unit_bytes = (glu ? 2 : 1) * nk * rb;
