@@ -84,7 +84,8 @@ RTP_VEC_TARGET static void pack_group(const void *x, int x_fp32, int64_t ldx, in
 COLUMN_PRODUCT(column_product, __m512, pair_tile_product, _mm512_setzero_ps, _mm512_add_ps, _mm512_load_ps,
                _mm512_store_ps)
 /* A group of at most 8 rows: the same products on the lower 8 lanes, so each row's sums are the same
- * bits as in a full group. A decode step of 2-8 rows: SmolLM2's qkv 0.071 -> 0.046 ms. */
+ * bits as in a full group: the last group of a batch past FEW_ROWS rows (21 rows: 16 + 5). Batches of
+ * 2-8 rows take the few-row loop below (as this loop, SmolLM2's qkv at 2 rows took 0.046-0.071 ms). */
 COLUMN_PRODUCT(column_product8, __m256, pair_tile_product8, _mm256_setzero_ps, _mm256_add_ps, _mm256_load_ps,
                _mm256_store_ps)
 
@@ -121,56 +122,6 @@ RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_rows_tiles(
     }
 }
 
-/* One copy per (M rows, NB k blocks at a time, GLU) with its arrays sized exactly: GCC keeps such arrays in
- * registers, where one sized for the largest case went to the stack with every broadcast beside it.
- *   few_blocks_*: tg[m] (lanes: the tile's 16 features) += NB k blocks of row m in order, for rows whose
- *     pairs are at x + m ldp, the blocks' B tiles at wg (and an MLP's up tiles at wu, into tu). The NB x M
- *     chains run side by side, since a product waits for the one before it in its chain; each broadcast
- *     row pair feeds the gate and the up product.
- *   few_unit_*: one unit (16 output features, or an MLP's 16 gate and 16 up features) over the rows of
- *     bf16 pairs xp (row m at xp + m K / 2), into out as rtp_gemm_avx's epilogues store it. */
-#define FEW_ROWS_COPY(M, NB, GLU)                                                                                \
-    RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_blocks_##M##_##NB##_##GLU(              \
-        const uint32_t *wg, const uint32_t *wu, const uint32_t *x, int64_t ldp, __m512 *tg, __m512 *tu) {        \
-        __m512 ag[(M) * (NB)], au[(M) * (NB)];                                                                   \
-        _Pragma("GCC unroll 16") for (int i = 0; i < (M) * (NB); i++) ag[i] = au[i] = _mm512_setzero_ps();      \
-        _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++)                                                   \
-            _Pragma("GCC unroll 8") for (int b = 0; b < (NB); b++) {                                            \
-                __m512bh g = (__m512bh)_mm512_load_si512((const void *)(wg + 256 * b + 16 * r));                 \
-                __m512bh u = (__m512bh)_mm512_load_si512((const void *)((GLU) ? wu + 256 * b + 16 * r : wg));    \
-                _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) {                                         \
-                    __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[m * ldp + 16 * b + r]);                     \
-                    ag[b * (M) + m] = _mm512_dpbf16_ps(ag[b * (M) + m], g, xv);                                  \
-                    if (GLU) au[b * (M) + m] = _mm512_dpbf16_ps(au[b * (M) + m], u, xv);                          \
-                }                                                                                                \
-            }                                                                                                    \
-        _Pragma("GCC unroll 8") for (int b = 0; b < (NB); b++)                                                  \
-            _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) {                                             \
-                tg[m] = _mm512_add_ps(tg[m], ag[b * (M) + m]);                                                   \
-                if (GLU) tu[m] = _mm512_add_ps(tu[m], au[b * (M) + m]);                                          \
-            }                                                                                                    \
-    }                                                                                                            \
-    RTP_VEC_TARGET static void few_unit_##M##_##NB##_##GLU(int kind, const uint8_t *recs, int64_t nk,            \
-                                                           const uint32_t *xp, int64_t n0, int64_t N,            \
-                                                           const float *bias, void *out, int64_t ldo,            \
-                                                           int out_bf16) {                                       \
-        uint32_t wg[(NB) * 256] __attribute__((aligned(64))), wu[(GLU) ? (NB) * 256 : 16] __attribute__((aligned(64))); \
-        int64_t rb = record_bytes(kind), ldp = nk * 16, kb = 0;                                                  \
-        __m512 tg[M], tu[M];                                                                                     \
-        _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) tg[m] = tu[m] = _mm512_setzero_ps();              \
-        for (; kb + (NB) <= nk; kb += (NB)) {                                                                    \
-            few_rows_tiles(kind, recs, kb, (NB), wg);                                                            \
-            if (GLU) few_rows_tiles(kind, recs + nk * rb, kb, (NB), wu);                                         \
-            few_blocks_##M##_##NB##_##GLU(wg, wu, xp + kb * 16, ldp, tg, tu);                                    \
-        }                                                                                                        \
-        for (; kb < nk; kb++) { /* the last nk % NB blocks, one at a time */                                    \
-            few_rows_tiles(kind, recs, kb, 1, wg);                                                               \
-            if (GLU) few_rows_tiles(kind, recs + nk * rb, kb, 1, wu);                                            \
-            few_blocks_##M##_1_##GLU(wg, wu, xp + kb * 16, ldp, tg, tu);                                         \
-        }                                                                                                        \
-        few_rows_store(tg, tu, M, GLU, n0, N, bias, out, ldo, out_bf16);                                         \
-    }
-
 /* The epilogues of store_rows and store_glu_rows (tile_blocks.h) on sums whose lanes are the features. */
 RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_rows_store(const __m512 *tg, const __m512 *tu,
                                                                                const int M, const int glu,
@@ -196,19 +147,69 @@ RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_rows_store(
     }
 }
 
-/* NB: chains of M x NB (x 2 with GLU) products, 8 to 16. */
-#define FEW_ROWS_COPIES(M, NB, NBG) \
-    FEW_ROWS_COPY(M, 1, 0) FEW_ROWS_COPY(M, 1, 1) FEW_ROWS_COPY(M, NB, 0) FEW_ROWS_COPY(M, NBG, 1)
-FEW_ROWS_COPIES(1, 8, 4)
-FEW_ROWS_COPIES(2, 4, 2)
-FEW_ROWS_COPIES(3, 4, 2)
-FEW_ROWS_COPIES(4, 2, 2)
-FEW_ROWS_COPY(5, 1, 0) FEW_ROWS_COPY(5, 1, 1) FEW_ROWS_COPY(5, 2, 0)
-FEW_ROWS_COPY(6, 1, 0) FEW_ROWS_COPY(6, 1, 1) FEW_ROWS_COPY(6, 2, 0)
-FEW_ROWS_COPY(7, 1, 0) FEW_ROWS_COPY(7, 1, 1)
-FEW_ROWS_COPY(8, 1, 0) FEW_ROWS_COPY(8, 1, 1)
-#undef FEW_ROWS_COPIES
-#undef FEW_ROWS_COPY
+/* Copies per (M rows, NB k blocks at a time, GLU) with their arrays sized exactly: GCC keeps such arrays in
+ * registers, where one sized for the largest case went to the stack with every broadcast beside it.
+ *   few_blocks_M_NB_GLU: tg[m] (lanes: the tile's 16 features) += NB k blocks of row m in order, for rows
+ *     whose pairs are at x + m ldp, the blocks' B tiles at wg (and an MLP's up tiles at wu, into tu). The
+ *     NB x M chains run side by side, since a product waits for the one before it in its chain; each
+ *     broadcast row pair feeds the gate and the up product.
+ *   few_unit_M_GLU: one unit (16 output features, or an MLP's 16 gate and 16 up features) over the rows of
+ *     bf16 pairs xp (row m at xp + m K / 2), NB blocks at a time and the last nk % NB one by one, into out
+ *     as rtp_gemm_avx's epilogues store it. */
+#define FEW_BLOCKS(M, NB, GLU)                                                                                   \
+    RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_blocks_##M##_##NB##_##GLU(              \
+        const uint32_t *wg, const uint32_t *wu, const uint32_t *x, int64_t ldp, __m512 *tg, __m512 *tu) {        \
+        __m512 ag[(M) * (NB)], au[(M) * (NB)];                                                                   \
+        _Pragma("GCC unroll 16") for (int i = 0; i < (M) * (NB); i++) ag[i] = au[i] = _mm512_setzero_ps();      \
+        _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++)                                                   \
+            _Pragma("GCC unroll 8") for (int b = 0; b < (NB); b++) {                                            \
+                __m512bh g = (__m512bh)_mm512_load_si512((const void *)(wg + 256 * b + 16 * r));                 \
+                __m512bh u = (__m512bh)_mm512_load_si512((const void *)((GLU) ? wu + 256 * b + 16 * r : wg));    \
+                _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) {                                         \
+                    __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[m * ldp + 16 * b + r]);                     \
+                    ag[b * (M) + m] = _mm512_dpbf16_ps(ag[b * (M) + m], g, xv);                                  \
+                    if (GLU) au[b * (M) + m] = _mm512_dpbf16_ps(au[b * (M) + m], u, xv);                          \
+                }                                                                                                \
+            }                                                                                                    \
+        _Pragma("GCC unroll 8") for (int b = 0; b < (NB); b++)                                                  \
+            _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) {                                             \
+                tg[m] = _mm512_add_ps(tg[m], ag[b * (M) + m]);                                                   \
+                if (GLU) tu[m] = _mm512_add_ps(tu[m], au[b * (M) + m]);                                          \
+            }                                                                                                    \
+    }
+
+#define FEW_UNIT(M, NB, GLU)                                                                                     \
+    RTP_VEC_TARGET static void few_unit_##M##_##GLU(int kind, const uint8_t *recs, int64_t nk, const uint32_t *xp, \
+                                                    int64_t n0, int64_t N, const float *bias, void *out,         \
+                                                    int64_t ldo, int out_bf16) {                                 \
+        uint32_t wg[(NB) * 256] __attribute__((aligned(64))), wu[(GLU) ? (NB) * 256 : 16] __attribute__((aligned(64))); \
+        int64_t rb = record_bytes(kind), ldp = nk * 16, kb = 0;                                                  \
+        __m512 tg[M], tu[M];                                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) tg[m] = tu[m] = _mm512_setzero_ps();              \
+        for (; kb + (NB) <= nk; kb += (NB)) {                                                                    \
+            few_rows_tiles(kind, recs, kb, (NB), wg);                                                            \
+            if (GLU) few_rows_tiles(kind, recs + nk * rb, kb, (NB), wu);                                         \
+            few_blocks_##M##_##NB##_##GLU(wg, wu, xp + kb * 16, ldp, tg, tu);                                    \
+        }                                                                                                        \
+        for (; kb < nk; kb++) {                                                                                  \
+            few_rows_tiles(kind, recs, kb, 1, wg);                                                               \
+            if (GLU) few_rows_tiles(kind, recs + nk * rb, kb, 1, wu);                                            \
+            few_blocks_##M##_1_##GLU(wg, wu, xp + kb * 16, ldp, tg, tu);                                         \
+        }                                                                                                        \
+        few_rows_store(tg, tu, M, GLU, n0, N, bias, out, ldo, out_bf16);                                         \
+    }
+
+/* NB for each M: chains of M x NB (x 2 with GLU) products, 8 to 16 (NB = 1 also serves every tail). */
+FEW_BLOCKS(1, 1, 0) FEW_BLOCKS(1, 1, 1) FEW_BLOCKS(1, 8, 0) FEW_BLOCKS(1, 4, 1) FEW_UNIT(1, 8, 0) FEW_UNIT(1, 4, 1)
+FEW_BLOCKS(2, 1, 0) FEW_BLOCKS(2, 1, 1) FEW_BLOCKS(2, 4, 0) FEW_BLOCKS(2, 2, 1) FEW_UNIT(2, 4, 0) FEW_UNIT(2, 2, 1)
+FEW_BLOCKS(3, 1, 0) FEW_BLOCKS(3, 1, 1) FEW_BLOCKS(3, 4, 0) FEW_BLOCKS(3, 2, 1) FEW_UNIT(3, 4, 0) FEW_UNIT(3, 2, 1)
+FEW_BLOCKS(4, 1, 0) FEW_BLOCKS(4, 1, 1) FEW_BLOCKS(4, 2, 0) FEW_BLOCKS(4, 2, 1) FEW_UNIT(4, 2, 0) FEW_UNIT(4, 2, 1)
+FEW_BLOCKS(5, 1, 0) FEW_BLOCKS(5, 1, 1) FEW_BLOCKS(5, 2, 0) FEW_UNIT(5, 2, 0) FEW_UNIT(5, 1, 1)
+FEW_BLOCKS(6, 1, 0) FEW_BLOCKS(6, 1, 1) FEW_BLOCKS(6, 2, 0) FEW_UNIT(6, 2, 0) FEW_UNIT(6, 1, 1)
+FEW_BLOCKS(7, 1, 0) FEW_BLOCKS(7, 1, 1) FEW_UNIT(7, 1, 0) FEW_UNIT(7, 1, 1)
+FEW_BLOCKS(8, 1, 0) FEW_BLOCKS(8, 1, 1) FEW_UNIT(8, 1, 0) FEW_UNIT(8, 1, 1)
+#undef FEW_UNIT
+#undef FEW_BLOCKS
 
 /* rtp_gemm_avx for M <= FEW_ROWS: x rounded into bf16 rows once, then the units split over the threads. */
 RTP_VEC_TARGET static int gemm_few_rows(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
@@ -233,10 +234,10 @@ RTP_VEC_TARGET static int gemm_few_rows(const void *x, int64_t ldx, int x_fp32, 
         if (u + 1 < units) /* as in rtp_gemm_avx: the next unit's records into L2 */
             for (int64_t off = 0; off < unit_bytes; off += 64) rtp_prefetch_l2(recs + unit_bytes + off);
         switch (M * 2 + (glu != 0)) {
-#define FEW(m, nb, nbg)                                                                                 \
-    case 2 * m: few_unit_##m##_##nb##_0(kind, recs, nk, xp, 16 * u, N, bias, out, ldo, out_bf16); break; \
-    case 2 * m + 1: few_unit_##m##_##nbg##_1(kind, recs, nk, xp, 16 * u, N, bias, out, ldo, out_bf16); break;
-            FEW(1, 8, 4) FEW(2, 4, 2) FEW(3, 4, 2) FEW(4, 2, 2) FEW(5, 2, 1) FEW(6, 2, 1) FEW(7, 1, 1) FEW(8, 1, 1)
+#define FEW(m)                                                                                       \
+    case 2 * m: few_unit_##m##_0(kind, recs, nk, xp, 16 * u, N, bias, out, ldo, out_bf16); break; \
+    case 2 * m + 1: few_unit_##m##_1(kind, recs, nk, xp, 16 * u, N, bias, out, ldo, out_bf16); break;
+            FEW(1) FEW(2) FEW(3) FEW(4) FEW(5) FEW(6) FEW(7) FEW(8)
 #undef FEW
         }
     }
