@@ -60,23 +60,6 @@ AMX_TARGET static void dequant_column(int kind, const uint8_t *recs, int64_t nk,
 /* This thread's weight tiles, rows and parked sums (scratch.h). */
 static __thread rtp_scratch weight_scratch, rows_scratch, acc_scratch;
 
-/* Rows [m0, m0 + rows) of x as bf16 rows of K, zero up to a multiple of 16 rows. */
-AMX_TARGET static void copy_rows(const void *x, int x_fp32, int64_t ldx, int64_t m0, int64_t rows, int64_t K,
-                                 uint16_t *dst) {
-    int64_t padded = (rows + 15) / 16 * 16;
-    for (int64_t m = 0; m < rows; m++) {
-        uint16_t *d = dst + m * K;
-        if (!x_fp32) {
-            memcpy(d, (const uint16_t *)x + (m0 + m) * ldx, (size_t)K * 2);
-            continue;
-        }
-        const float *s = (const float *)x + (m0 + m) * ldx;
-        for (int64_t k = 0; k < K; k += 16)
-            _mm256_store_si256((__m256i *)(d + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + k)));
-    }
-    memset(dst + rows * K, 0, (size_t)((padded - rows) * K) * 2);
-}
-
 /* Up to 2 x 2 output tiles: row tiles at a (and a + 16 rows, when two_m), weight tiles b0 (and b1,
  * when two_n), over k blocks [k0, k1); the fp32 sums start from zero (k0 == 0) or from c, and go to
  * c[0] (a x b0), c[1] (a x b1), c[2], c[3].
@@ -149,7 +132,7 @@ AMX_TARGET int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, co
                 const uint16_t *xa = (const uint16_t *)x + m0 * ldx;
                 int64_t lda = ldx;
                 if (x_fp32 || rows % 16 || ldx % 2) {
-                    copy_rows(x, x_fp32, ldx, m0, rows, K, xb);
+                    copy_rows_bf16(x, x_fp32, ldx, m0, rows, K, xb);
                     xa = xb;
                     lda = K;
                 }

@@ -122,29 +122,22 @@ RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_rows_tiles(
     }
 }
 
-/* The epilogues of store_rows and store_glu_rows (tile_blocks.h) on sums whose lanes are the features. */
+/* The sums of M rows (lanes: 16 features) through the GEMMs' epilogues (tile_blocks.h), which read rows of
+ * 16 fp32 from memory: one definition of the bias, the rounding and silu * up for every loop. */
 RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_rows_store(const __m512 *tg, const __m512 *tu,
                                                                                const int M, const int glu,
                                                                                int64_t n0, int64_t N,
                                                                                const float *bias, void *out,
                                                                                int64_t ldo, int out_bf16) {
-    if (glu) {
-        __m512 bg = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-        __m512 bu = bias ? _mm512_loadu_ps(bias + N / 2 + n0) : _mm512_setzero_ps();
-        for (int m = 0; m < M; m++) {
-            __m512 g = round_bf16(_mm512_add_ps(tg[m], bg)), u = round_bf16(_mm512_add_ps(tu[m], bu));
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + m * ldo + n0), (__m256i)_mm512_cvtneps_pbh(silu_mul_ps(g, u)));
-        }
-        return;
-    }
-    __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    float cg[FEW_ROWS * 16] __attribute__((aligned(64))), cu[FEW_ROWS * 16] __attribute__((aligned(64)));
     for (int m = 0; m < M; m++) {
-        __m512 v = _mm512_add_ps(tg[m], b);
-        if (out_bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + m * ldo + n0), (__m256i)_mm512_cvtneps_pbh(v));
-        else
-            _mm512_storeu_ps((float *)out + m * ldo + n0, v);
+        _mm512_store_ps(cg + 16 * m, tg[m]);
+        if (glu) _mm512_store_ps(cu + 16 * m, tu[m]);
     }
+    if (glu)
+        store_glu_rows(cg, cu, 0, M, n0, bias, bias ? bias + N / 2 : NULL, out, ldo);
+    else
+        store_rows(cg, 0, M, n0, bias, out, ldo, out_bf16);
 }
 
 /* Copies per (M rows, NB k blocks at a time, GLU) with their arrays sized exactly: GCC keeps such arrays in
@@ -216,17 +209,9 @@ RTP_VEC_TARGET static int gemm_few_rows(const void *x, int64_t ldx, int x_fp32, 
                                         const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M,
                                         int64_t N, int64_t K, int glu) {
     int64_t nk = K / 32, units = glu ? N / 32 : N / 16, unit_bytes = (glu ? 2 : 1) * nk * record_bytes(kind);
-    uint16_t *xb = rtp_scratch_get(&packed_rows_scratch, (size_t)(M * K) * 2);
+    uint16_t *xb = rtp_scratch_get(&packed_rows_scratch, (size_t)(16 * K) * 2);
     if (!xb) return 0;
-    for (int64_t m = 0; m < M; m++) {
-        if (!x_fp32) {
-            memcpy(xb + m * K, (const uint16_t *)x + m * ldx, (size_t)K * 2);
-            continue;
-        }
-        const float *s = (const float *)x + m * ldx;
-        for (int64_t k = 0; k < K; k += 16)
-            _mm256_store_si256((__m256i *)(xb + m * K + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + k)));
-    }
+    copy_rows_bf16(x, x_fp32, ldx, 0, M, K, xb);
     const uint32_t *xp = (const uint32_t *)xb;
 #pragma omp parallel for schedule(static)
     for (int64_t u = 0; u < units; u++) {

@@ -9,6 +9,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "vec_math.h"
 
@@ -62,6 +63,24 @@ RTP_VEC_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uin
         }
         _mm512_store_si512((void *)(tile + r * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
+}
+
+/* Rows [m0, m0 + rows) of x (bf16, or fp32 rounded to nearest even) as bf16 rows of K, zero up to a multiple
+ * of 16 rows (amx_gemm.c's A operand, avx_gemm.c's few rows). */
+RTP_VEC_TARGET static inline void copy_rows_bf16(const void *x, int x_fp32, int64_t ldx, int64_t m0, int64_t rows,
+                                                 int64_t K, uint16_t *dst) {
+    int64_t padded = (rows + 15) / 16 * 16;
+    for (int64_t m = 0; m < rows; m++) {
+        uint16_t *d = dst + m * K;
+        if (!x_fp32) {
+            memcpy(d, (const uint16_t *)x + (m0 + m) * ldx, (size_t)K * 2);
+            continue;
+        }
+        const float *s = (const float *)x + (m0 + m) * ldx;
+        for (int64_t k = 0; k < K; k += 16)
+            _mm256_store_si256((__m256i *)(d + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + k)));
+    }
+    memset(dst + rows * K, 0, (size_t)((padded - rows) * K) * 2);
 }
 
 /* v rounded to bf16 (nearest even) and widened back. */
