@@ -47,16 +47,6 @@
  * whose columns fit) cost 7-30 % in the loop: each slice loads and stores the accumulators again. */
 #define KSLICE 16
 
-/* The nk weight tiles of one record column as B tiles, 1 KiB each. */
-AMX_TARGET static void dequant_column(int kind, const uint8_t *recs, int64_t nk, uint32_t *b) {
-    uint16_t rows[16 * 32] __attribute__((aligned(64)));
-    int64_t rb = record_bytes(kind);
-    for (int64_t kb = 0; kb < nk; kb++) {
-        dequant_tile(kind, recs + kb * rb, rows);
-        transpose16x16((const uint32_t *)rows, b + kb * 256);
-    }
-}
-
 /* This thread's weight tiles, rows and parked sums (scratch.h). */
 static __thread rtp_scratch weight_scratch, rows_scratch, acc_scratch;
 
@@ -133,6 +123,7 @@ AMX_TARGET int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, co
                 int64_t lda = ldx;
                 if (x_fp32 || rows % 16 || ldx % 2) {
                     copy_rows_bf16(x, x_fp32, ldx, m0, rows, K, xb);
+                    memset(xb + rows * K, 0, (size_t)((nmt * 16 - rows) * K) * 2); /* whole row tiles */
                     xa = xb;
                     lda = K;
                 }
@@ -140,8 +131,8 @@ AMX_TARGET int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, co
                     uint32_t *w = wb + (keep ? u - u0 : 0) * 2 * nk * 256;
                     int two_n = 2 * u + 1 < ntiles;
                     if (c == 0 || !keep) {
-                        dequant_column(kind, weights + 2 * u * nk * rb, nk, w);
-                        if (two_n) dequant_column(kind, weights + (2 * u + 1) * nk * rb, nk, w + nk * 256);
+                        dequant_b_tiles(kind, weights + 2 * u * nk * rb, nk, w);
+                        if (two_n) dequant_b_tiles(kind, weights + (2 * u + 1) * nk * rb, nk, w + nk * 256);
                     }
                     for (int64_t sl = 0; sl < nslices; sl++) {
                         int64_t k0 = nk * sl / nslices, k1 = nk * (sl + 1) / nslices, last = sl == nslices - 1;

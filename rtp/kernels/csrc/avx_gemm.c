@@ -89,8 +89,8 @@ COLUMN_PRODUCT(column_product, __m512, pair_tile_product, _mm512_setzero_ps, _mm
 COLUMN_PRODUCT(column_product8, __m256, pair_tile_product8, _mm256_setzero_ps, _mm256_add_ps, _mm256_load_ps,
                _mm256_store_ps)
 
-/* The nk weight tiles of one record column, dequantized as they lie (rows of 16 features; amx_gemm.c's
- * dequant_column transposes them into AMX's B layout instead). */
+/* The nk weight tiles of one record column, dequantized as they lie (rows of 16 features; dequant_b_tiles,
+ * tile_blocks.h, transposes them into B layout instead). */
 RTP_VEC_TARGET static void dequant_rows_column(int kind, const uint8_t *recs, int64_t nk, uint32_t *w) {
     int64_t rb = record_bytes(kind);
     for (int64_t kb = 0; kb < nk; kb++) dequant_tile(kind, recs + kb * rb, (uint16_t *)(w + kb * 256));
@@ -109,18 +109,6 @@ RTP_VEC_TARGET static void dequant_rows_column(int kind, const uint8_t *recs, in
  * 2 rows 12.8-16.2 -> 7.1-9.3 ms, 4 rows 14.0-14.7 -> 9.5-12.5, 8 rows 14.2-15.9 -> 12.0-12.8; at 16 the
  * rows-in-lanes loop stays (17-19 ms either way). */
 #define FEW_ROWS 8
-
-/* NB k blocks of a record column from block kb on, dequantized and transposed into B layout at wt + 256 b. */
-RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_rows_tiles(int kind, const uint8_t *recs,
-                                                                               int64_t kb, const int NB,
-                                                                               uint32_t *wt) {
-    uint16_t tile[16 * 32] __attribute__((aligned(64)));
-    int64_t rb = record_bytes(kind);
-    for (int b = 0; b < NB; b++) {
-        dequant_tile(kind, recs + (kb + b) * rb, tile);
-        transpose16x16((const uint32_t *)tile, wt + 256 * b);
-    }
-}
 
 /* The sums of M rows (lanes: 16 features) through the GEMMs' epilogues (tile_blocks.h), which read rows of
  * 16 fp32 from memory: one definition of the bias, the rounding and silu * up for every loop. */
@@ -180,13 +168,13 @@ RTP_VEC_TARGET static inline __attribute__((always_inline)) void few_rows_store(
         __m512 tg[M], tu[M];                                                                                     \
         _Pragma("GCC unroll 8") for (int m = 0; m < (M); m++) tg[m] = tu[m] = _mm512_setzero_ps();              \
         for (; kb + (NB) <= nk; kb += (NB)) {                                                                    \
-            few_rows_tiles(kind, recs, kb, (NB), wg);                                                            \
-            if (GLU) few_rows_tiles(kind, recs + nk * rb, kb, (NB), wu);                                         \
+            dequant_b_tiles(kind, recs + kb * rb, (NB), wg);                                                            \
+            if (GLU) dequant_b_tiles(kind, recs + (nk + kb) * rb, (NB), wu);                                         \
             few_blocks_##M##_##NB##_##GLU(wg, wu, xp + kb * 16, ldp, tg, tu);                                    \
         }                                                                                                        \
         for (; kb < nk; kb++) {                                                                                  \
-            few_rows_tiles(kind, recs, kb, 1, wg);                                                               \
-            if (GLU) few_rows_tiles(kind, recs + nk * rb, kb, 1, wu);                                            \
+            dequant_b_tiles(kind, recs + kb * rb, 1, wg);                                                               \
+            if (GLU) dequant_b_tiles(kind, recs + (nk + kb) * rb, 1, wu);                                            \
             few_blocks_##M##_1_##GLU(wg, wu, xp + kb * 16, ldp, tg, tu);                                         \
         }                                                                                                        \
         few_rows_store(tg, tu, M, GLU, n0, N, bias, out, ldo, out_bf16);                                         \
@@ -209,7 +197,7 @@ RTP_VEC_TARGET static int gemm_few_rows(const void *x, int64_t ldx, int x_fp32, 
                                         const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M,
                                         int64_t N, int64_t K, int glu) {
     int64_t nk = K / 32, units = glu ? N / 32 : N / 16, unit_bytes = (glu ? 2 : 1) * nk * record_bytes(kind);
-    uint16_t *xb = rtp_scratch_get(&packed_rows_scratch, (size_t)(16 * K) * 2);
+    uint16_t *xb = rtp_scratch_get(&packed_rows_scratch, (size_t)(M * K) * 2);
     if (!xb) return 0;
     copy_rows_bf16(x, x_fp32, ldx, 0, M, K, xb);
     const uint32_t *xp = (const uint32_t *)xb;

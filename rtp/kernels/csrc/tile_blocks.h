@@ -65,11 +65,10 @@ RTP_VEC_TARGET static inline void dequant_tile(int kind, const uint8_t *rec, uin
     }
 }
 
-/* Rows [m0, m0 + rows) of x (bf16, or fp32 rounded to nearest even) as bf16 rows of K, zero up to a multiple
- * of 16 rows (amx_gemm.c's A operand, avx_gemm.c's few rows). */
+/* Rows [m0, m0 + rows) of x (bf16, or fp32 rounded to nearest even) as bf16 rows of K (amx_gemm.c's A
+ * operand, avx_gemm.c's few rows). */
 RTP_VEC_TARGET static inline void copy_rows_bf16(const void *x, int x_fp32, int64_t ldx, int64_t m0, int64_t rows,
                                                  int64_t K, uint16_t *dst) {
-    int64_t padded = (rows + 15) / 16 * 16;
     for (int64_t m = 0; m < rows; m++) {
         uint16_t *d = dst + m * K;
         if (!x_fp32) {
@@ -80,7 +79,6 @@ RTP_VEC_TARGET static inline void copy_rows_bf16(const void *x, int x_fp32, int6
         for (int64_t k = 0; k < K; k += 16)
             _mm256_store_si256((__m256i *)(d + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + k)));
     }
-    memset(dst + rows * K, 0, (size_t)((padded - rows) * K) * 2);
 }
 
 /* v rounded to bf16 (nearest even) and widened back. */
@@ -114,6 +112,17 @@ RTP_VEC_TARGET static inline void transpose16x16(const uint32_t *in, uint32_t *o
         r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
     }
     for (int i = 0; i < 16; i++) _mm512_store_si512((void *)(out + 16 * i), r[i]);
+}
+
+/* The n weight tiles of a record column from recs on as B tiles (1 KiB each: row r holds the 16 features'
+ * pair r), the layout of AMX's B operand (amx_gemm.c) and of avx_gemm.c's few-row loop. */
+RTP_VEC_TARGET static inline void dequant_b_tiles(int kind, const uint8_t *recs, int64_t n, uint32_t *b) {
+    uint16_t rows[16 * 32] __attribute__((aligned(64)));
+    int64_t rb = record_bytes(kind);
+    for (int64_t kb = 0; kb < n; kb++) {
+        dequant_tile(kind, recs + kb * rb, rows);
+        transpose16x16((const uint32_t *)rows, b + kb * 256);
+    }
 }
 
 /* The epilogues of the GEMMs (amx_gemm.c, avx_gemm.c), whose sums come out as 16 rows of 16 fp32 at
