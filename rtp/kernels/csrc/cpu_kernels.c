@@ -622,6 +622,37 @@ static inline int64_t window_start(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
 }
 
+/* The next task's keys, streamed into L2 while this task computes. A row's K and V rows of every kv head
+ * (768 bytes a token for SmolLM2) are read from memory by its first kv head and from L2 by the others, so
+ * with each task pulling its own tokens, memory sat idle through two thirds of every task and the first
+ * head's loop waited on it. Each thread claims its next task before it starts the current one
+ * (rtp_paged_decode_attention_bf16) and spreads the next task's tokens over the current task's score loops,
+ * at the pace of its key visits, so the next task finds them in L2 and memory streams throughout. */
+typedef struct {
+    const int32_t *table;  /* the next task's block table; NULL: nothing to stream */
+    int64_t at, end;       /* the next token to prefetch, one past the last */
+    int64_t total;         /* the next task's tokens */
+    int64_t visits, done;  /* this task's key visits (kv heads x keys), and those made so far */
+} key_stream;
+
+/* Prefetch the next task's tokens [s->at, upto) into L2: every kv head's K and V rows (and an int8
+ * cache's scales). */
+TARGET static inline void stream_tokens(key_stream *s, const kv_view *kv, int64_t upto) {
+    if (upto > s->end) upto = s->end;
+    for (; s->at < upto; s->at++) {
+        int64_t blk = s->at / kv->block_size;
+        int64_t slot = (int64_t)s->table[blk] * kv->block_size + (s->at - blk * kv->block_size);
+        for (int64_t c = 0; c < kv->tok_bytes; c += 64) {
+            rtp_prefetch_l2(kv->k + slot * kv->tok_bytes + c);
+            rtp_prefetch_l2(kv->v + slot * kv->tok_bytes + c);
+        }
+        if (kv->ks) {
+            rtp_prefetch_l2(kv->ks + slot * kv->hkv);
+            rtp_prefetch_l2(kv->vs + slot * kv->hkv);
+        }
+    }
+}
+
 /* One (row, kv head) task. Always inlined into call sites with constant G, NC and I8, so the
  * compiler unrolls the head and dimension loops and keeps the accumulators in registers
  * (with them as variables every accumulator lived on the stack: 3x slower).
@@ -634,7 +665,8 @@ static inline int64_t window_start(int64_t len, int64_t window) {
 TARGET static inline __attribute__((always_inline)) void attend_task(
         const uint16_t *q, const kv_view *kv, const int32_t *table, int64_t len, int64_t k_lo, int64_t k_hi,
         uint16_t *o, float *part, int64_t b, int64_t h, int64_t H, int64_t D, float scale, int64_t window, float softcap,
-        const int64_t G, const int64_t NC, int next_head, int whole_tokens, const int I8, __m512 *acc) {
+        const int64_t G, const int64_t NC, int next_head, int whole_tokens, key_stream *stream, const int I8,
+        __m512 *acc) {
     int64_t first = window_start(len, window);
     if (first < k_lo) first = k_lo; /* a part of a long row (RTP_ATTN_PART): its keys alone */
     int64_t row_bytes = kv->head_bytes;
@@ -692,6 +724,13 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
             int64_t nn = key_rows(kv, table, h, s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp, nks, nvs, I8);
             const char *fkp[KEYS], *fvp[KEYS];
             int64_t nf = whole ? key_rows(kv, table, 0, s0 + (ch + AHEAD) * KEYS, k_hi, fkp, fvp, NULL, NULL, 0) : 0;
+            /* the next task's tokens this chunk streams: its share of them by this task's key visits */
+            int64_t from = 0, quota = 0;
+            if (stream) {
+                stream->done += nt;
+                from = stream->at;
+                quota = (stream->done * stream->total + stream->visits - 1) / stream->visits - (from - (stream->end - stream->total));
+            }
             /* per key and query head a vector of partial dot products, summed 16 at once */
             __m512 part[MAX_GROUP][KEYS];
             for (int64_t i = 0; i < KEYS; i++) {
@@ -701,6 +740,7 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
                     prefetch_row(fkp[i], kv->tok_bytes, 1);
                     prefetch_row(fvp[i], kv->tok_bytes, 1);
                 }
+                if (quota > 0) stream_tokens(stream, kv, from + quota * (i + 1) / KEYS);
                 if (i >= nt) {
                     for (int64_t g = 0; g < G; g++) part[g][i] = _mm512_setzero_ps();
                     continue;
@@ -850,6 +890,46 @@ TARGET static void merge_attention_parts(const float *parts, int64_t part_stride
     }
 }
 
+/* Decode attention's tasks: the short rows' (row, or row and kv head) first, then the long rows' parts
+ * (RTP_ATTN_PART), each row's kv heads split alike. */
+typedef struct {
+    const int32_t *seq_lens;
+    int64_t B, per_row, Hkv, nparts, short_tasks, window;
+} attention_tasks;
+
+typedef struct {
+    int run;           /* whether the task attends keys; if not and zero, its row is empty: zeros out */
+    int zero;
+    int64_t b, h0, h1; /* its row and kv heads [h0, h1) */
+    int64_t p;         /* its part of a long row, or -1 */
+    int64_t len, k_lo, k_hi;
+} attention_task;
+
+static inline attention_task attention_task_at(const attention_tasks *ts, int64_t task) {
+    attention_task t = {0};
+    int64_t long_part = task >= ts->short_tasks, u = long_part ? task - ts->short_tasks : task;
+    int64_t p = long_part ? u % ts->nparts : -1, ru = long_part ? u / ts->nparts : u;
+    t.b = ru / ts->per_row;
+    t.h0 = ts->per_row == 1 ? 0 : ru % ts->per_row;
+    t.h1 = ts->per_row == 1 ? ts->Hkv : t.h0 + 1;
+    t.p = p;
+    t.len = ts->seq_lens[t.b];
+    t.k_lo = long_part ? p * RTP_ATTN_PART : 0;
+    if (!long_part) {
+        if (ts->nparts && t.len > RTP_ATTN_PART) return t;
+        if (t.len <= 0) {
+            t.zero = t.h0 == 0;
+            return t;
+        }
+    } else if (t.len <= RTP_ATTN_PART || t.k_lo >= t.len ||
+               t.k_lo + RTP_ATTN_PART <= window_start(t.len, ts->window)) {
+        return t; /* no keys of the row in this part */
+    }
+    t.k_hi = p >= 0 && t.k_lo + RTP_ATTN_PART < t.len ? t.k_lo + RTP_ATTN_PART : t.len;
+    t.run = 1;
+    return t;
+}
+
 /* k_scales / v_scales NULL: bf16 caches; else int8 caches (kv_view above), the scales fp32 [slots, Hkv]
  * (token stride Hkv). tok_stride counts the cache's elements either way. softcap > 0: each scaled
  * score becomes softcap * tanh(score / softcap) before the softmax (Gemma 2's attention logit
@@ -884,40 +964,48 @@ TARGET void rtp_paged_decode_attention_bf16(
     if (!parts) nparts = 0; /* no memory for the parts: whole rows, as short ones */
     int64_t short_tasks = B * per_row;
     int whole_tokens = !rtp_amx_supported(); /* attend_task's token prefetch: measured on AMD Zen 4 only */
+    /* a task streams the next one's tokens (key_stream) where tasks are whole rows, as whole_tokens */
+    int stream_next = whole_tokens && per_row == 1;
+    int64_t ntasks = short_tasks + B * per_row * nparts, next_task = 0;
+    const attention_tasks tasks = {seq_lens, B, per_row, Hkv, nparts, short_tasks, window};
 #pragma omp parallel
     {
         unsigned csr = rtp_flush_denormals();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < short_tasks + B * per_row * nparts; task++) {
-            /* short rows' tasks first, then the long rows' parts, each row's kv heads split alike */
-            int64_t long_part = task >= short_tasks, u = long_part ? task - short_tasks : task;
-            int64_t p = long_part ? u % nparts : -1, ru = long_part ? u / nparts : u;
-            int64_t b = ru / per_row, h0 = per_row == 1 ? 0 : ru % per_row, h1 = per_row == 1 ? Hkv : h0 + 1;
-            int64_t len = seq_lens[b], k_lo = long_part ? p * RTP_ATTN_PART : 0;
-            if (!long_part) {
-                if (nparts && len > RTP_ATTN_PART) continue;
-                if (len <= 0) {
-                    if (h0 == 0) memset(out + b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
-                    continue;
-                }
-            } else if (len <= RTP_ATTN_PART || k_lo >= len || k_lo + RTP_ATTN_PART <= window_start(len, window)) {
-                continue; /* no keys of the row in this part */
+        /* dynamic scheduling a task at a time, each thread one claim ahead, so that it knows its next task */
+        int64_t cur = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+        int streamed = 0; /* whether cur's tokens were streamed by the task before */
+        while (cur < ntasks) {
+            int64_t nxt = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+            attention_task t = attention_task_at(&tasks, cur), following = {0};
+            if (nxt < ntasks) following = attention_task_at(&tasks, nxt);
+            key_stream ks = {0}, *stream = NULL;
+            if (stream_next && t.run && following.run) {
+                int64_t first = window_start(following.len, window);
+                ks.at = first > following.k_lo ? first : following.k_lo;
+                ks.end = following.k_hi;
+                ks.total = ks.end - ks.at;
+                first = window_start(t.len, window);
+                ks.visits = (t.h1 - t.h0) * (t.k_hi - (first > t.k_lo ? first : t.k_lo));
+                ks.table = block_tables + following.b * ldt;
+                if (ks.total > 0 && ks.visits > 0) stream = &ks;
             }
-            int64_t k_hi = p >= 0 && k_lo + RTP_ATTN_PART < len ? k_lo + RTP_ATTN_PART : len;
-            const int32_t *table = block_tables + b * ldt;
-            for (int64_t h = h0; h < h1; h++) {
+            if (!t.run && t.zero) memset(out + t.b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
+            for (int64_t h = t.h0; t.run && h < t.h1; h++) {
+                int64_t b = t.b, len = t.len, k_lo = t.k_lo, k_hi = t.k_hi, p = t.p;
+                const int32_t *table = block_tables + b * ldt;
                 uint16_t *o = out + (b * H + h * G) * D;
                 float *part = p >= 0 ? parts + b * row_stride + (h * nparts + p) * part_stride : NULL;
+                int whole = whole_tokens && !streamed; /* a streamed task's tokens are in L2 already */
 /* each call site holds its accumulators (attend_task's acc), sized for its constant G and NC */
 #define ATTEND_WITH(g, n, ACC_VECTORS)                                                                          \
     do {                                                                                                        \
         __m512 acc[ACC_VECTORS];                                                                                \
         if (i8)                                                                                                 \
             attend_task(q, &kv, table, len, k_lo, k_hi, o, part, b, h, H, D, scale, window, softcap, g, n,      \
-                        h + 1 < h1, whole_tokens, 1, acc);                                                      \
+                        h + 1 < t.h1, whole, stream, 1, acc);                                                   \
         else                                                                                                    \
             attend_task(q, &kv, table, len, k_lo, k_hi, o, part, b, h, H, D, scale, window, softcap, g, n,      \
-                        h + 1 < h1, whole_tokens, 0, acc);                                                      \
+                        h + 1 < t.h1, whole, stream, 0, acc);                                                   \
     } while (0)
 #define ATTEND(g, n) ATTEND_WITH(g, n, 2 * (g) * (n))
                 /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
@@ -939,7 +1027,10 @@ TARGET void rtp_paged_decode_attention_bf16(
             }
 #undef ATTEND
 #undef ATTEND_WITH
+            streamed = stream != NULL;
+            cur = nxt;
         }
+#pragma omp barrier
         if (nparts) {
             float acc[MAX_DIM] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic, 1)
