@@ -46,7 +46,7 @@ runtime = [
 cpu_kernels = Extension(
     "rtp.kernels._cpu_kernels",
     sources=["rtp/kernels/_cpu_kernels.pyx", "rtp/kernels/csrc/cpu_kernels.c", "rtp/kernels/csrc/amx_linear.c",
-             "rtp/kernels/csrc/amx_gemm.c", "rtp/kernels/csrc/avx_gemm.c",
+             "rtp/kernels/csrc/amx_gemm.c", "rtp/kernels/csrc/avx_gemm.c", "rtp/kernels/csrc/vnni_gemm.c",
              "rtp/kernels/csrc/prefill_attention.c", "rtp/kernels/csrc/kernel_calls.c",
              "rtp/kernels/csrc/row_kernels.c"],
     include_dirs=["rtp/kernels/csrc"],

@@ -200,12 +200,19 @@ class LoadConfig(msgspec.Struct, kw_only=True, frozen=True):
     chat_template: _field(str | None, "the chat template: a Jinja file, or one rtp ships (chatml-tools: "
                                       "ChatML with tools, for SmolLM2) (default: the tokenizer's own)",
                           metavar="FILE") = None
+    activation_dtype: _field(str, "what the linear layers of a Q4_1 model multiply their input rows in on a CPU "
+                                  "with AVX-512 VNNI and no AMX: auto, the model's dtype; int8, each row quantized "
+                                  "per 32 values (as llama.cpp does), never dequantizing the weights: faster "
+                                  "batches, greedy output further from fp32 (docs/benchmarks.md)",
+                             choices=["auto", "int8"]) = "auto"
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.activation_dtype not in ("auto", "int8"):
+            raise ValueError(f"--activation-dtype must be auto or int8, got {self.activation_dtype!r}")
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, frozen=True):

@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20, help="timed replays (default 20)")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--activation-dtype", default="auto", choices=["auto", "int8"],
+                    help="rtp's --activation-dtype (int8: Q4_1 layers take int8 rows on a CPU with VNNI and no AMX)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "int8"],
                     help="the KV cache's dtype (default auto: the model's, bf16)")
     args = ap.parse_args()
@@ -190,7 +192,8 @@ def main() -> None:
     from rtp import LLM
 
     note(f"loading the model, bf16, KV cache {args.kv_cache_dtype}, room for {args.rows} rows")
-    llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(args.rows, 1), kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=max(args.rows, 1), kv_cache_dtype=args.kv_cache_dtype,
+              activation_dtype=args.activation_dtype)
     graph = llm.engine.runner.cpu_graph(args.rows)
     if graph is None:
         raise SystemExit(f"no CPU graph serves {args.rows} rows with this model (see the engine's start-up log)")
@@ -204,6 +207,7 @@ def main() -> None:
     res = summarise(graph, times, args.rows, args.context, llm.engine.model.config,
                     count_params(llm.engine.model), peak, kv_int8=args.kv_cache_dtype == "int8")
     res["kv_cache_dtype"] = args.kv_cache_dtype
+    res["activation_dtype"] = args.activation_dtype
     res["other_cpu_s"] = cpu.other_cpu_s
     note(f"reference: oneDNN with prepacked bf16 weights over this model's {args.rows}-row linears alone")
     ref = bench_onednn_linears(llm.engine.model.config, args.rows, peak)

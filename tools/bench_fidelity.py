@@ -12,12 +12,14 @@ For each prompt (chat questions through the template), greedy continuations from
     rtp-auto    rtp in its default dtype (bf16 on this CPU)
     rtp-fp32    rtp in fp32 (should equal the reference)
     rtp-int8kv  with --kv-cache-dtype int8: rtp in its default dtype over an int8 KV cache
+    rtp-int8rows  with --activation-dtype int8: rtp in its default dtype, Q4_1 layers taking int8 rows
 and, against the reference: the share of prompts continued identically, and the
 mean share of tokens produced before the first divergence.
 
     python tools/bench_fidelity.py              # 32 prompts x 48 tokens, a few minutes
     python tools/bench_fidelity.py --prompts 8 --tokens 16
     python tools/bench_fidelity.py --kv-cache-dtype int8   # also rtp-auto over an int8 KV cache
+    python tools/bench_fidelity.py --activation-dtype int8 # also rtp-auto with int8 rows into its linears
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=32, help="how many chat prompts (at most 32)")
     ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--compile", action="store_true", help="run rtp with its compiled decode graphs")
+    ap.add_argument("--activation-dtype", choices=["int8"], default=None,
+                    help="also run rtp-auto with this --activation-dtype (rtp-int8rows), set beside rtp-auto")
     ap.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
                     help="also run rtp-auto over a KV cache of this dtype (rtp-int8kv), set beside rtp-auto")
     args = ap.parse_args(argv)
@@ -85,12 +89,14 @@ def main(argv=None) -> int:
     questions = QUESTIONS[: args.prompts]
     params = SamplingParams(temperature=0, max_tokens=args.tokens)
     runs: dict[str, list[list[int]]] = {}
-    rtp_runs = [("rtp-fp32", "float32", "auto"), ("rtp-auto", "auto", "auto")]
+    rtp_runs = [("rtp-fp32", "float32", "auto", "auto"), ("rtp-auto", "auto", "auto", "auto")]
     if args.kv_cache_dtype:
-        rtp_runs.append((f"rtp-{args.kv_cache_dtype}kv", "auto", args.kv_cache_dtype))
-    for name, dtype, kv_dtype in rtp_runs:
+        rtp_runs.append((f"rtp-{args.kv_cache_dtype}kv", "auto", args.kv_cache_dtype, "auto"))
+    if args.activation_dtype:
+        rtp_runs.append((f"rtp-{args.activation_dtype}rows", "auto", "auto", args.activation_dtype))
+    for name, dtype, kv_dtype, act_dtype in rtp_runs:
         llm = LLM(model=str(path), dtype=dtype, compile=args.compile, max_num_seqs=8, max_model_len=1024,
-                  kv_cache_dtype=kv_dtype)
+                  kv_cache_dtype=kv_dtype, activation_dtype=act_dtype)
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True)
                    for q in questions]
         eos = llm.engine.eos_token_ids
@@ -113,11 +119,11 @@ def main(argv=None) -> int:
         prefix = sum(common_prefix(r, o) / max(1, len(r)) for r, o in zip(ref, runs[name])) / len(ref)
         figures[name] = {"identical": same, "of": len(ref), "mean_prefix_share": round(prefix, 4)}
         print(f"{name:<12}{f'{same}/{len(ref)}':>12}{prefix:>27.1%}")
-    for name, *_ in rtp_runs[2:]:  # the KV cache's dtype alone: against rtp-auto, the same model and dtype
+    for name, *_ in rtp_runs[2:]:  # the KV cache's / rows' dtype alone: against rtp-auto, the same model and dtype
         same = sum(a == o for a, o in zip(runs["rtp-auto"], runs[name]))
         prefix = sum(common_prefix(a, o) / max(1, len(a)) for a, o in zip(runs["rtp-auto"], runs[name])) / len(ref)
         figures[f"{name} vs rtp-auto"] = {"identical": same, "of": len(ref), "mean_prefix_share": round(prefix, 4)}
-        print(f"{name} against rtp-auto (bf16 KV): {same}/{len(ref)} identical, {prefix:.1%} of tokens before "
+        print(f"{name} against rtp-auto (bf16 KV and rows): {same}/{len(ref)} identical, {prefix:.1%} of tokens before "
               f"divergence")
     ok = figures["rtp-auto"]["identical"] >= figures["hf-bf16"]["identical"]
     print(f"target: rtp-auto identical >= hf-bf16 identical: {'met' if ok else 'NOT met'} "

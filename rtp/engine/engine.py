@@ -49,6 +49,7 @@ from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SamplerOutput, SlotSettings
 from rtp.engine.tensor_parallel import PlanChannel, follow, start_ranks, stop_followers
 from rtp.errors import EngineFatal, EngineFull, InvalidRequest
+from rtp.kernels.quant import BlockQuantized
 from rtp.models import model_class
 from rtp.models.moe import FusedMoE
 from rtp.runtime import BlockAllocator, RadixCache, Scheduler
@@ -80,6 +81,8 @@ class LLMEngine:
                                         self.compile) if eplb.enable else (0, 0))
         self.model, self.model_config = load_model(path, self.dtype, self.device, redundant_experts=spare,
                                                    checkpoint=checkpoint)
+        if load.activation_dtype == "int8":
+            _int8_rows(self.model)
         self.tokenizer = Tokenizer.from_pretrained(resolve_model(load.tokenizer) if load.tokenizer else path)
         if load.chat_template:
             self.tokenizer.use_chat_template(load.chat_template)
@@ -172,6 +175,8 @@ class LLMEngine:
         ref = self.speculative.model
         path = resolve_model(ref)
         model, config = load_model(path, self.dtype, self.device)
+        if self.config.load.activation_dtype == "int8":
+            _int8_rows(model)
         try:
             tokenizer = Tokenizer.from_pretrained(path)
         except TokenizerError:
@@ -488,6 +493,20 @@ class LLMEngine:
         if self._grammar_compiler is not None:  # once a request brought a structured output
             stats["grammar"] = {**self._grammar_compiler.stats(), **self.grammars.stats()}
         return stats
+
+
+def _int8_rows(model: torch.nn.Module) -> None:
+    """--activation-dtype int8: every block-quantized linear layer's input rows go to the tile kernels as
+    int8 (BlockQuantized.int8_rows; the CPU graphs captured after this record it)."""
+    from rtp.kernels import cpu_kernels
+
+    if not cpu_kernels.int8_rows_available():
+        log.warning("--activation-dtype int8 changes nothing on this CPU: it takes AVX-512 VNNI and no AMX "
+                    "(AMX multiplies the rows in bf16)")
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if isinstance(quant, BlockQuantized):
+            quant.int8_rows = True
 
 
 def run_follower(config: EngineConfig) -> None:

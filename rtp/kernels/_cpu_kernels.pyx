@@ -17,6 +17,7 @@ from libc.string cimport memcpy
 cdef extern from "cpu_kernels.h":
     int rtp_cpu_kernels_supported() nogil
     int rtp_amx_supported() nogil
+    int rtp_vnni_supported() nogil
     enum:
         RTP_CALL_WORDS
         RTP_OP_LINEAR_Q4_1
@@ -110,6 +111,11 @@ def supported() -> bool:
 def amx_supported() -> bool:
     """True when this CPU has AMX-BF16 and the kernel granted this process the tile state."""
     return bool(rtp_amx_supported())
+
+
+def vnni_supported() -> bool:
+    """Whether this CPU has AVX-512 VNNI (int8 dot products), which --activation-dtype int8 takes."""
+    return bool(rtp_vnni_supported())
 
 
 def record_start() -> None:

@@ -176,6 +176,12 @@ def amx_available() -> bool:
     return _AMX
 
 
+def int8_rows_available() -> bool:
+    """Whether the tile kernels multiply int8 rows (--activation-dtype int8): AVX-512 VNNI, and no AMX
+    taking the tiles (which multiplies them in bf16)."""
+    return _AVAILABLE and not _AMX and _k.vnni_supported()
+
+
 @_op("linear_tiles", (), lambda x, kind, weights, bias, out_dtype: x.new_empty(
     x.shape[0], weights.shape[0] * 16, dtype=out_dtype))
 def linear_tiles(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,

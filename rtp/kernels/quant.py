@@ -40,6 +40,8 @@ BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
 # the AMX kernels' kind codes (rtp/kernels/csrc/tile_blocks.h), and each kind's weights per scale
 TILE_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3, "bf16": 4}
+# Q4_1's records with x's rows quantized to int8 (--activation-dtype int8; vnni_gemm.c)
+TILE_KIND_Q4_1_INT8_ROWS = 5
 GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
 # the small-int8 kinds the one-row u8 kernel takes, and the offset that makes q + 128 + offset a bf16
 _U8_OFFSET = {"q8_1": 0, "q8_16": 32}
@@ -102,6 +104,16 @@ class BlockQuantized:
     # a Q4_K file's own super-blocks (qs uint8 [N, K/2], scm uint8 [N, K/256, 16], dd fp32 [N, K/256, 2]),
     # which the one-row kernel multiplies: 0.59 bytes a weight where q4_1 reads 0.75
     native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the tile kernels quantize x's rows to int8 for these weights (--activation-dtype int8): Q4_1 on a CPU
+    # with AVX-512 VNNI and no AMX (rtp/kernels/csrc/vnni_gemm.c); elsewhere it changes nothing
+    int8_rows: bool = False
+
+    @property
+    def tile_kind(self) -> int:
+        """The kind code the tile kernels take for these weights."""
+        if self.int8_rows and self.kind == "q4_1":
+            return TILE_KIND_Q4_1_INT8_ROWS
+        return TILE_KIND[self.kind]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -337,7 +349,7 @@ class BlockQuantized:
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """silu(gate) * up of these [gate | up] blocks (glu tiles) for x, bf16 [M, N/2], one kernel."""
-        return cpu_kernels.linear_tiles_glu(x.to(torch.bfloat16), TILE_KIND[self.kind], self.tiles,
+        return cpu_kernels.linear_tiles_glu(x.to(torch.bfloat16), self.tile_kind, self.tiles,
                                           None if bias is None else bias.float())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -347,7 +359,7 @@ class BlockQuantized:
         if self.tiles is not None and x.shape[0] >= TILE_MIN_ROWS and x.shape[0] > _exact_rows:
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
-            return cpu_kernels.linear_tiles(x, TILE_KIND[self.kind], self.tiles, b, out_dtype)
+            return cpu_kernels.linear_tiles(x, self.tile_kind, self.tiles, b, out_dtype)
         if self.kind == "bf16":  # x bf16, or fp32 (the LM head's input) rounded in the kernel
             return cpu_kernels.linear_bf16(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
                                            out_dtype)
@@ -367,7 +379,7 @@ class BlockQuantized:
         b = None if bias is None else bias.float()
         if self.tiles is not None and x.shape[0] >= TILE_MIN_ROWS and x.shape[0] > _exact_rows:
             return cpu_kernels.linear_tiles_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16),
-                                               TILE_KIND[self.kind], self.tiles, b, out)
+                                               self.tile_kind, self.tiles, b, out)
         if self.kind == "bf16":
             return cpu_kernels.linear_bf16_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
                                                 out)
