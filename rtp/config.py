@@ -200,10 +200,11 @@ class LoadConfig(msgspec.Struct, kw_only=True, frozen=True):
     chat_template: _field(str | None, "the chat template: a Jinja file, or one rtp ships (chatml-tools: "
                                       "ChatML with tools, for SmolLM2) (default: the tokenizer's own)",
                           metavar="FILE") = None
-    activation_dtype: _field(str, "what the linear layers of a Q4_1 model multiply their input rows in on a CPU "
-                                  "with AVX-512 VNNI and no AMX: auto, the model's dtype; int8, each row quantized "
-                                  "per 32 values (as llama.cpp does), never dequantizing the weights: faster "
-                                  "batches, greedy output further from fp32 (docs/benchmarks.md)",
+    activation_dtype: _field(str, "what a GGUF's Q4_1 and Q8_0 linear layers (not the LM head) multiply their "
+                                  "input rows in on a CPU with AVX-512 VNNI and no AMX: auto, the model's dtype; "
+                                  "int8, each row quantized per 32 values (as llama.cpp does) and the weights "
+                                  "never dequantized: faster batches, greedy output further from fp32 "
+                                  "(docs/benchmarks.md)",
                              choices=["auto", "int8"]) = "auto"
 
     def validate(self) -> None:

@@ -49,11 +49,11 @@ from rtp.kernels import cpu_kernels  # noqa: E402
 
 # bytes a linear kernel reads per weight: GGUF blocks as rtp keeps them (fp32 scales)
 _BYTES_PER_WEIGHT = {"q4_1": 24 / 32, "q8_0": 36 / 32, "q8_1": 40 / 32, "q8_16": 40 / 32, "q4_k": 152 / 256,
-                     "bf16": 2.0, "q4_1 x int8": 0.75}
+                     "bf16": 2.0, "q4_1 x int8": 24 / 32, "q8_0 x int8": 36 / 32}
 # call words (rtp/kernels/csrc/kernel_calls.c): (rows, N, K) and, for AMX, the block kind (0 Q4_1)
 _LINEAR_WORDS = {"linear_q4_1": (10, 11, 12), "linear_q8": (11, 12, 13), "linear_tiles": (10, 11, 12),
                  "linear_q4_k": (10, 11, 12), "linear_bf16": (10, 11, 12)}
-_AMX_KINDS = {0: "q4_1", 1: "q8_0", 2: "q8_1", 3: "q8_16", 4: "bf16", 5: "q4_1 x int8"}
+_AMX_KINDS = {0: "q4_1", 1: "q8_0", 2: "q8_1", 3: "q8_16", 4: "bf16", 5: "q4_1 x int8", 6: "q8_0 x int8"}
 
 
 def linear_names(config) -> dict[tuple[int, int], str]:

@@ -40,8 +40,8 @@ BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
 # the AMX kernels' kind codes (rtp/kernels/csrc/tile_blocks.h), and each kind's weights per scale
 TILE_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3, "bf16": 4}
-# Q4_1's records with x's rows quantized to int8 (--activation-dtype int8; vnni_gemm.c)
-TILE_KIND_Q4_1_INT8_ROWS = 5
+# Q4_1's and Q8_0's records with x's rows quantized to int8 (--activation-dtype int8; vnni_gemm.c)
+TILE_KIND_INT8_ROWS = {"q4_1": 5, "q8_0": 6}
 GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
 # the small-int8 kinds the one-row u8 kernel takes, and the offset that makes q + 128 + offset a bf16
 _U8_OFFSET = {"q8_1": 0, "q8_16": 32}
@@ -104,15 +104,15 @@ class BlockQuantized:
     # a Q4_K file's own super-blocks (qs uint8 [N, K/2], scm uint8 [N, K/256, 16], dd fp32 [N, K/256, 2]),
     # which the one-row kernel multiplies: 0.59 bytes a weight where q4_1 reads 0.75
     native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # the tile kernels quantize x's rows to int8 for these weights (--activation-dtype int8): Q4_1 on a CPU
+    # the tile kernels quantize x's rows to int8 for these weights (--activation-dtype int8): Q4_1 and Q8_0 on a CPU
     # with AVX-512 VNNI and no AMX (rtp/kernels/csrc/vnni_gemm.c); elsewhere it changes nothing
     int8_rows: bool = False
 
     @property
     def tile_kind(self) -> int:
         """The kind code the tile kernels take for these weights."""
-        if self.int8_rows and self.kind == "q4_1":
-            return TILE_KIND_Q4_1_INT8_ROWS
+        if self.int8_rows and self.kind in TILE_KIND_INT8_ROWS:
+            return TILE_KIND_INT8_ROWS[self.kind]
         return TILE_KIND[self.kind]
 
     @property

@@ -34,13 +34,16 @@ int rtp_amx_supported(void);
 int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                    const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K,
                    int glu);
-/* vnni_gemm.c: Q4_1 records times x's rows quantized to int8 (AVX-512 VNNI); rtp_gemm_avx's contract.
- * The linear kernels take it as record kind RTP_KIND_Q4_1_INT8_ROWS: Q4_1's records, whose rows go to
- * rtp_gemm_vnni where the CPU has VNNI and no AMX, and are multiplied in bf16 as kind 0 elsewhere. */
+/* vnni_gemm.c: Q4_1 or Q8_0 records times x's rows quantized to int8 (AVX-512 VNNI); rtp_gemm_avx's contract.
+ * The linear kernels take them as record kinds RTP_KIND_Q4_1_INT8_ROWS and RTP_KIND_Q8_0_INT8_ROWS: the
+ * records of kinds 0 and 1, whose rows go to rtp_gemm_vnni where the CPU has VNNI and no AMX, and are
+ * multiplied in bf16 as kinds 0 and 1 elsewhere (--activation-dtype int8). */
 #define RTP_KIND_Q4_1_INT8_ROWS 5
+#define RTP_KIND_Q8_0_INT8_ROWS 6
 int rtp_vnni_supported(void);
-int rtp_gemm_vnni(const void *x, int64_t ldx, int x_fp32, const uint8_t *weights, const float *bias, void *out,
-                  int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K, int glu);
+int rtp_gemm_vnni(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights, const float *bias,
+                  void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K, int glu);
+
 int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                  const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K, int glu);
 int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
