@@ -45,6 +45,7 @@ def _info(args: argparse.Namespace) -> int:
         # what a step runs on here: rtp's C kernels (RTP_CPU_KERNELS=0 turns them off), and which
         # of their paths this CPU takes
         info["cpu_kernels"] = {"active": cpu_kernels.available(), "amx": cpu_kernels.amx_available(),
+                               "int8_rows": cpu_kernels.int8_rows_available(),  # --activation-dtype int8
                                "cpu_flags": _cpu_flags(), "torch_cpu_capability": cpu_flags}
         info["threads"] = threads_per_rank(1)
         info["model_cache"] = str(rtp_home() / "models")
@@ -59,7 +60,7 @@ def _cpu_flags() -> list[str]:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return []
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8") if f in flags]
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8") if f in flags]
 
 
 def _generate(args: argparse.Namespace) -> int:
