@@ -22,6 +22,11 @@
  * bf16 rounds each element to 8 bits of mantissa); the products and the block sums are exact; the fp32
  * sums run block by block in order, so a row's bits do not depend on the rows beside it.
  * tools/bench_fidelity.py --activation-dtype int8 measures what it does to greedy output.
+ *
+ * Measured on AMD Zen 5 (SmolLM2's four layer shapes against avx_gemm.c, alternated in one process):
+ * 1.41x at 2,048 and 64 rows, 1.55x at 16, 2.2x at 2-4. A scale per 16 values (two integer sums a block)
+ * ran 5-12 % slower for a greedy-fidelity change inside that metric's noise; rows blocked to stay in L2
+ * across units ran no faster (docs/benchmarks.md).
  */
 #include "cpu_kernels.h"
 #include "prefetch.h"
