@@ -272,15 +272,20 @@ def abort(engine, ids: list[str]) -> None:
 
 # -- the report ------------------------------------------------------------------------------------
 
-def row_for(name: str, timer: ForwardTimer, model_cost: ModelCost, limits: dict) -> dict:
-    cost = StepCost.of(timer.plan_snapshot, model_cost)
-    measured = statistics.median(timer.times)
+def step_of(name: str, timer: ForwardTimer, model_cost: ModelCost) -> dict:
+    """A shape's measurement, set against the limits once every shape has run (row_for)."""
+    return {"name": name, "path": timer.path, "cost": StepCost.of(timer.plan_snapshot, model_cost),
+            "measured": statistics.median(timer.times)}
+
+
+def row_for(step: dict, limits: dict) -> dict:
+    name, cost, measured = step["name"], step["cost"], step["measured"]
     bw = next((limits["stream_gb_s"][m] for m in STREAM_MIB if (m << 20) >= cost.streamed_bytes),
               limits["stream_gb_s"][STREAM_MIB[-1]])
     t_compute = cost.flop / (limits["bf16_gflops"] * 1e9)
     t_memory = cost.bytes / (bw * 1e9)
     limit = max(t_compute, t_memory)
-    return {"shape": name, "path": timer.path, "tokens": cost.tokens, "decode_rows": cost.decode_rows,
+    return {"shape": name, "path": step["path"], "tokens": cost.tokens, "decode_rows": cost.decode_rows,
             "prefill_rows": cost.prefill_rows, "mean_context": round(cost.mean_context, 1),
             "ms": round(measured * 1e3, 3), "gflop": round(cost.flop / 1e9, 3),
             "gflops": round(cost.flop / measured / 1e9, 1), "mb": round(cost.bytes / 1e6, 1),
@@ -292,7 +297,9 @@ def row_for(name: str, timer: ForwardTimer, model_cost: ModelCost, limits: dict)
 def print_table(rows: list[dict], limits: dict) -> None:
     s = limits["stream_gb_s"]
     int8 = f"{limits['int8_gops']:,.0f} GOP/s" if limits.get("int8_gops") else "n/a"
-    print(f"\nthis machine: bf16 matmul {limits['bf16_gflops']:,.0f} GFLOP/s, int8 matmul {int8}; streaming read "
+    probes = " / ".join(f"{v:,.0f}" for v in limits.get("bf16_gflops_probes", []))
+    print(f"\nthis machine: bf16 matmul {limits['bf16_gflops']:,.0f} GFLOP/s (the faster of probes {probes}, before and "
+          f"after the shapes), int8 matmul {int8}; streaming read "
           + ", ".join(f"{v:.1f} GB/s at {m} MiB" for m, v in s.items()) + f"; RSS {limits['rss_gib']:.2f} GiB")
     print("weights (MiB): " + ", ".join(f"{k.replace('_', ' ')} {v:,.1f}" for k, v in limits["weights_mib"].items()))
     head = (f"{'shape':<26} {'path':<9} {'tokens':>6} {'ms':>9} {'GFLOP':>8} {'GFLOP/s':>8} {'MB':>8} "
@@ -350,7 +357,7 @@ def main() -> None:
     timer = ForwardTimer(engine.runner, args.repeats)
     cost = ModelCost.of(engine.model, engine.runner.kv_caches)
     rng = np.random.default_rng(args.seed)
-    rows: list[dict] = []
+    steps: list[dict] = []
     batches = sorted({args.rows, min(16, args.rows - 1), 1}, reverse=True)
     with CpuWatch() as cpu:
         if "prefill" in shapes:
@@ -358,7 +365,7 @@ def main() -> None:
             timer.expect(1, 0, args.prefill_tokens)
             ids = add_prompts(engine, 1, args.prefill_tokens, rng, "prefill")
             run_until(engine, timer)
-            rows.append(row_for(f"prefill {args.prefill_tokens}", timer, cost, limits))
+            steps.append(step_of(f"prefill {args.prefill_tokens}", timer, cost))
             abort(engine, ids)
             engine.step()
         for context in contexts:
@@ -370,14 +377,14 @@ def main() -> None:
             if "decode" in shapes:
                 timer.expect(args.rows, args.rows, args.rows)
                 run_until(engine, timer)
-                rows.append(row_for(f"decode {args.rows} @ {context}", timer, cost, limits))
+                steps.append(step_of(f"decode {args.rows} @ {context}", timer, cost))
             if mixed:
                 abort(engine, ids[:1])
                 ids = ids[1:]
                 timer.expect(args.rows, args.rows - 1)
                 ids += add_prompts(engine, 1, context, rng, "mixed")
                 run_until(engine, timer)
-                rows.append(row_for(f"mixed {context} + {args.rows - 1} decode", timer, cost, limits))
+                steps.append(step_of(f"mixed {context} + {args.rows - 1} decode", timer, cost))
             if "decode" in shapes:
                 for keep in batches[1:]:
                     abort(engine, ids[keep:])
@@ -385,9 +392,15 @@ def main() -> None:
                     engine.step()  # the aborts take effect
                     timer.expect(keep, keep, keep)
                     run_until(engine, timer)
-                    rows.append(row_for(f"decode {keep} @ {context}", timer, cost, limits))
+                    steps.append(step_of(f"decode {keep} @ {context}", timer, cost))
             abort(engine, ids)
             engine.step()
+    # the matmul again after the shapes, and the faster of the two probes as the limit: a probe that caught the
+    # host in a slow minute (it moves 1.5x within minutes) put steps above 100 % of their "limit"
+    note("measuring the bf16 matmul again")
+    limits["bf16_gflops_probes"] = [round(limits["bf16_gflops"], 1), round(bench_matmul(2048, torch.bfloat16), 1)]
+    limits["bf16_gflops"] = max(limits["bf16_gflops_probes"])
+    rows = [row_for(step, limits) for step in steps]
     limits["other_cpu_s"] = cpu.other_cpu_s
     print_table(rows, limits)
     print(json.dumps({"limits": {**limits, "stream_gb_s": {str(k): round(v, 1) for k, v in
