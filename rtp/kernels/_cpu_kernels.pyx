@@ -220,9 +220,10 @@ def linear_tiles(intptr_t x, int64_t ldx, bint x_fp32, int kind, intptr_t weight
                  intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k, bint glu,
                  bint amx) -> None:
     """out = x @ dequant(weight).T (+ bias) from weight records in tile order (kind 0 Q4_1, 1 Q8_0,
-    2 Q8_1, 3 Q8 with scales per 16, 4 bf16); x bf16 or fp32. glu: weight is gate and up interleaved
-    by tiles, out bf16 [rows, n / 2] = silu(gate) * up. amx: on AMX tiles (amx_linear.c, amx_gemm.c),
-    else with AVX-512 BF16 (avx_gemm.c)."""
+    2 Q8_1, 3 Q8 with scales per 16, 4 bf16; 5 and 6: the records of 0 and 1 with x's rows quantized to
+    int8, vnni_gemm.c, where the CPU has VNNI and the call is not on AMX); x bf16 or fp32. glu: weight is
+    gate and up interleaved by tiles, out bf16 [rows, n / 2] = silu(gate) * up. amx: on AMX tiles
+    (amx_linear.c, amx_gemm.c), else with AVX-512 BF16 (avx_gemm.c)."""
     cdef int64_t c[RTP_CALL_WORDS]
     c[:15] = [RTP_OP_LINEAR_TILES, x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, rows, n, k, glu, amx]
     _run(c, 15)

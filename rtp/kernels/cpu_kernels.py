@@ -189,7 +189,7 @@ def linear_tiles(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.
     """x [M, K] bf16 or fp32 (rounded to bf16 as it is read) @ W [N, K].T (+ bias fp32) -> [M, N]
     in out_dtype, on AMX tiles or with AVX-512 BF16 (linear_tiles_into). W: GGUF blocks in tile order,
     uint8 [N/16, K/32, record] (BlockQuantized.tile_layout); kind 0 Q4_1, 1 Q8_0, 2 Q8_1, 3 Q8 with
-    scales per 16, 4 bf16."""
+    scales per 16, 4 bf16; 5 and 6 the records of 0 and 1 with x's rows as int8 (BlockQuantized.tile_kind)."""
     return _linear_tiles(x, kind, weights, bias, out_dtype, glu=False)
 
 
