@@ -163,8 +163,7 @@ AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, 
                               const float *bias, void *out, int64_t ldo, int out_bf16,
                               int64_t M, int64_t N, int64_t K, int glu) {
     if (glu && (!out_bf16 || N % 32)) return 0;
-    if (kind == RTP_KIND_Q4_1_INT8_ROWS || kind == RTP_KIND_Q8_0_INT8_ROWS) /* the same records, in bf16 */
-        kind = kind == RTP_KIND_Q4_1_INT8_ROWS ? 0 : 1;
+    kind = rtp_record_kind(kind); /* int8 rows: the same records, multiplied in bf16 on AMX */
     if (M > RTP_AMX_GEMM_MIN_ROWS) return rtp_gemm_amx(x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, M, N, K, glu);
     int64_t nk = K / 32, nmt = (M + 15) / 16, ntiles = N / 16, rb = record_bytes(kind);
     int64_t steps = glu ? ntiles / 2 : ntiles; /* output tiles: one weight tile each, or a pair */

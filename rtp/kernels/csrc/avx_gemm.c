@@ -222,8 +222,8 @@ RTP_VEC_TARGET int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind
                                 const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N,
                                 int64_t K, int glu) {
     if (glu && (!out_bf16 || N % 32)) return 0;
-    if (kind == RTP_KIND_Q4_1_INT8_ROWS || kind == RTP_KIND_Q8_0_INT8_ROWS) { /* x's rows as int8 (vnni_gemm.c) */
-        kind = kind == RTP_KIND_Q4_1_INT8_ROWS ? 0 : 1;
+    if (rtp_record_kind(kind) != kind) { /* x's rows as int8 (vnni_gemm.c), or in bf16 without VNNI */
+        kind = rtp_record_kind(kind);
         if (rtp_vnni_supported())
             return rtp_gemm_vnni(x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, M, N, K, glu);
     }

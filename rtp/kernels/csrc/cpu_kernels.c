@@ -33,11 +33,6 @@ int rtp_cpu_kernels_supported(void) {
         && __builtin_cpu_supports("avx512bf16");
 }
 
-TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* Round-to-nearest-even fp32 -> bf16, as torch does. */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -629,10 +624,9 @@ static inline int64_t window_start(int64_t len, int64_t window) {
  * (rtp_paged_decode_attention_bf16) and spreads the next task's tokens over the current task's score loops,
  * at the pace of its key visits, so the next task finds them in L2 and memory streams throughout. */
 typedef struct {
-    const int32_t *table;  /* the next task's block table; NULL: nothing to stream */
-    int64_t at, end;       /* the next token to prefetch, one past the last */
-    int64_t total;         /* the next task's tokens */
-    int64_t visits, done;  /* this task's key visits (kv heads x keys), and those made so far */
+    const int32_t *table;   /* the next task's block table */
+    int64_t start, at, end; /* the next task's first token, the next to prefetch, one past its last */
+    int64_t visits, done;   /* this task's key visits (kv heads x keys), and those made so far */
 } key_stream;
 
 /* Prefetch the next task's tokens [s->at, upto) into L2: every kv head's K and V rows (and an int8
@@ -727,9 +721,10 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
             /* the next task's tokens this chunk streams: its share of them by this task's key visits */
             int64_t from = 0, quota = 0;
             if (stream) {
+                int64_t total = stream->end - stream->start;
                 stream->done += nt;
                 from = stream->at;
-                quota = (stream->done * stream->total + stream->visits - 1) / stream->visits - (from - (stream->end - stream->total));
+                quota = (stream->done * total + stream->visits - 1) / stream->visits - (from - stream->start);
             }
             /* per key and query head a vector of partial dot products, summed 16 at once */
             __m512 part[MAX_GROUP][KEYS];
@@ -903,6 +898,7 @@ typedef struct {
     int64_t b, h0, h1; /* its row and kv heads [h0, h1) */
     int64_t p;         /* its part of a long row, or -1 */
     int64_t len, k_lo, k_hi;
+    int64_t first;     /* its first key: k_lo, or later where a sliding window starts later */
 } attention_task;
 
 static inline attention_task attention_task_at(const attention_tasks *ts, int64_t task) {
@@ -926,6 +922,8 @@ static inline attention_task attention_task_at(const attention_tasks *ts, int64_
         return t; /* no keys of the row in this part */
     }
     t.k_hi = p >= 0 && t.k_lo + RTP_ATTN_PART < t.len ? t.k_lo + RTP_ATTN_PART : t.len;
+    t.first = window_start(t.len, ts->window);
+    if (t.first < t.k_lo) t.first = t.k_lo;
     t.run = 1;
     return t;
 }
@@ -980,14 +978,11 @@ TARGET void rtp_paged_decode_attention_bf16(
             if (nxt < ntasks) following = attention_task_at(&tasks, nxt);
             key_stream ks = {0}, *stream = NULL;
             if (stream_next && t.run && following.run) {
-                int64_t first = window_start(following.len, window);
-                ks.at = first > following.k_lo ? first : following.k_lo;
+                ks.start = ks.at = following.first;
                 ks.end = following.k_hi;
-                ks.total = ks.end - ks.at;
-                first = window_start(t.len, window);
-                ks.visits = (t.h1 - t.h0) * (t.k_hi - (first > t.k_lo ? first : t.k_lo));
+                ks.visits = (t.h1 - t.h0) * (t.k_hi - t.first);
                 ks.table = block_tables + following.b * ldt;
-                if (ks.total > 0 && ks.visits > 0) stream = &ks;
+                if (ks.end > ks.start && ks.visits > 0) stream = &ks;
             }
             if (!t.run && t.zero) memset(out + t.b * H * D, 0, (size_t)(H * D) * sizeof(uint16_t));
             for (int64_t h = t.h0; t.run && h < t.h1; h++) {

@@ -40,6 +40,10 @@ int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8
  * multiplied in bf16 as kinds 0 and 1 elsewhere (--activation-dtype int8). */
 #define RTP_KIND_Q4_1_INT8_ROWS 5
 #define RTP_KIND_Q8_0_INT8_ROWS 6
+/* The kind of the records themselves: 0 or 1 for the int8-rows kinds, else kind. */
+static inline int rtp_record_kind(int kind) {
+    return kind == RTP_KIND_Q4_1_INT8_ROWS ? 0 : kind == RTP_KIND_Q8_0_INT8_ROWS ? 1 : kind;
+}
 int rtp_vnni_supported(void);
 int rtp_gemm_vnni(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights, const float *bias,
                   void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K, int glu);

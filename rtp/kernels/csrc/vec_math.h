@@ -23,6 +23,12 @@ static inline unsigned rtp_flush_denormals(void) {
 
 static inline void rtp_restore_denormals(unsigned old) { _mm_setcsr(old); }
 
+/* 16 bf16 at p as fp32 (exact). */
+RTP_VEC_TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* exp(x) for x <= 0 (softmax arguments), max rel. error about 2e-7. */
 RTP_VEC_TARGET static inline __m512 exp_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));

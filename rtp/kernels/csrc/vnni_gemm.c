@@ -56,10 +56,8 @@ VNNI_TARGET static void quantize_row(const void *x, int x_fp32, int64_t K, int8_
             lo = _mm512_loadu_ps((const float *)x + 32 * kb);
             hi = _mm512_loadu_ps((const float *)x + 32 * kb + 16);
         } else {
-            const uint16_t *s = (const uint16_t *)x + 32 * kb;
-            lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)s)), 16));
-            hi = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + 16))), 16));
+            lo = bf16x16_to_f32((const uint16_t *)x + 32 * kb);
+            hi = bf16x16_to_f32((const uint16_t *)x + 32 * kb + 16);
         }
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
         float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -77,12 +75,13 @@ VNNI_TARGET static void quantize_row(const void *x, int x_fp32, int64_t K, int8_
 /* The nk records of a column as vpdpbusd operands, OPERANDS vectors a block (above). kind 0: Q4_1
  * (records of 384 bytes: 16 x 16 nibble bytes, 16 d, 16 m); 1: Q8_0 (576: 16 x 32 bytes, 16 d). */
 VNNI_TARGET static void column_operands(int kind, const uint8_t *recs, int64_t nk, __m512i *w) {
+    int64_t rb = record_bytes(kind);
     const __m512i idx01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
     const __m512i idx23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
     for (int64_t kb = 0; kb < nk; kb++) {
         __m512i *o = w + OPERANDS * kb;
         if (kind == 0) {
-            const uint8_t *rec = recs + kb * 384;
+            const uint8_t *rec = recs + kb * rb;
             /* z[a] lane 4 j + i: feature 4 a + j's dword i */
             __m512i z0 = _mm512_loadu_si512((const void *)rec), z1 = _mm512_loadu_si512((const void *)(rec + 64));
             __m512i z2 = _mm512_loadu_si512((const void *)(rec + 128)), z3 = _mm512_loadu_si512((const void *)(rec + 192));
@@ -99,7 +98,7 @@ VNNI_TARGET static void column_operands(int kind, const uint8_t *recs, int64_t n
             o[8] = _mm512_loadu_si512((const void *)(rec + 256));
             o[9] = _mm512_loadu_si512((const void *)(rec + 320));
         } else {
-            const uint8_t *rec = recs + kb * 576;
+            const uint8_t *rec = recs + kb * rb;
             /* z[a] lanes 0-7: feature 2 a's dwords 0-7, lanes 8-15: feature 2 a + 1's. Then, for each four
              * features 4 b..4 b + 3 (z[2 b], z[2 b + 1]), lo[b] lane 4 g + j: feature 4 b + j's dword g < 4,
              * hi[b] the same for dwords 4-7 */
@@ -195,7 +194,7 @@ VNNI_TARGET int rtp_gemm_vnni(const void *x, int64_t ldx, int x_fp32, int kind, 
                               int64_t K, int glu) {
     if ((glu && (!out_bf16 || N % 32)) || (kind != 0 && kind != 1)) return 0;
     int64_t nk = K / 32, units = glu ? N / 32 : N / 16, cols = glu ? 2 : 1;
-    int64_t col_bytes = nk * (kind == 0 ? 384 : 576), unit_bytes = cols * col_bytes, esize = x_fp32 ? 4 : 2;
+    int64_t col_bytes = nk * record_bytes(kind), unit_bytes = cols * col_bytes, esize = x_fp32 ? 4 : 2;
     /* per row: K int8, then nk each of dx, cx and s128 */
     size_t row_bytes = (size_t)K + 3 * (size_t)nk * sizeof(float);
     char *rows = rtp_scratch_get(&quantized_rows_scratch, (size_t)M * row_bytes);
