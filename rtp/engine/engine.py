@@ -81,8 +81,7 @@ class LLMEngine:
                                         self.compile) if eplb.enable else (0, 0))
         self.model, self.model_config = load_model(path, self.dtype, self.device, redundant_experts=spare,
                                                    checkpoint=checkpoint)
-        if load.activation_dtype == "int8":
-            _int8_rows(self.model)
+        _use_activation_dtype(self.model, load.activation_dtype)
         self.tokenizer = Tokenizer.from_pretrained(resolve_model(load.tokenizer) if load.tokenizer else path)
         if load.chat_template:
             self.tokenizer.use_chat_template(load.chat_template)
@@ -175,8 +174,7 @@ class LLMEngine:
         ref = self.speculative.model
         path = resolve_model(ref)
         model, config = load_model(path, self.dtype, self.device)
-        if self.config.load.activation_dtype == "int8":
-            _int8_rows(model)
+        _use_activation_dtype(model, self.config.load.activation_dtype)
         try:
             tokenizer = Tokenizer.from_pretrained(path)
         except TokenizerError:
@@ -495,11 +493,13 @@ class LLMEngine:
         return stats
 
 
-def _int8_rows(model: torch.nn.Module) -> None:
+def _use_activation_dtype(model: torch.nn.Module, dtype: str) -> None:
     """--activation-dtype int8: every block-quantized linear layer's input rows go to the tile kernels as
     int8 (BlockQuantized.int8_rows; the CPU graphs captured after this record it), but the LM head's: its
     logits pick the tokens, and int8 rows there cost more fidelity than they bought (SmolLM2 at 64 rows:
     6.16 -> 5.99 ms; greedy prefixes identical to fp32 12/32 -> 9/32, docs/benchmarks.md)."""
+    if dtype != "int8":
+        return
     from rtp.kernels import cpu_kernels
 
     if not cpu_kernels.int8_rows_available():
