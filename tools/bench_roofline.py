@@ -11,19 +11,27 @@ against two limits measured in the same run:
   compute  the step's FLOPs (linear layers 2 x tokens x N x K, the LM head over the rows
            that sample, attention 4 x heads x head_dim per query-key pair) at the bf16
            matmul rate of this machine (2048^3 torch.matmul: AMX through oneDNN where the
-           CPU has it); the int8 rate (torch._int_mm) is printed beside it;
+           CPU has it); with --activation-dtype int8, the linear layers that take int8 rows
+           count at the int8 rate (2048^3 torch._int_mm: VNNI or AMX-INT8 through oneDNN),
+           the rest at the bf16 one;
   memory   the step's bytes -- weights as rtp stores them for the kernels that run them
            (GGUF blocks in tile order, else bf16), KV read (each row's whole context once)
            and written, activations in and out of every linear and the fp32 residual
            stream -- at the streaming-read bandwidth of rtp's own read kernel on both cores,
-           measured over a buffer of the step's own size (a buffer past the caches is DRAM,
-           one the size of the weights is whatever share of L3 this VM gets: both printed).
+           measured over a buffer the size of what each phase streams (a buffer past the caches
+           is DRAM, one the size of the weights whatever share of L3 this VM gets: all printed).
 
-The limit is the larger of the two times; "% of limit" is limit / measured, and "bound"
-names the resource that sets the limit. The table, then (last line of stdout) one JSON.
+A step runs its kernels one after another, each against its own resource: the linear layers
+multiply (compute) while attention reads the KV cache (memory at long contexts), and neither
+overlaps the other, since each waits for the one before. So the step's limit is the sum of its
+two phases' limits -- linear layers (their FLOPs; weights, activations and the residual stream)
+and attention (its FLOPs; the KV read and written) -- each the larger of its compute and memory
+time. "% of limit" is limit / measured; "bound" names the resource that sets the larger share
+of the limit, and that share. The table, then (last line of stdout) one JSON.
 
     python tools/bench_roofline.py
     python tools/bench_roofline.py --repeats 5 --shapes prefill,mixed
+    python tools/bench_roofline.py --activation-dtype int8   # int8 rows into the linears, at the int8 limit
 """
 
 from __future__ import annotations
@@ -130,12 +138,14 @@ class ModelCost:
     head_dim: int
     kv_bytes_per_token: int       # one layer's K and V
     linear_nk: list[tuple[int, int]]   # one layer's linears (N, K)
+    linear_int8: list[bool]       # which of them take int8 rows (--activation-dtype int8)
     layer_weight_bytes: float     # one layer's linear weights as stored
     vocab: int
     head_weight_bytes: float      # the LM head as stored
 
     @classmethod
     def of(cls, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> "ModelCost":
+        from rtp.kernels.quant import TILE_KIND_INT8_ROWS
         from rtp.models.layers import LinearBase
 
         config = model.config
@@ -143,10 +153,16 @@ class ModelCost:
         linears = [m for m in layer0.modules() if isinstance(m, LinearBase)]
         head = model.lm_head
         kv = kv_caches[0]
+        int8 = cpu_kernels.int8_rows_available()
+
+        def int8_rows(m) -> bool:
+            quant = getattr(m, "quant", None)
+            return int8 and getattr(quant, "int8_rows", False) and quant.tile_kind in TILE_KIND_INT8_ROWS.values()
+
         return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
                    kv_bytes_per_token=int(kv[:, 0, 0].numel() * kv.element_size()),
-                   linear_nk=[tuple(m.weight.shape) for m in linears],
+                   linear_nk=[tuple(m.weight.shape) for m in linears], linear_int8=[int8_rows(m) for m in linears],
                    layer_weight_bytes=sum(stored_bytes(m) for m in linears), vocab=config.vocab_size,
                    head_weight_bytes=stored_bytes(head))
 
@@ -172,9 +188,20 @@ class StepCost:
     decode_rows: int
     prefill_rows: int
     mean_context: float
-    flop: float
-    bytes: float
-    streamed_bytes: float   # weights + KV: what the bandwidth is measured at
+    linear_flop: float      # linear layers and the LM head
+    int8_flop: float        # the share of linear_flop in layers that take int8 rows
+    linear_bytes: float     # their weights as stored, their activations and the residual stream
+    weight_bytes: float     # what the linears' bandwidth is measured at (a buffer of that size)
+    attention_flop: float
+    kv_bytes: float         # KV read (each row's whole context once) and written
+
+    @property
+    def flop(self) -> float:
+        return self.linear_flop + self.attention_flop
+
+    @property
+    def bytes(self) -> float:
+        return self.linear_bytes + self.kv_bytes
 
     @classmethod
     def of(cls, plan, cost: ModelCost) -> "StepCost":
@@ -183,13 +210,15 @@ class StepCost:
         q = qsl[1:] - qsl[:-1]
         keys = q * (lens - q) + q * (q + 1) // 2  # causal: query i of a chunk sees the prefix and i + 1
         per_layer_mm = sum(n * k for n, k in cost.linear_nk)
-        flop = cost.layers * (2.0 * t * per_layer_mm + 4.0 * cost.heads * cost.head_dim * float(keys.sum()))
-        flop += 2.0 * ns * cost.vocab * cost.hidden
+        int8_mm = sum(n * k for (n, k), int8 in zip(cost.linear_nk, cost.linear_int8) if int8)
+        linear_flop = cost.layers * 2.0 * t * per_layer_mm + 2.0 * ns * cost.vocab * cost.hidden
+        attention_flop = cost.layers * 4.0 * cost.heads * cost.head_dim * float(keys.sum())
         weights = cost.layers * cost.layer_weight_bytes + cost.head_weight_bytes
         kv = cost.layers * cost.kv_bytes_per_token * float(lens.sum() + t)  # every context read once, new KV written
         acts = cost.layers * (sum(2.0 * t * (n + k) for n, k in cost.linear_nk) + 4.0 * t * cost.hidden * 4)
         acts += ns * (2.0 * cost.hidden + 4.0 * cost.vocab)
-        return cls(t, ns, nd, nr - nd, float(lens.mean()), flop, weights + kv + acts, weights + kv)
+        return cls(t, ns, nd, nr - nd, float(lens.mean()), linear_flop, cost.layers * 2.0 * t * int8_mm,
+                   weights + acts, weights, attention_flop, kv)
 
 
 # -- driving the engine to each shape --------------------------------------------------------------
@@ -278,36 +307,50 @@ def step_of(name: str, timer: ForwardTimer, model_cost: ModelCost) -> dict:
             "measured": statistics.median(timer.times)}
 
 
+def bandwidth(streamed: float, limits: dict) -> float:
+    """The streaming-read GB/s measured over the smallest buffer that holds `streamed` bytes."""
+    return next((limits["stream_gb_s"][m] for m in STREAM_MIB if (m << 20) >= streamed),
+                limits["stream_gb_s"][STREAM_MIB[-1]])
+
+
 def row_for(step: dict, limits: dict) -> dict:
     name, cost, measured = step["name"], step["cost"], step["measured"]
-    bw = next((limits["stream_gb_s"][m] for m in STREAM_MIB if (m << 20) >= cost.streamed_bytes),
-              limits["stream_gb_s"][STREAM_MIB[-1]])
-    t_compute = cost.flop / (limits["bf16_gflops"] * 1e9)
-    t_memory = cost.bytes / (bw * 1e9)
-    limit = max(t_compute, t_memory)
+    bf16 = limits["bf16_gflops"] * 1e9
+    linear_compute = (cost.linear_flop - cost.int8_flop) / bf16
+    if cost.int8_flop:
+        linear_compute += cost.int8_flop / (limits["int8_gops"] * 1e9)
+    phases = {"linears": (linear_compute, cost.linear_bytes / (bandwidth(cost.weight_bytes, limits) * 1e9)),
+              "attention": (cost.attention_flop / bf16, cost.kv_bytes / (bandwidth(cost.kv_bytes, limits) * 1e9))}
+    limit = sum(max(c, m) for c, m in phases.values())
+    compute_share = sum(c for c, m in phases.values() if c >= m) / limit
     return {"shape": name, "path": step["path"], "tokens": cost.tokens, "decode_rows": cost.decode_rows,
             "prefill_rows": cost.prefill_rows, "mean_context": round(cost.mean_context, 1),
             "ms": round(measured * 1e3, 3), "gflop": round(cost.flop / 1e9, 3),
-            "gflops": round(cost.flop / measured / 1e9, 1), "mb": round(cost.bytes / 1e6, 1),
-            "gb_s": round(cost.bytes / measured / 1e9, 1), "bandwidth_gb_s": round(bw, 1),
-            "limit_ms": round(limit * 1e3, 3), "bound": "compute" if t_compute >= t_memory else "memory",
-            "of_limit": round(limit / measured, 4)}
+            "int8_gflop": round(cost.int8_flop / 1e9, 3), "gflops": round(cost.flop / measured / 1e9, 1),
+            "mb": round(cost.bytes / 1e6, 1), "gb_s": round(cost.bytes / measured / 1e9, 1),
+            "phases": {k: {"limit_ms": round(max(c, m) * 1e3, 3), "bound": "compute" if c >= m else "memory"}
+                       for k, (c, m) in phases.items()},
+            "limit_ms": round(limit * 1e3, 3), "bound": "compute" if compute_share >= 0.5 else "memory",
+            "bound_share": round(max(compute_share, 1 - compute_share), 3), "of_limit": round(limit / measured, 4)}
 
 
 def print_table(rows: list[dict], limits: dict) -> None:
     s = limits["stream_gb_s"]
     int8 = f"{limits['int8_gops']:,.0f} GOP/s" if limits.get("int8_gops") else "n/a"
+    if limits.get("int8_gops_probes"):
+        int8 += " (the faster of " + " / ".join(f"{v:,.0f}" for v in limits["int8_gops_probes"]) + ")"
     probes = " / ".join(f"{v:,.0f}" for v in limits.get("bf16_gflops_probes", []))
     print(f"\nthis machine: bf16 matmul {limits['bf16_gflops']:,.0f} GFLOP/s (the faster of probes {probes}, before and "
           f"after the shapes), int8 matmul {int8}; streaming read "
           + ", ".join(f"{v:.1f} GB/s at {m} MiB" for m, v in s.items()) + f"; RSS {limits['rss_gib']:.2f} GiB")
     print("weights (MiB): " + ", ".join(f"{k.replace('_', ' ')} {v:,.1f}" for k, v in limits["weights_mib"].items()))
     head = (f"{'shape':<26} {'path':<9} {'tokens':>6} {'ms':>9} {'GFLOP':>8} {'GFLOP/s':>8} {'MB':>8} "
-            f"{'GB/s':>6} {'limit ms':>9} {'bound':>8} {'of limit':>8}")
+            f"{'GB/s':>6} {'limit ms':>9} {'bound':>12} {'of limit':>8}")
     print(head)
     for r in rows:
         print(f"{r['shape']:<26} {r['path']:<9} {r['tokens']:>6} {r['ms']:>9.2f} {r['gflop']:>8.1f} "
-              f"{r['gflops']:>8,.0f} {r['mb']:>8.1f} {r['gb_s']:>6.1f} {r['limit_ms']:>9.2f} {r['bound']:>8} "
+              f"{r['gflops']:>8,.0f} {r['mb']:>8.1f} {r['gb_s']:>6.1f} {r['limit_ms']:>9.2f} "
+              f"{r['bound'] + ' ' + format(r['bound_share'], '.0%'):>12} "
               f"{r['of_limit']:>8.1%}")
 
 
@@ -328,6 +371,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=4,
                     help="KV cache: --rows rows at the longest context, with room (default 4; SmolLM2-135M "
                          "needs 3.3)")
+    ap.add_argument("--activation-dtype", default="auto", choices=["auto", "int8"],
+                    help="rtp's --activation-dtype (int8: Q4_1 and Q8_0 layers take int8 rows on a CPU with VNNI and "
+                         "no AMX; their FLOPs count at the int8 rate)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -344,10 +390,10 @@ def main() -> None:
 
     top = max(contexts + [args.prefill_tokens])
     budget = max(2048, args.prefill_tokens)
-    note("loading the model, bf16")
+    note(f"loading the model, bf16, --activation-dtype {args.activation_dtype}")
     llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=args.rows, max_num_batched_tokens=budget,
               max_model_len=top + 512, kv_cache_memory=int(args.kv_cache_gib * (1 << 30)),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, activation_dtype=args.activation_dtype)
     engine = llm.engine
     limits = {"rss_gib": rss_gib(), "weights_mib": weight_memory(engine.model)}
     note("measuring this machine: bf16 and int8 matmul, streaming reads")
@@ -397,9 +443,13 @@ def main() -> None:
             engine.step()
     # the matmul again after the shapes, and the faster of the two probes as the limit: a probe that caught the
     # host in a slow minute (it moves 1.5x within minutes) put steps above 100 % of their "limit"
-    note("measuring the bf16 matmul again")
+    note("measuring the bf16 and int8 matmuls again")
     limits["bf16_gflops_probes"] = [round(limits["bf16_gflops"], 1), round(bench_matmul(2048, torch.bfloat16), 1)]
     limits["bf16_gflops"] = max(limits["bf16_gflops_probes"])
+    if limits["int8_gops"]:
+        limits["int8_gops_probes"] = [round(limits["int8_gops"], 1), round(bench_int8_matmul(), 1)]
+        limits["int8_gops"] = max(limits["int8_gops_probes"])
+    limits["activation_dtype"] = args.activation_dtype
     rows = [row_for(step, limits) for step in steps]
     limits["other_cpu_s"] = cpu.other_cpu_s
     print_table(rows, limits)

@@ -117,8 +117,12 @@ def test_bench_roofline_sets_every_shape_against_its_limit(default_gguf):
     assert mixed["decode_rows"] == 2 and mixed["prefill_rows"] == 1 and mixed["tokens"] == 22
     assert shapes["decode 1 @ 20"]["path"] == "CPU graph"
     for r in shapes.values():
-        assert r["ms"] > 0 and r["limit_ms"] > 0 and r["bound"] in ("compute", "memory")
+        assert r["ms"] > 0 and r["limit_ms"] > 0 and r["bound"] in ("compute", "memory") and r["bound_share"] >= 0.5
         assert r["of_limit"] == pytest.approx(r["limit_ms"] / r["ms"], rel=0.01)
+        # the step's limit is its phases' limits added: the linears', then attention's, each at its own bound
+        phases = r["phases"]
+        assert set(phases) == {"linears", "attention"}
+        assert r["limit_ms"] == pytest.approx(sum(p["limit_ms"] for p in phases.values()), abs=0.002)
     limits = res["limits"]
     assert limits["bf16_gflops"] > 0 and all(v > 0 for v in limits["stream_gb_s"].values())
     assert limits["weights_mib"]["parameters"] > 0
