@@ -128,9 +128,10 @@ def test_tile_silu_mul_equals_the_projection_then_the_activation(kind, rows, bia
 @pytest.mark.parametrize("x_fp32", [False, True])
 def test_avx_tile_linear_gives_a_row_the_same_bits_whatever_the_batch(kind, glu, x_fp32):
     """Without AMX, batches of up to 8 rows put the weights in the vector lanes and larger ones the
-    rows (avx_gemm.c): each row's result is the same bits either way -- a decode step of 2 rows, the
-    last 5 rows of a 21-row group and a row of a 64-row prompt chunk give a row one answer -- with a
-    K that is not a multiple of the few-row loop's 4 or 8 blocks at a time."""
+    rows (avx_gemm.c), up to 32 rows a weight tile at a time and past that a dequantized column at a
+    time: each row's result is the same bits every way -- a decode step of 2 rows, the last 5 rows of
+    a 21-row group, 32 and 33 rows either side of the switch and a row of a 64-row prompt chunk give a
+    row one answer -- with a K that is not a multiple of the few-row loop's 4 or 8 blocks at a time."""
     n, k, big = 64, 32 * 11, 64
     w = random_blocks(kind, n, k).with_tile_layout(glu=glu and kind == "q4_1")
     kind_id = 0 if kind == "q4_1" else 1
@@ -140,7 +141,7 @@ def test_avx_tile_linear_gives_a_row_the_same_bits_whatever_the_batch(kind, glu,
     x = x if x_fp32 and not glu else x.bfloat16()
     dtype = torch.bfloat16 if glu else torch.float32
     every = tiles_linear(x, kind_id, w, b, dtype, False, glu=glu)
-    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 21]:
+    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 21, 32, 33]:
         assert torch.equal(tiles_linear(x[:rows], kind_id, w, b, dtype, False, glu=glu), every[:rows]), rows
     assert torch.equal(tiles_linear(x[16:21], kind_id, w, b, dtype, False, glu=glu), every[16:21])
 

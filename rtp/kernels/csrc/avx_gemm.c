@@ -13,7 +13,8 @@
  *     weight is ever transposed. A thread dequantizes each weight column (16 features, all k) once per
  *     call and runs every group of 16 rows over it, x coming from L2 or L3 at 4 bytes a product-cycle; the
  *     16 x 16 sums are transposed once into output rows for the epilogue (bias, bf16 rounding, and for an
- *     MLP's interleaved gate and up tiles silu(gate) * up, as amx_gemm.c).
+ *     MLP's interleaved gate and up tiles silu(gate) * up, as amx_gemm.c). Up to 32 rows (tile_by_tile)
+ *     each weight tile is dequantized and multiplied at once instead, the same products in the same order.
  *   - up to FEW_ROWS rows (decode steps of a few requests): the weights are the lanes (gemm_few_rows,
  *     below), since with rows in the lanes most lanes would be empty while every weight is still
  *     dequantized.
@@ -60,8 +61,9 @@ RTP_VEC_TARGET static void pack_group(const void *x, int x_fp32, int64_t ldx, in
     }
 }
 
-/* c [16 rows][16 features] = one group's packed rows xg times one dequantized weight column w (nk tiles of
- * 16 features x 16 pairs). V is the lane type (16 lanes, or 8 for a group of at most 8 rows, below).
+/* t [16 features][16 rows] += one k block of a group's packed rows (xkb: 16 pairs x 16 rows) times one
+ * dequantized weight tile w (16 features x 16 pairs). V is the lane type (16 lanes, or 8 for a group of at
+ * most 8 rows, below).
  *
  * Each k block's 32 products are summed in a chain of their own, then added to the row's sum: at
  * K = 576 a row's result takes 18 additions of block sums after chains of 16, as AMX's tile product
@@ -69,25 +71,45 @@ RTP_VEC_TARGET static void pack_group(const void *x, int x_fp32, int64_t ldx, in
  * greedy-fidelity test to transformers' bf16, 4 of its prompts against 5). The running sums wait in
  * L1 (t) between blocks, so the block's 16 chains and the x vector have the registers; at 2,048 rows
  * as fast as one chain, within the run-to-run spread (0.91-1.04x oneDNN either way, alternated). */
-#define COLUMN_PRODUCT(NAME, V, TILE_PRODUCT, ZERO, ADD, LOAD, STORE)                                   \
-    RTP_VEC_TARGET static void NAME(const uint32_t *w, const uint32_t *xg, int64_t nk, float *c) {      \
-        float t[256] __attribute__((aligned(64))) = {0};                                                  \
-        for (int64_t kb = 0; kb < nk; kb++) {                                                            \
-            V blk[16];                                                                                   \
-            for (int n = 0; n < 16; n++) blk[n] = ZERO();                                                \
-            TILE_PRODUCT(blk, xg + kb * 256, w + kb * 256, 16);                                          \
-            for (int n = 0; n < 16; n++) STORE(t + 16 * n, ADD(LOAD(t + 16 * n), blk[n]));               \
-        }                                                                                                \
-        transpose16x16((const uint32_t *)t, (uint32_t *)c);                                              \
+#define BLOCK_PRODUCT(NAME, V, TILE_PRODUCT, ZERO, ADD, LOAD, STORE)                                   \
+    RTP_VEC_TARGET static inline __attribute__((always_inline)) void NAME(const uint32_t *w,             \
+                                                                          const uint32_t *xkb, float *t) { \
+        V blk[16];                                                                                       \
+        for (int n = 0; n < 16; n++) blk[n] = ZERO();                                                    \
+        TILE_PRODUCT(blk, xkb, w, 16);                                                                   \
+        for (int n = 0; n < 16; n++) STORE(t + 16 * n, ADD(LOAD(t + 16 * n), blk[n]));                   \
     }
-
-COLUMN_PRODUCT(column_product, __m512, pair_tile_product, _mm512_setzero_ps, _mm512_add_ps, _mm512_load_ps,
-               _mm512_store_ps)
+BLOCK_PRODUCT(block_product, __m512, pair_tile_product, _mm512_setzero_ps, _mm512_add_ps, _mm512_load_ps,
+              _mm512_store_ps)
 /* A group of at most 8 rows: the same products on the lower 8 lanes, so each row's sums are the same
  * bits as in a full group: the last group of a batch past FEW_ROWS rows (21 rows: 16 + 5). Batches of
  * 2-8 rows take the few-row loop below (as this loop, SmolLM2's qkv at 2 rows took 0.046-0.071 ms). */
-COLUMN_PRODUCT(column_product8, __m256, pair_tile_product8, _mm256_setzero_ps, _mm256_add_ps, _mm256_load_ps,
-               _mm256_store_ps)
+BLOCK_PRODUCT(block_product8, __m256, pair_tile_product8, _mm256_setzero_ps, _mm256_add_ps, _mm256_load_ps,
+              _mm256_store_ps)
+#undef BLOCK_PRODUCT
+
+/* c [16 rows][16 features] = one group's products over a whole dequantized column w: every k block into
+ * the running sums t in order, then t transposed. One function per lane width: where both widths shared a
+ * function, GCC loaded the weight pairs both would broadcast once, ahead of the branch between them, and
+ * spilled them to the stack (1.7x slower at 2,048 rows). */
+#define COLUMN_PRODUCT(NAME, BLOCK)                                                                       \
+    RTP_VEC_TARGET static void NAME(const uint32_t *w, const uint32_t *xg, int64_t nk, float *c) {       \
+        float t[256] __attribute__((aligned(64))) = {0};                                                  \
+        for (int64_t kb = 0; kb < nk; kb++) BLOCK(w + kb * 256, xg + kb * 256, t);                       \
+        transpose16x16((const uint32_t *)t, (uint32_t *)c);                                              \
+    }
+COLUMN_PRODUCT(column_product, block_product)
+COLUMN_PRODUCT(column_product8, block_product8)
+#undef COLUMN_PRODUCT
+
+/* One k block of one group, called per (tile, group) by tile_by_tile: not inlined there, for the reason
+ * above (the weight pairs, the same for every group, would be loaded once and spilled). */
+RTP_VEC_TARGET static __attribute__((noinline)) void tile_product(const uint32_t *w, const uint32_t *xkb, float *t) {
+    block_product(w, xkb, t);
+}
+RTP_VEC_TARGET static __attribute__((noinline)) void tile_product8(const uint32_t *w, const uint32_t *xkb, float *t) {
+    block_product8(w, xkb, t);
+}
 
 /* The nk weight tiles of one record column, dequantized as they lie (rows of 16 features; dequant_b_tiles,
  * tile_blocks.h, transposes them into B layout instead). */
@@ -217,6 +239,49 @@ RTP_VEC_TARGET static int gemm_few_rows(const void *x, int64_t ldx, int x_fp32, 
     return 1;
 }
 
+/* A unit for a batch of at most TILE_BY_TILE_GROUPS groups (a decode step of up to 32 rows): each weight tile
+ * is dequantized into L1 and multiplied by every group at once, where the loop below dequantizes the whole
+ * column first and then runs each group over it. The same products and the same order of sums (each k
+ * block's chain added to the group's running sum t, block after block), so the same bits; but the next
+ * tile's dequantization (vector shuffles and converts) now lies within reach of the out-of-order core while
+ * this tile's products (the FMA ports) run, where a column dequantized up front left the products waiting:
+ * a cost a prefill chunk spreads over its 128 groups and a decode step of 16 rows pays in full. SmolLM2's
+ * linears at 16 rows, 30 layers' weights from memory (AMD Zen 5, alternated three times): 14.5-15.5 ->
+ * 13.2-13.4 ms; at 24-64 rows the two loops measured the same within the host's noise (medians 21.9 vs 21.3
+ * ms at 32 rows, 35.7 vs 36.5 at 64), so the column loop keeps batches past 32. */
+#define TILE_BY_TILE_GROUPS 2
+RTP_VEC_TARGET static void tile_by_tile(int kind, const uint8_t *recs, int64_t nk, const uint32_t *xp, int64_t M,
+                                        int64_t ngroups, int glu, int64_t n0, int64_t N, const float *bias,
+                                        void *out, int64_t ldo, int out_bf16) {
+    float t[2][TILE_BY_TILE_GROUPS][256] __attribute__((aligned(64)));
+    uint32_t w[2][256] __attribute__((aligned(64)));
+    float c[2][256] __attribute__((aligned(64)));
+    int64_t rb = record_bytes(kind);
+    memset(t, 0, sizeof(t[0][0]) * (size_t)ngroups);
+    if (glu) memset(t[1], 0, sizeof(t[1][0]) * (size_t)ngroups);
+    for (int64_t kb = 0; kb < nk; kb++) {
+        dequant_tile(kind, recs + kb * rb, (uint16_t *)w[0]);
+        if (glu) dequant_tile(kind, recs + (nk + kb) * rb, (uint16_t *)w[1]);
+        for (int64_t g = 0; g < ngroups; g++) {
+            const uint32_t *xkb = xp + (g * nk + kb) * 256;
+            void (*product)(const uint32_t *, const uint32_t *, float *) =
+                M - 16 * g <= 8 ? tile_product8 : tile_product;
+            product(w[0], xkb, t[0][g]);
+            if (glu) product(w[1], xkb, t[1][g]);
+        }
+    }
+    for (int64_t g = 0; g < ngroups; g++) {
+        int64_t valid = M - 16 * g < 16 ? M - 16 * g : 16;
+        transpose16x16((const uint32_t *)t[0][g], (uint32_t *)c[0]);
+        if (glu) {
+            transpose16x16((const uint32_t *)t[1][g], (uint32_t *)c[1]);
+            store_glu_rows(c[0], c[1], 16 * g, valid, n0, bias, bias ? bias + N / 2 : NULL, out, ldo);
+        } else {
+            store_rows(c[0], 16 * g, valid, n0, bias, out, ldo, out_bf16);
+        }
+    }
+}
+
 /* rtp_linear_amx's contract (amx_linear.c), for any number of rows, without AMX. */
 RTP_VEC_TARGET int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                                 const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N,
@@ -253,6 +318,10 @@ RTP_VEC_TARGET int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind
              * weight from memory once, and the hardware prefetcher does not run a column ahead */
             if (u + 1 < units)
                 for (int64_t off = 0; off < unit_bytes; off += 64) rtp_prefetch_l2(recs + unit_bytes + off);
+            if (ngroups <= TILE_BY_TILE_GROUPS) {
+                tile_by_tile(kind, recs, nk, xp, M, ngroups, glu, n0, N, bias, out, ldo, out_bf16);
+                continue;
+            }
             dequant_rows_column(kind, recs, nk, w);
             if (glu) dequant_rows_column(kind, recs + nk * rb, nk, w + nk * 256);
             for (int64_t g = 0; g < ngroups; g++) {
