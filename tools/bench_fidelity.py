@@ -18,6 +18,7 @@ mean share of tokens produced before the first divergence.
 
     python tools/bench_fidelity.py              # 32 prompts x 48 tokens, a few minutes
     python tools/bench_fidelity.py --prompts 8 --tokens 16
+    python tools/bench_fidelity.py --prompts 128 --tokens 32  # a wider sample: 96 templated prompts more
     python tools/bench_fidelity.py --kv-cache-dtype int8   # also rtp-auto over an int8 KV cache
     python tools/bench_fidelity.py --activation-dtype int8 # also rtp-auto with int8 rows into its linears
 """
@@ -44,6 +45,17 @@ QUESTIONS = [
     "Which ocean is the deepest?", "How do I boil an egg?", "What is the speed of light?",
     "Name a famous painter.", "What is a prime number?", "Tell me a fun fact about octopuses.",
 ]
+# Past the 32 questions, a wider sample (a flip of 4 prompts in 32 is within the noise of a greedy-match
+# count): each template over each topic, 96 more prompts.
+TOPICS = [
+    "volcanoes", "the Moon", "honey bees", "the Roman Empire", "electric cars", "coffee", "glaciers", "chess",
+    "the human heart", "rainbows", "the internet", "penguins", "bread baking", "the Pacific Ocean", "earthquakes",
+    "jazz music", "solar panels", "dinosaurs", "the printing press", "tides", "vaccines", "origami", "mountains",
+    "libraries", "thunderstorms", "bicycles", "the Great Wall of China", "whales", "recycling", "telescopes",
+    "gardening", "the Olympic Games",
+]
+TEMPLATES = ["Explain {} to a child in two sentences.", "Write a short poem about {}.", "List three facts about {}."]
+PROMPTS = QUESTIONS + [t.format(topic) for t in TEMPLATES for topic in TOPICS]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -70,7 +82,8 @@ def hf_greedy(model, prompts, tokens, eos):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=32, help="how many chat prompts (at most 32)")
+    ap.add_argument("--prompts", type=int, default=32,
+                    help=f"how many chat prompts (at most {len(PROMPTS)}: 32 questions, then templated ones)")
     ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--compile", action="store_true", help="run rtp with its compiled decode graphs")
     ap.add_argument("--activation-dtype", choices=["int8"], default=None,
@@ -86,7 +99,7 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     path = default_model_path()
-    questions = QUESTIONS[: args.prompts]
+    questions = PROMPTS[: args.prompts]
     params = SamplingParams(temperature=0, max_tokens=args.tokens)
     runs: dict[str, list[list[int]]] = {}
     rtp_runs = [("rtp-fp32", "float32", "auto", "auto"), ("rtp-auto", "auto", "auto", "auto")]
