@@ -281,8 +281,9 @@ RTP_VEC_TARGET static int gemm_few_rows(const void *x, int64_t ldx, int x_fp32, 
  * this tile's products (the FMA ports) run, where a column dequantized up front left the products waiting:
  * a cost a prefill chunk spreads over its 128 groups and a decode step of 16 rows pays in full. SmolLM2's
  * linears at 16 rows, 30 layers' weights from memory (AMD Zen 5, alternated three times): 14.5-15.5 ->
- * 13.2-13.4 ms; at 24-64 rows the two loops measured the same within the host's noise (medians 21.9 vs 21.3
- * ms at 32 rows, 35.7 vs 36.5 at 64), so the column loop keeps batches past 32. */
+ * 13.2-13.4 ms. Against the column loop with its paired groups (column_product2), alternated in one process
+ * four times: 1.07-1.16x faster at 17 and 24 rows, 1.01-1.07x at 32; past 32 the pairs win (at 64 rows the
+ * unpaired column loop had already measured level with this one). */
 #define TILE_BY_TILE_GROUPS 2
 RTP_VEC_TARGET static void tile_by_tile(int kind, const uint8_t *recs, int64_t nk, const uint32_t *xp, int64_t M,
                                         int64_t ngroups, int glu, int64_t n0, int64_t N, const float *bias,
