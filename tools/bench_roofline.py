@@ -145,7 +145,7 @@ class ModelCost:
 
     @classmethod
     def of(cls, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> "ModelCost":
-        from rtp.kernels.quant import TILE_KIND_INT8_ROWS
+        from rtp.kernels.quant import TILE_KIND_INT8_ROWS, BlockQuantized
         from rtp.models.layers import LinearBase
 
         config = model.config
@@ -155,9 +155,9 @@ class ModelCost:
         kv = kv_caches[0]
         int8 = cpu_kernels.int8_rows_available()
 
-        def int8_rows(m) -> bool:
+        def int8_rows(m) -> bool:  # the kind the tile kernels take says it (BlockQuantized.tile_kind)
             quant = getattr(m, "quant", None)
-            return int8 and getattr(quant, "int8_rows", False) and quant.tile_kind in TILE_KIND_INT8_ROWS.values()
+            return int8 and isinstance(quant, BlockQuantized) and quant.tile_kind in TILE_KIND_INT8_ROWS.values()
 
         return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
