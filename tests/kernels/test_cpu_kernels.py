@@ -235,12 +235,19 @@ def test_paged_decode_attention_of_long_rows_matches_torch(heads, kv_heads, dim,
     live = lens > 0
     assert (out.float() - ref)[live].abs().max().item() < 8e-3
     assert torch.all(out[~live] == 0)
-    # a row's output is the same alone (a task per kv head and part) as in the batch (a task per part):
-    # speculative verification relies on it
-    for r in range(7):
-        alone = cpu_kernels.paged_decode_attention(q[r:r + 1], kv[0], kv[1], tables[r:r + 1], lens[r:r + 1], scale,
-                                                   window, softcap)
-        assert torch.equal(alone[0], out[r]), r
+    # a row's output is the same alone as in the batch (a task per part), speculative verification relies on
+    # it: alone, a long row takes a task per part where it has a part per thread (on a CPU that streams the
+    # tokens), and a task per kv head and part with more threads than parts
+    threads = torch.get_num_threads()
+    try:
+        for n in (threads, 8):
+            torch.set_num_threads(n)
+            for r in range(7):
+                alone = cpu_kernels.paged_decode_attention(q[r:r + 1], kv[0], kv[1], tables[r:r + 1], lens[r:r + 1],
+                                                           scale, window, softcap)
+                assert torch.equal(alone[0], out[r]), (n, r)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("long_rows", [False, True])  # True: rows in parts

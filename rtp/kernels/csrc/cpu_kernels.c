@@ -943,25 +943,32 @@ TARGET void rtp_paged_decode_attention_bf16(
     int64_t esize = i8 ? 1 : 2;
     const kv_view kv = {(const char *)k_cache, (const char *)v_cache, tok_stride * esize, D * esize,
                         k_scales, v_scales, Hkv, block_size};
-    /* One task per row, its kv heads in turn: a token's K (and V) row of all heads is one
-     * contiguous run, so the row's blocks stream through whole (a task per head read a third
-     * of each run and got 9 GB/s from DRAM; per row, more). With fewer rows than two per
-     * thread, one task per (row, kv head) instead, or a lone row would leave threads idle. */
-    int64_t per_row = B < 2 * omp_get_max_threads() ? Hkv : 1;
     /* rows past RTP_ATTN_PART keys: a task per (row, part), or (row, kv head, part) as short rows
      * split, merged after. tools/bench_decode_step.py at context 2,048: one row's attention
      * 2.72-2.84 -> 2.20-2.28 ms, 16 rows' 43.5-44.7 -> 40.3-41.4 ms; an int8 cache's one row
      * 2.24-2.36 -> 1.98-2.05 ms. (Both products on AMX tiles, P as bf16 hi + lo for fidelity, measured
      * no faster with the same parts: 2.14-2.17 and 42.5-43.7 ms. The KV reads bound it.) */
-    int64_t max_long = 0;
+    int64_t max_long = 0, units = 0; /* units: the rows and long rows' parts, the tasks of whole rows */
     for (int64_t b = 0; b < B; b++)
         if (seq_lens[b] > RTP_ATTN_PART && seq_lens[b] > max_long) max_long = seq_lens[b];
     int64_t nparts = (max_long + RTP_ATTN_PART - 1) / RTP_ATTN_PART, part_stride = RTP_ATTN_PART_FLOATS(G, D);
     int64_t row_stride = Hkv * nparts * part_stride;
     float *parts = nparts ? rtp_scratch_get(&parts_scratch, (size_t)(B * row_stride) * sizeof(float)) : NULL;
     if (!parts) nparts = 0; /* no memory for the parts: whole rows, as short ones */
-    int64_t short_tasks = B * per_row;
+    for (int64_t b = 0; b < B; b++)
+        units += nparts && seq_lens[b] > RTP_ATTN_PART ? (seq_lens[b] + RTP_ATTN_PART - 1) / RTP_ATTN_PART : 1;
     int whole_tokens = !rtp_amx_supported(); /* attend_task's token prefetch: measured on AMD Zen 4 only */
+    /* One task per row (or part of a long row), its kv heads in turn: a token's K (and V) row of all
+     * heads is one contiguous run, so the row's blocks stream through whole (a task per head read a
+     * third of each run and got 9 GB/s from DRAM; per row, more). With fewer such tasks than threads,
+     * one task per (row, kv head) instead, or a lone row would leave threads idle. Where the tokens
+     * are streamed (whole_tokens), a task per row wins as soon as every thread has one: on AMD Zen 4,
+     * alternated in one process, 30 layers from memory, 1.31-1.78x at 1-3 rows of 256-4,096 keys (one
+     * row of 2,048 keys 0.195 -> 0.121 ms a layer; 2 rows of 256 0.029 -> 0.021), the same bits; a
+     * lone short row stays split by head (1.3x faster so). On the Intel AMX machine, where nothing is
+     * streamed and this rule is not measured, a task per row from two rows per thread, as before. */
+    int64_t per_row = (whole_tokens ? units < omp_get_max_threads() : B < 2 * omp_get_max_threads()) ? Hkv : 1;
+    int64_t short_tasks = B * per_row;
     /* a task streams the next one's tokens (key_stream) where tasks are whole rows, as whole_tokens */
     int stream_next = whole_tokens && per_row == 1;
     int64_t ntasks = short_tasks + B * per_row * nparts, next_task = 0;
