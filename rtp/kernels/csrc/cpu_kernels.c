@@ -965,7 +965,7 @@ TARGET void rtp_paged_decode_attention_bf16(
      * are streamed (whole_tokens), a task per row wins as soon as every thread has one: on AMD Zen 4,
      * alternated in one process, 30 layers from memory, 1.31-1.78x at 1-3 rows of 256-4,096 keys (one
      * row of 2,048 keys 0.195 -> 0.121 ms a layer; 2 rows of 256 0.029 -> 0.021), the same bits; a
-     * lone short row stays split by head (1.3x faster so). On the Intel AMX machine, where nothing is
+     * lone short row stays split by head (1.2-1.4x faster so). On the Intel AMX machine, where nothing is
      * streamed and this rule is not measured, a task per row from two rows per thread, as before. */
     int64_t per_row = (whole_tokens ? units < omp_get_max_threads() : B < 2 * omp_get_max_threads()) ? Hkv : 1;
     int64_t short_tasks = B * per_row;
