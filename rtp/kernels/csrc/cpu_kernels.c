@@ -949,14 +949,17 @@ TARGET void rtp_paged_decode_attention_bf16(
      * 2.24-2.36 -> 1.98-2.05 ms. (Both products on AMX tiles, P as bf16 hi + lo for fidelity, measured
      * no faster with the same parts: 2.14-2.17 and 42.5-43.7 ms. The KV reads bound it.) */
     int64_t max_long = 0, units = 0; /* units: the rows and long rows' parts, the tasks of whole rows */
-    for (int64_t b = 0; b < B; b++)
+    for (int64_t b = 0; b < B; b++) {
         if (seq_lens[b] > RTP_ATTN_PART && seq_lens[b] > max_long) max_long = seq_lens[b];
+        units += seq_lens[b] > RTP_ATTN_PART ? (seq_lens[b] + RTP_ATTN_PART - 1) / RTP_ATTN_PART : 1;
+    }
     int64_t nparts = (max_long + RTP_ATTN_PART - 1) / RTP_ATTN_PART, part_stride = RTP_ATTN_PART_FLOATS(G, D);
     int64_t row_stride = Hkv * nparts * part_stride;
     float *parts = nparts ? rtp_scratch_get(&parts_scratch, (size_t)(B * row_stride) * sizeof(float)) : NULL;
-    if (!parts) nparts = 0; /* no memory for the parts: whole rows, as short ones */
-    for (int64_t b = 0; b < B; b++)
-        units += nparts && seq_lens[b] > RTP_ATTN_PART ? (seq_lens[b] + RTP_ATTN_PART - 1) / RTP_ATTN_PART : 1;
+    if (!parts) { /* no memory for the parts: whole rows, as short ones */
+        nparts = 0;
+        units = B;
+    }
     int whole_tokens = !rtp_amx_supported(); /* attend_task's token prefetch: measured on AMD Zen 4 only */
     /* One task per row (or part of a long row), its kv heads in turn: a token's K (and V) row of all
      * heads is one contiguous run, so the row's blocks stream through whole (a task per head read a
