@@ -204,16 +204,18 @@ class LoadConfig(msgspec.Struct, kw_only=True, frozen=True):
                                   "input rows in on a CPU with AVX-512 VNNI and no AMX: auto, the model's dtype; "
                                   "int8, each row quantized per 32 values (as llama.cpp does) and the weights "
                                   "never dequantized: faster batches, greedy output further from fp32 "
-                                  "(docs/benchmarks.md)",
-                             choices=["auto", "int8"]) = "auto"
+                                  "(docs/benchmarks.md); int8-prefill, only the prompt rows as int8, the decode "
+                                  "rows in the model's dtype: faster prefill, greedy output about as close to "
+                                  "fp32 as transformers' bf16",
+                             choices=["auto", "int8", "int8-prefill"]) = "auto"
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.activation_dtype not in ("auto", "int8"):
-            raise ValueError(f"--activation-dtype must be auto or int8, got {self.activation_dtype!r}")
+        if self.activation_dtype not in ("auto", "int8", "int8-prefill"):
+            raise ValueError(f"--activation-dtype must be auto, int8 or int8-prefill, got {self.activation_dtype!r}")
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, frozen=True):

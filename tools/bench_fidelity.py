@@ -13,6 +13,7 @@ For each prompt (chat questions through the template), greedy continuations from
     rtp-fp32    rtp in fp32 (should equal the reference)
     rtp-int8kv  with --kv-cache-dtype int8: rtp in its default dtype over an int8 KV cache
     rtp-int8rows  with --activation-dtype int8: rtp in its default dtype, Q4_1 layers taking int8 rows
+    rtp-int8prefill  with --activation-dtype int8-prefill: int8 rows for the prompts only, decode in bf16
 and, against the reference: the share of prompts continued identically, and the
 mean share of tokens produced before the first divergence.
 
@@ -21,6 +22,7 @@ mean share of tokens produced before the first divergence.
     python tools/bench_fidelity.py --prompts 128 --tokens 32  # a wider sample: 96 templated prompts more
     python tools/bench_fidelity.py --kv-cache-dtype int8   # also rtp-auto over an int8 KV cache
     python tools/bench_fidelity.py --activation-dtype int8 # also rtp-auto with int8 rows into its linears
+    python tools/bench_fidelity.py --activation-dtype int8 int8-prefill   # both, in one run
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ def main(argv=None) -> int:
                     help=f"how many chat prompts (at most {len(PROMPTS)}: 32 questions, then templated ones)")
     ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--compile", action="store_true", help="run rtp with its compiled decode graphs")
-    ap.add_argument("--activation-dtype", choices=["int8"], default=None,
-                    help="also run rtp-auto with this --activation-dtype (rtp-int8rows), set beside rtp-auto")
+    ap.add_argument("--activation-dtype", choices=["int8", "int8-prefill"], nargs="+", default=[],
+                    help="also run rtp-auto with each --activation-dtype named (rtp-int8rows, rtp-int8prefill)")
     ap.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
                     help="also run rtp-auto over a KV cache of this dtype (rtp-int8kv), set beside rtp-auto")
     args = ap.parse_args(argv)
@@ -105,8 +107,8 @@ def main(argv=None) -> int:
     rtp_runs = [("rtp-fp32", "float32", "auto", "auto"), ("rtp-auto", "auto", "auto", "auto")]
     if args.kv_cache_dtype:
         rtp_runs.append((f"rtp-{args.kv_cache_dtype}kv", "auto", args.kv_cache_dtype, "auto"))
-    if args.activation_dtype:
-        rtp_runs.append((f"rtp-{args.activation_dtype}rows", "auto", "auto", args.activation_dtype))
+    for act in args.activation_dtype:
+        rtp_runs.append(({"int8": "rtp-int8rows", "int8-prefill": "rtp-int8prefill"}[act], "auto", "auto", act))
     for name, dtype, kv_dtype, act_dtype in rtp_runs:
         llm = LLM(model=str(path), dtype=dtype, compile=args.compile, max_num_seqs=8, max_model_len=1024,
                   kv_cache_dtype=kv_dtype, activation_dtype=act_dtype)

@@ -987,8 +987,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rtp dtypes to run, comma separated from bf16,fp32 (default bf16,fp32); the decode "
                         "measurements run with bf16 only")
     g.add_argument("--no-compile", action="store_true", help="run rtp eagerly (no Inductor decode graphs)")
-    g.add_argument("--activation-dtype", choices=["auto", "int8"], default="auto",
-                   help="rtp's --activation-dtype (int8: Q4_1 layers take int8 rows on a CPU with VNNI and no AMX)")
+    g.add_argument("--activation-dtype", choices=["auto", "int8", "int8-prefill"], default="auto",
+                   help="rtp's --activation-dtype (int8: Q4_1 layers take int8 rows on a CPU with VNNI and no AMX; "
+                        "int8-prefill: their prompt rows only)")
     g.add_argument("--max-num-seqs", type=int, default=64,
                    help="requests decoding at once, for rtp and the continuous batchers (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,

@@ -138,7 +138,7 @@ class ModelCost:
     head_dim: int
     kv_bytes_per_token: int       # one layer's K and V
     linear_nk: list[tuple[int, int]]   # one layer's linears (N, K)
-    linear_int8: list[bool]       # which of them take int8 rows (--activation-dtype int8)
+    linear_int8: list[str | None]  # which of their rows are int8: "all", "prefill" (the prompt rows), or None
     layer_weight_bytes: float     # one layer's linear weights as stored
     vocab: int
     head_weight_bytes: float      # the LM head as stored
@@ -155,9 +155,11 @@ class ModelCost:
         kv = kv_caches[0]
         int8 = cpu_kernels.int8_rows_available()
 
-        def int8_rows(m) -> bool:  # the kind the tile kernels take says it (BlockQuantized.tile_kind)
+        def int8_rows(m) -> str | None:  # the kind the tile kernels take says it (BlockQuantized.tile_kind)
             quant = getattr(m, "quant", None)
-            return int8 and isinstance(quant, BlockQuantized) and quant.tile_kind in TILE_KIND_INT8_ROWS.values()
+            if int8 and isinstance(quant, BlockQuantized) and quant.tile_kind in TILE_KIND_INT8_ROWS.values():
+                return quant.int8_rows
+            return None
 
         return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
@@ -210,14 +212,16 @@ class StepCost:
         q = qsl[1:] - qsl[:-1]
         keys = q * (lens - q) + q * (q + 1) // 2  # causal: query i of a chunk sees the prefix and i + 1
         per_layer_mm = sum(n * k for n, k in cost.linear_nk)
-        int8_mm = sum(n * k for (n, k), int8 in zip(cost.linear_nk, cost.linear_int8) if int8)
+        # int8-prefill: the decode rows (the step's first) in bf16, the prompt rows as int8
+        int8_mm = sum(n * k * (t if int8 == "all" else t - nd) for (n, k), int8 in zip(cost.linear_nk, cost.linear_int8)
+                      if int8)
         linear_flop = cost.layers * 2.0 * t * per_layer_mm + 2.0 * ns * cost.vocab * cost.hidden
         attention_flop = cost.layers * 4.0 * cost.heads * cost.head_dim * float(keys.sum())
         weights = cost.layers * cost.layer_weight_bytes + cost.head_weight_bytes
         kv = cost.layers * cost.kv_bytes_per_token * float(lens.sum() + t)  # every context read once, new KV written
         acts = cost.layers * (sum(2.0 * t * (n + k) for n, k in cost.linear_nk) + 4.0 * t * cost.hidden * 4)
         acts += ns * (2.0 * cost.hidden + 4.0 * cost.vocab)
-        return cls(t, ns, nd, nr - nd, float(lens.mean()), linear_flop, cost.layers * 2.0 * t * int8_mm,
+        return cls(t, ns, nd, nr - nd, float(lens.mean()), linear_flop, cost.layers * 2.0 * int8_mm,
                    weights + acts, weights, attention_flop, kv)
 
 
@@ -371,9 +375,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=4,
                     help="KV cache: --rows rows at the longest context, with room (default 4; SmolLM2-135M "
                          "needs 3.3)")
-    ap.add_argument("--activation-dtype", default="auto", choices=["auto", "int8"],
+    ap.add_argument("--activation-dtype", default="auto", choices=["auto", "int8", "int8-prefill"],
                     help="rtp's --activation-dtype (int8: Q4_1 and Q8_0 layers take int8 rows on a CPU with VNNI and "
-                         "no AMX; their FLOPs count at the int8 rate)")
+                         "no AMX, int8-prefill their prompt rows only; those rows' FLOPs count at the int8 rate)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

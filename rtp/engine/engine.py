@@ -494,22 +494,24 @@ class LLMEngine:
 
 
 def _use_activation_dtype(model: torch.nn.Module, dtype: str) -> None:
-    """--activation-dtype int8: every block-quantized linear layer's input rows go to the tile kernels as
-    int8 (BlockQuantized.int8_rows; the CPU graphs captured after this record it), but the LM head's: its
-    logits pick the tokens, and int8 rows there cost more fidelity than they bought (SmolLM2 at 64 rows:
-    6.16 -> 5.99 ms; greedy prefixes identical to fp32 12/32 -> 9/32, docs/benchmarks.md)."""
-    if dtype != "int8":
+    """--activation-dtype int8 / int8-prefill: every block-quantized linear layer's input rows (int8-prefill:
+    its prompt rows, not the step's decode rows) go to the tile kernels as int8 (BlockQuantized.int8_rows;
+    the CPU graphs captured after this record it), but the LM head's: its logits pick the tokens, and int8
+    rows there cost more fidelity than they bought (SmolLM2 at 64 rows: 6.16 -> 5.99 ms; greedy prefixes
+    identical to fp32 12/32 -> 9/32, docs/benchmarks.md)."""
+    if dtype not in ("int8", "int8-prefill"):
         return
     from rtp.kernels import cpu_kernels
 
     if not cpu_kernels.int8_rows_available():
-        log.warning("--activation-dtype int8 changes nothing on this CPU: it takes AVX-512 VNNI and no AMX "
-                    "(AMX multiplies the rows in bf16)")
+        log.warning("--activation-dtype %s changes nothing on this CPU: it takes AVX-512 VNNI and no AMX "
+                    "(AMX multiplies the rows in bf16)", dtype)
+    rows = "all" if dtype == "int8" else "prefill"
     head = getattr(model, "lm_head", None)
     for module in model.modules():
         quant = getattr(module, "quant", None)
         if isinstance(quant, BlockQuantized) and module is not head:
-            quant.int8_rows = True
+            quant.int8_rows = rows
 
 
 def run_follower(config: EngineConfig) -> None:

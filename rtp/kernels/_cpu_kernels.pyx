@@ -218,15 +218,17 @@ def linear_q8(intptr_t x, int64_t ldx, intptr_t qs, intptr_t d, intptr_t mn, int
 
 def linear_tiles(intptr_t x, int64_t ldx, bint x_fp32, int kind, intptr_t weights, intptr_t bias,
                  intptr_t out, int64_t ldo, bint out_bf16, int64_t rows, int64_t n, int64_t k, bint glu,
-                 bint amx) -> None:
+                 bint amx, int64_t bf16_rows=0, bint bf16_rows_decode=False) -> None:
     """out = x @ dequant(weight).T (+ bias) from weight records in tile order (kind 0 Q4_1, 1 Q8_0,
     2 Q8_1, 3 Q8 with scales per 16, 4 bf16; 5 and 6: the records of 0 and 1 with x's rows quantized to
-    int8, vnni_gemm.c, where the CPU has VNNI and the call is not on AMX); x bf16 or fp32. glu: weight is
-    gate and up interleaved by tiles, out bf16 [rows, n / 2] = silu(gate) * up. amx: on AMX tiles
-    (amx_linear.c, amx_gemm.c), else with AVX-512 BF16 (avx_gemm.c)."""
+    int8, vnni_gemm.c, where the CPU has VNNI and the call is not on AMX; the first bf16_rows rows in
+    bf16 all the same); x bf16 or fp32. glu: weight is gate and up interleaved by tiles, out bf16
+    [rows, n / 2] = silu(gate) * up. amx: on AMX tiles (amx_linear.c, amx_gemm.c), else with AVX-512
+    BF16 (avx_gemm.c). bf16_rows_decode: a step graph's replay sets bf16_rows to the step's decode rows."""
     cdef int64_t c[RTP_CALL_WORDS]
-    c[:15] = [RTP_OP_LINEAR_TILES, x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, rows, n, k, glu, amx]
-    _run(c, 15)
+    c[:17] = [RTP_OP_LINEAR_TILES, x, ldx, x_fp32, kind, weights, bias, out, ldo, out_bf16, rows, n, k, glu, amx,
+              bf16_rows, bf16_rows_decode]
+    _run(c, 17)
 
 
 def paged_decode_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, int64_t tok_stride,

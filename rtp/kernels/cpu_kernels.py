@@ -182,37 +182,43 @@ def int8_rows_available() -> bool:
     return _AVAILABLE and not _AMX and _k.vnni_supported()
 
 
-@_op("linear_tiles", (), lambda x, kind, weights, bias, out_dtype: x.new_empty(
+@_op("linear_tiles", (), lambda x, kind, weights, bias, out_dtype, bf16_rows=0, bf16_rows_decode=False: x.new_empty(
     x.shape[0], weights.shape[0] * 16, dtype=out_dtype))
 def linear_tiles(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, bf16_rows: int = 0, bf16_rows_decode: bool = False) -> torch.Tensor:
     """x [M, K] bf16 or fp32 (rounded to bf16 as it is read) @ W [N, K].T (+ bias fp32) -> [M, N]
     in out_dtype, on AMX tiles or with AVX-512 BF16 (linear_tiles_into). W: GGUF blocks in tile order,
     uint8 [N/16, K/32, record] (BlockQuantized.tile_layout); kind 0 Q4_1, 1 Q8_0, 2 Q8_1, 3 Q8 with
-    scales per 16, 4 bf16; 5 and 6 the records of 0 and 1 with x's rows as int8 (BlockQuantized.tile_kind)."""
-    return _linear_tiles(x, kind, weights, bias, out_dtype, glu=False)
+    scales per 16, 4 bf16; 5 and 6 the records of 0 and 1 with x's rows as int8 (BlockQuantized.tile_kind),
+    but for the first bf16_rows rows (bf16_rows_decode: the step's decode rows, in a step graph's replay)."""
+    return _linear_tiles(x, kind, weights, bias, out_dtype, False, bf16_rows, bf16_rows_decode)
 
 
-@_op("linear_tiles_glu", (), lambda x, kind, weights, bias: x.new_empty(
+@_op("linear_tiles_glu", (), lambda x, kind, weights, bias, bf16_rows=0, bf16_rows_decode=False: x.new_empty(
     x.shape[0], weights.shape[0] * 8, dtype=torch.bfloat16))
-def linear_tiles_glu(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_tiles_glu(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+                     bf16_rows: int = 0, bf16_rows_decode: bool = False) -> torch.Tensor:
     """An MLP's silu(x Wg^T + bg) * (x Wu^T + bu) in one pass -> bf16 [M, I]: x [M, K] bf16;
     weights: the gate and up blocks with their 16-row tiles interleaved, uint8 [2I/16, K/32,
-    record] (BlockQuantized.tile_layout(glu=True)); bias fp32 [gate I | up I] or None."""
-    return _linear_tiles(x, kind, weights, bias, torch.bfloat16, glu=True)
+    record] (BlockQuantized.tile_layout(glu=True)); bias fp32 [gate I | up I] or None; bf16_rows as
+    linear_tiles."""
+    return _linear_tiles(x, kind, weights, bias, torch.bfloat16, True, bf16_rows, bf16_rows_decode)
 
 
 def _linear_tiles(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype, glu: bool) -> torch.Tensor:
+                out_dtype: torch.dtype, glu: bool, bf16_rows: int, bf16_rows_decode: bool) -> torch.Tensor:
     n = weights.shape[0] * 16
     return linear_tiles_into(x, kind, weights, bias, torch.empty(x.shape[0], n // 2 if glu else n, dtype=out_dtype),
-                           glu)
+                           glu, bf16_rows=bf16_rows, bf16_rows_decode=bf16_rows_decode)
 
 
 def linear_tiles_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
-                      out: torch.Tensor, glu: bool = False, amx: bool | None = None) -> torch.Tensor:
+                      out: torch.Tensor, glu: bool = False, amx: bool | None = None, bf16_rows: int = 0,
+                      bf16_rows_decode: bool = False) -> torch.Tensor:
     """linear_tiles (glu: linear_tiles_glu) written into out; returns out. amx None: on the AMX unit
-    where this CPU has one; False: with AVX-512 BF16 (avx_gemm.c), which runs wherever rtp's kernels do."""
+    where this CPU has one; False: with AVX-512 BF16 (avx_gemm.c), which runs wherever rtp's kernels do.
+    An int8-rows kind multiplies its first bf16_rows rows in bf16 (--activation-dtype int8-prefill: the
+    step's decode rows, which come first; bf16_rows_decode: a step graph's replay sets them per step)."""
     fp32 = x.dtype == torch.float32
     if x.stride(1) != 1 or (not fp32 and x.stride(0) % 2):
         x = x.contiguous()
@@ -220,7 +226,8 @@ def linear_tiles_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: t
     n = weights.shape[0] * 16
     _checked_out(out, rows, n // 2 if glu else n)
     _k.linear_tiles(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(),
-                    out.stride(0), out.dtype == torch.bfloat16, rows, n, k, glu, _AMX if amx is None else amx and _AMX)
+                    out.stride(0), out.dtype == torch.bfloat16, rows, n, k, glu, _AMX if amx is None else amx and _AMX,
+                    bf16_rows, bf16_rows_decode)
     return out
 
 

@@ -40,7 +40,7 @@ BLOCK = 32
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32 weights
 # the AMX kernels' kind codes (rtp/kernels/csrc/tile_blocks.h), and each kind's weights per scale
 TILE_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3, "bf16": 4}
-# Q4_1's and Q8_0's records with x's rows quantized to int8 (--activation-dtype int8; vnni_gemm.c)
+# Q4_1's and Q8_0's records with x's rows quantized to int8 (--activation-dtype int8 and int8-prefill; vnni_gemm.c)
 TILE_KIND_INT8_ROWS = {"q4_1": 5, "q8_0": 6}
 GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
 # the small-int8 kinds the one-row u8 kernel takes, and the offset that makes q + 128 + offset a bf16
@@ -79,6 +79,22 @@ def exact_rows(rows: int):
         _exact_rows = previous
 
 
+# A step's first rows decode (the scheduler puts them before the prompt chunks): with
+# --activation-dtype int8-prefill they stay bf16, and only the prompt rows are multiplied as int8.
+_decode_rows = 0
+
+
+@contextlib.contextmanager
+def decode_rows(rows: int):
+    """Within: the first `rows` rows of every batch are decode rows (forward_context sets it per step)."""
+    global _decode_rows
+    previous, _decode_rows = _decode_rows, max(0, rows)
+    try:
+        yield
+    finally:
+        _decode_rows = previous
+
+
 def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The eight 6-bit scales and mins packed in a K-quant's 12 scale bytes, as float32:
     blocks 0-3 take the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); blocks 4-7 take
@@ -104,9 +120,10 @@ class BlockQuantized:
     # a Q4_K file's own super-blocks (qs uint8 [N, K/2], scm uint8 [N, K/256, 16], dd fp32 [N, K/256, 2]),
     # which the one-row kernel multiplies: 0.59 bytes a weight where q4_1 reads 0.75
     native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # the tile kernels quantize x's rows to int8 for these weights (--activation-dtype int8): Q4_1 and Q8_0 on a CPU
-    # with AVX-512 VNNI and no AMX (rtp/kernels/csrc/vnni_gemm.c); elsewhere it changes nothing
-    int8_rows: bool = False
+    # which of x's rows the tile kernels quantize to int8 for these weights: "all" (--activation-dtype int8)
+    # or "prefill", a step's prompt rows but not its decode rows (int8-prefill); Q4_1 and Q8_0 on a CPU with
+    # AVX-512 VNNI and no AMX (rtp/kernels/csrc/vnni_gemm.c); elsewhere it changes nothing
+    int8_rows: str | None = None
 
     @property
     def tile_kind(self) -> int:
@@ -114,6 +131,15 @@ class BlockQuantized:
         if self.int8_rows and self.kind in TILE_KIND_INT8_ROWS:
             return TILE_KIND_INT8_ROWS[self.kind]
         return TILE_KIND[self.kind]
+
+    def _tile_rows(self, rows: int) -> tuple[int, int, bool]:
+        """For a batch of `rows` rows: the tile kernels' kind, how many first rows stay bf16 all the
+        same, and whether a step graph's replay sets those to its step's decode rows."""
+        if self.int8_rows != "prefill" or self.kind not in TILE_KIND_INT8_ROWS:
+            return self.tile_kind, 0, False
+        if rows <= _decode_rows:  # decode rows only: the plain kind, so a decode graph records no split
+            return TILE_KIND[self.kind], 0, False
+        return TILE_KIND_INT8_ROWS[self.kind], _decode_rows, True
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -349,8 +375,9 @@ class BlockQuantized:
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """silu(gate) * up of these [gate | up] blocks (glu tiles) for x, bf16 [M, N/2], one kernel."""
-        return cpu_kernels.linear_tiles_glu(x.to(torch.bfloat16), self.tile_kind, self.tiles,
-                                          None if bias is None else bias.float())
+        kind, bf16_rows, decode = self._tile_rows(x.shape[0])
+        return cpu_kernels.linear_tiles_glu(x.to(torch.bfloat16), kind, self.tiles,
+                                          None if bias is None else bias.float(), bf16_rows, decode)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """x @ W.T (+ bias) in out_dtype, through the kernel this batch takes (each a torch custom op,
@@ -359,7 +386,8 @@ class BlockQuantized:
         if self.tiles is not None and x.shape[0] >= TILE_MIN_ROWS and x.shape[0] > _exact_rows:
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
-            return cpu_kernels.linear_tiles(x, self.tile_kind, self.tiles, b, out_dtype)
+            kind, bf16_rows, decode = self._tile_rows(x.shape[0])
+            return cpu_kernels.linear_tiles(x, kind, self.tiles, b, out_dtype, bf16_rows, decode)
         if self.kind == "bf16":  # x bf16, or fp32 (the LM head's input) rounded in the kernel
             return cpu_kernels.linear_bf16(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
                                            out_dtype)
@@ -378,8 +406,9 @@ class BlockQuantized:
         """linear() written into out ([M, N] with contiguous rows: a fused layer's columns), eagerly."""
         b = None if bias is None else bias.float()
         if self.tiles is not None and x.shape[0] >= TILE_MIN_ROWS and x.shape[0] > _exact_rows:
+            kind, bf16_rows, decode = self._tile_rows(x.shape[0])
             return cpu_kernels.linear_tiles_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16),
-                                               self.tile_kind, self.tiles, b, out)
+                                               kind, self.tiles, b, out, bf16_rows=bf16_rows, bf16_rows_decode=decode)
         if self.kind == "bf16":
             return cpu_kernels.linear_bf16_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
                                                 out)

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtp.kernels import cpu_kernels
+from rtp.kernels import cpu_kernels, quant
 
 
 class KVCacheSpec(NamedTuple):
@@ -133,10 +133,13 @@ _CONTEXT: AttentionMetadata | None = None
 
 @contextlib.contextmanager
 def forward_context(meta: AttentionMetadata):
+    """Within: the step's attention metadata, and its decode rows for the linear layers
+    (quant.decode_rows: --activation-dtype int8-prefill keeps them bf16)."""
     global _CONTEXT
     previous, _CONTEXT = _CONTEXT, meta
     try:
-        yield meta
+        with quant.decode_rows(meta.num_decode):
+            yield meta
     finally:
         _CONTEXT = previous
 

@@ -1,6 +1,7 @@
 """--activation-dtype int8 through the whole engine on the default model (Q4_1 layers): prefill chunks and
-decode steps replayed from CPU graphs multiply int8 rows (rtp/kernels/csrc/vnni_gemm.c), and what it asks
-for is validated like every other option."""
+decode steps replayed from CPU graphs multiply int8 rows (rtp/kernels/csrc/vnni_gemm.c); int8-prefill: the
+prompt rows only, every decode row in bf16, in mixed steps too; and what it asks for is validated like
+every other option."""
 
 from __future__ import annotations
 
@@ -46,13 +47,54 @@ def test_int8_rows_serve_a_batch_and_keep_a_rows_answer(default_gguf):
         assert len(shared) >= 3 and all(abs(a[t] - b[t]) < 0.5 for t in shared), (a, b)
 
 
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.int8_rows_available(),
+                    reason="needs AVX-512 VNNI and no AMX")
+def test_int8_prefill_keeps_decode_rows_bf16_beside_prompt_chunks(default_gguf):
+    """A request's decode rows give the same tokens beside another request's prompt chunks (mixed steps,
+    the step graph splitting each linear at the step's decode rows) as beside another decoding request
+    (decode-only steps, bf16 throughout); and the prompts did run as int8 rows: their first-token
+    log-probs moved off the bf16 engine's, a little. (Eager steps are not compared token for token: an
+    eager step that samples one row takes the LM head's one-row kernel, the step graph its tile kernel,
+    in bf16 alike; tests/kernels/test_int8_rows.py checks the graph's split against the eager one.)"""
+    llm = LLM(model=str(default_gguf), activation_dtype="int8-prefill", max_num_seqs=8, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    model = llm.engine.model
+    quantized = [m for m in model.modules() if isinstance(getattr(m, "quant", None), BlockQuantized)]
+    assert not model.lm_head.quant.int8_rows
+    assert len(quantized) > 30 and all(m.quant.int8_rows == "prefill" for m in quantized if m is not model.lm_head)
+    runner = llm.engine.runner
+    assert runner.step_graph is not None
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    short = [{"role": "user", "content": "Hi."}]
+    long = [{"role": "user", "content": "Summarize this: " + "The river ran past the old mill. " * 40}]
+
+    for q in QUESTIONS[:2]:
+        mine = [{"role": "user", "content": q}]
+        beside_decode = llm.chat([mine, short], params)[0].outputs[0].token_ids
+        steps = runner.graph_steps
+        beside_prompt = llm.chat([mine, long], params)[0].outputs[0].token_ids  # ~400 tokens, 64 a step
+        assert runner.graph_steps - steps >= 16
+        assert beside_decode == beside_prompt, q
+    first = SamplingParams(max_tokens=1, temperature=0, logprobs=4)
+    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    int8 = [o.outputs[0].logprobs[0] for o in llm.chat(prompts, first)]
+    del llm
+    bf16 = [o.outputs[0].logprobs[0] for o in LLM(model=str(default_gguf), max_num_seqs=8).chat(prompts, first)]
+    assert int8 != bf16
+    for a, b in zip(int8, bf16):
+        shared = set(a) & set(b)
+        assert len(shared) >= 3 and all(abs(a[t] - b[t]) < 0.5 for t in shared), (a, b)
+
+
 def test_a_bad_activation_dtype_is_a_clear_error():
-    with pytest.raises(ValueError, match="--activation-dtype must be auto or int8, got 'fp8'"):
+    with pytest.raises(ValueError, match="--activation-dtype must be auto, int8 or int8-prefill, got 'fp8'"):
         EngineConfig.from_flat(activation_dtype="fp8")
     from rtp.cli_options import add_engine_options, engine_config
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
     assert engine_config(parser.parse_args(["--activation-dtype", "int8"])).load.activation_dtype == "int8"
+    assert (engine_config(parser.parse_args(["--activation-dtype", "int8-prefill"])).load.activation_dtype
+            == "int8-prefill")
     with pytest.raises(SystemExit):
         parser.parse_args(["--activation-dtype", "fp8"])

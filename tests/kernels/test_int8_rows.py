@@ -1,10 +1,12 @@
 """--activation-dtype int8: Q4_1 and Q8_0 linear layers multiply x's rows quantized to int8 per 32 values
-(rtp/kernels/csrc/vnni_gemm.c), on a CPU with AVX-512 VNNI and no AMX."""
+(rtp/kernels/csrc/vnni_gemm.c), on a CPU with AVX-512 VNNI and no AMX; int8-prefill: only a step's
+prompt rows, its decode rows (the first) staying bf16, in eager calls and in a step graph's replays."""
 import pytest
 import torch
 
-from rtp.kernels import cpu_kernels
-from rtp.kernels.quant import TILE_KIND_INT8_ROWS, BlockQuantized
+from rtp.kernels import cpu_kernels, quant
+from rtp.kernels.cpu_graph import capture
+from rtp.kernels.quant import TILE_KIND, TILE_KIND_INT8_ROWS, BlockQuantized
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.int8_rows_available(),
                                 reason="needs AVX-512 VNNI and no AMX")
@@ -104,7 +106,63 @@ def test_the_blocks_tile_kind_follows_the_flag(kind):
     w = BLOCKS[kind](32, 64).with_tile_layout()
     x = torch.randn(4, 64).bfloat16()
     bf16 = w.linear(x, None, torch.float32)
-    w.int8_rows = True
+    w.int8_rows = "all"
     assert w.tile_kind == TILE_KIND_INT8_ROWS[kind]
     assert torch.equal(w.linear(x, None, torch.float32), linear(x, w, None, torch.float32))
     assert not torch.equal(w.linear(x, None, torch.float32), bf16)
+
+
+def tiles(x, w, kind, dtype, glu=False, bf16_rows=0):
+    n = w.tiles.shape[0] * 16
+    out = torch.empty(x.shape[0], n // 2 if glu else n, dtype=dtype)
+    return cpu_kernels.linear_tiles_into(x, kind, w.tiles, None, out, glu, amx=False, bf16_rows=bf16_rows)
+
+
+@pytest.mark.parametrize("kind, glu", [("q4_1", False), ("q4_1", True), ("q8_0", False)])
+@pytest.mark.parametrize("rows", [2, 9, 40])
+def test_the_first_bf16_rows_of_a_call_are_multiplied_in_bf16(kind, glu, rows):
+    """One call: rows before bf16_rows in bf16, the rest as int8 rows, each with the bits it gets in a
+    call of its own kind (rows are independent in both kernels), wherever the split falls."""
+    w = BLOCKS[kind](64, 32 * 11).with_tile_layout(glu=glu)
+    x = torch.randn(rows, 32 * 11).bfloat16()
+    dtype = torch.bfloat16 if glu else torch.float32
+    bf16 = tiles(x, w, TILE_KIND[kind], dtype, glu)
+    int8 = tiles(x, w, TILE_KIND_INT8_ROWS[kind], dtype, glu)
+    assert not torch.equal(bf16, int8)
+    for p in sorted({0, 1, rows // 2, rows - 1, rows, rows + 5}):
+        got = tiles(x, w, TILE_KIND_INT8_ROWS[kind], dtype, glu, bf16_rows=p)
+        assert torch.equal(got[:p], bf16[:p]) and torch.equal(got[p:], int8[p:]), p
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_prefill_layers_take_int8_for_the_prompt_rows_only(kind):
+    """BlockQuantized.int8_rows "prefill": the rows quant.decode_rows names (a step's first) stay bf16; a
+    batch of decode rows only is the plain bf16 call; a prompt chunk alone is all int8."""
+    w = BLOCKS[kind](32, 64).with_tile_layout()
+    x = torch.randn(6, 64).bfloat16()
+    bf16 = w.linear(x, None, torch.float32)
+    w.int8_rows = "all"
+    int8 = w.linear(x, None, torch.float32)
+    w.int8_rows = "prefill"
+    with quant.decode_rows(2):
+        got = w.linear(x, None, torch.float32)
+    assert torch.equal(got[:2], bf16[:2]) and torch.equal(got[2:], int8[2:])
+    with quant.decode_rows(6):
+        assert torch.equal(w.linear(x, None, torch.float32), bf16)
+    assert torch.equal(w.linear(x, None, torch.float32), int8)
+
+
+def test_a_step_graph_keeps_each_steps_decode_rows_bf16():
+    """A step graph captured with one decode row replays steps of any split: the replay puts the step's
+    decode rows in every int8-prefill call (kernel_calls.c), as an eager call over that step would."""
+    w = BLOCKS["q4_1"](64, 32 * 6).with_tile_layout(glu=True)
+    x = torch.randn(24, 32 * 6).bfloat16()
+    w.int8_rows = "prefill"
+    with quant.decode_rows(1):
+        graph = capture(lambda: w.silu_mul(x, None), 24, samples=lambda hidden: hidden)
+    bf16 = tiles(x, w, TILE_KIND["q4_1"], torch.bfloat16, glu=True)
+    int8 = tiles(x, w, TILE_KIND_INT8_ROWS["q4_1"], torch.bfloat16, glu=True)
+    for tokens, decode in [(24, 1), (24, 0), (24, 7), (10, 3), (5, 5)]:
+        got = graph.replay_step(tokens, tokens, decode, tokens - decode)
+        assert torch.equal(got[:decode], bf16[:decode]), (tokens, decode)
+        assert torch.equal(got[decode:tokens], int8[decode:tokens]), (tokens, decode)

@@ -20,6 +20,30 @@ static inline float arg_float(int64_t word) {
 
 #define P(i) ((void *)(intptr_t)c[i])
 
+/* A tile-order linear (words 1-13 rtp_gemm_avx's arguments): on AMX where word 14 says so, else
+ * AVX-512. Word 15: the rows before it are multiplied in bf16 even where the kind takes int8 rows
+ * (--activation-dtype int8-prefill: a step's decode rows come first, its prompt rows after; word 16
+ * set: a step graph's replay puts the step's decode rows there). Rows are independent in every
+ * tile kernel, so the two halves give each row the bits it would get in a call of its own kind. */
+static int linear_tiles(const int64_t *c) {
+    int kind = (int)c[4];
+    int64_t M = c[10], bf16_rows = c[15] < M ? c[15] : M;
+    if (c[14])
+        return rtp_linear_amx(P(1), c[2], (int)c[3], kind, P(5), P(6), P(7), c[8], (int)c[9], M, c[11], c[12],
+                              (int)c[13]);
+    if (bf16_rows <= 0 || rtp_record_kind(kind) == kind)
+        return rtp_gemm_avx(P(1), c[2], (int)c[3], kind, P(5), P(6), P(7), c[8], (int)c[9], M, c[11], c[12],
+                            (int)c[13]);
+    if (!rtp_gemm_avx(P(1), c[2], (int)c[3], rtp_record_kind(kind), P(5), P(6), P(7), c[8], (int)c[9], bf16_rows,
+                      c[11], c[12], (int)c[13]))
+        return 0;
+    if (bf16_rows == M) return 1;
+    const char *x = (const char *)P(1) + bf16_rows * c[2] * (c[3] ? 4 : 2);
+    char *out = (char *)P(7) + bf16_rows * c[8] * (c[9] ? 2 : 4);
+    return rtp_gemm_avx(x, c[2], (int)c[3], kind, P(5), P(6), out, c[8], (int)c[9], M - bf16_rows, c[11], c[12],
+                        (int)c[13]);
+}
+
 int rtp_run_call(const int64_t *c) {
     switch (c[0]) {
     case RTP_OP_LINEAR_Q4_1:
@@ -27,9 +51,8 @@ int rtp_run_call(const int64_t *c) {
     case RTP_OP_LINEAR_Q8:
         rtp_linear_q8(P(1), c[2], P(3), P(4), P(5), (int)c[6], P(7), P(8), c[9], (int)c[10], c[11], c[12], c[13]);
         return 1;
-    case RTP_OP_LINEAR_TILES: /* word 14: on AMX, else AVX-512 BF16 */
-        return (c[14] ? rtp_linear_amx : rtp_gemm_avx)(P(1), c[2], (int)c[3], (int)c[4], P(5), P(6), P(7), c[8],
-                                                       (int)c[9], c[10], c[11], c[12], (int)c[13]);
+    case RTP_OP_LINEAR_TILES:
+        return linear_tiles(c);
     case RTP_OP_ADD_RMS_NORM:
         rtp_add_rms_norm(P(1), c[2], P(3), (int)c[4], c[5], P(6), (int)c[7], arg_float(c[8]), P(9), (int)c[10],
                          c[11], c[12], c[13]);
@@ -133,7 +156,8 @@ int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns
  * (tokens, samples, decode rows, prefill rows; indexed by RTP_COUNT_*) replaces the rows word of
  * every call whose class names one (classes[i]; RTP_COUNT_AS_RECORDED: none), decode attention takes
  * the decode rows as its batch, and prefill attention the prefill rows, which follow the decode rows
- * in the plan. Tokens and samples may not exceed what a call was recorded with (its buffers in the
+ * in the plan; a tile linear that multiplies prompt rows only as int8 takes the decode rows as its
+ * bf16 rows. Tokens and samples may not exceed what a call was recorded with (its buffers in the
  * graph's arena hold that many rows); decode and prefill rows index the plan's arrays, which the
  * caller checks against the plan. Returns n, or the index of the call that failed. */
 int64_t rtp_run_step_calls(const int64_t *calls, int64_t n, const int8_t *classes, const int64_t *counts,
@@ -151,6 +175,7 @@ int64_t rtp_run_step_calls(const int64_t *calls, int64_t n, const int8_t *classe
             int w = rtp_call_rows_word(c[0]);
             if (!w || counts[classes[i]] > c[w]) return i;
             c[w] = counts[classes[i]];
+            if (c[0] == RTP_OP_LINEAR_TILES && c[16]) c[15] = counts[RTP_COUNT_DECODE_ROWS];
         }
         if (ns) clock_gettime(CLOCK_MONOTONIC, &start);
         if (!rtp_run_call(c)) return i;
