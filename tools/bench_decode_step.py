@@ -178,7 +178,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--activation-dtype", default="auto", choices=["auto", "int8", "int8-prefill"],
-                    help="rtp's --activation-dtype (int8: Q4_1 layers take int8 rows on a CPU with VNNI and no AMX)")
+                    help="rtp's --activation-dtype (int8: Q4_1 layers take int8 rows on a CPU with VNNI and no AMX; "
+                         "int8-prefill: their prompt rows only, so a decode step runs as in auto)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "int8"],
                     help="the KV cache's dtype (default auto: the model's, bf16)")
     args = ap.parse_args()
