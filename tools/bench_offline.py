@@ -13,7 +13,8 @@ from run to run:
 
 What is measured, in this order:
 
-  1. rtp, once per --dtypes entry (bf16, fp32): start-up (model load + compile
+  1. rtp, once per --dtypes entry (bf16, fp32) and --activation-dtype (auto, int8,
+     int8-prefill: "bf16+int8-prefill" in the table): start-up (model load + compile
      warm-up, reported apart), then the whole workload through LLM.generate:
      wall time, generated tok/s, and total tok/s (prompt + generated).
   2. rtp bf16, single request: prompt of 32 tokens, 256 new; decode-only tok/s and
@@ -318,20 +319,29 @@ def error_text(e: BaseException) -> str:
 # 1-3. rtp
 # ---------------------------------------------------------------------------------------
 
+def run_keys(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(result key, dtype key, activation dtype) for every rtp run: each dtype once per --activation-dtype.
+
+    The key is the dtype alone for auto activations, so the ratios keep their names."""
+    return [(key if act == "auto" else f"{key}+{act}", key, act)
+            for key in args.dtypes for act in args.activation_dtype]
+
+
 def bench_rtp(dtype_key: str, work: Workload, args: argparse.Namespace, model_path: Path,
-              ids: np.ndarray, extras: bool) -> dict:
+              ids: np.ndarray, extras: bool, activation_dtype: str = "auto") -> dict:
     """Start-up, then the workload; with extras also the single-request and batch decode runs."""
     from rtp import LLM, SamplingParams
 
     compile_on = not args.no_compile
     cache = inductor_cache_dir()
     files_before = count_files(cache) if compile_on else 0
-    note(f"rtp {dtype_key}: loading the model{' and compiling decode graphs' if compile_on else ''} "
-         f"(Inductor cache {cache}: {files_before} files)" if compile_on else f"rtp {dtype_key}: loading the model")
+    name = dtype_key if activation_dtype == "auto" else f"{dtype_key}+{activation_dtype}"
+    note(f"rtp {name}: loading the model{' and compiling decode graphs' if compile_on else ''} "
+         f"(Inductor cache {cache}: {files_before} files)" if compile_on else f"rtp {name}: loading the model")
     t = time.perf_counter()
     llm = LLM(model=str(model_path), dtype=DTYPES[dtype_key], compile=compile_on,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              activation_dtype=args.activation_dtype)
+              activation_dtype=activation_dtype)
     startup = time.perf_counter() - t
     warmup = float(getattr(llm.engine, "warmup_seconds", 0.0) or 0.0)
     res: dict = {"dtype": DTYPES[dtype_key], "compile": compile_on, "startup_s": round(startup, 2),
@@ -342,7 +352,7 @@ def bench_rtp(dtype_key: str, work: Workload, args: argparse.Namespace, model_pa
         state = "cold" if files_before == 0 else ("warm" if files_after == files_before else "partly warm")
         res["inductor_cache"] = {"dir": str(cache), "files_before": files_before,
                                  "files_written": files_after - files_before, "state": state}
-    note(f"rtp {dtype_key}: ready in {startup:.1f} s (warm-up {warmup:.1f} s); "
+    note(f"rtp {name}: ready in {startup:.1f} s (warm-up {warmup:.1f} s); "
          f"running {len(work)} requests")
     try:
         SP = SamplingParams
@@ -360,7 +370,7 @@ def bench_rtp(dtype_key: str, work: Workload, args: argparse.Namespace, model_pa
         res["engine_steps"] = stats1["num_steps"] - stats0["num_steps"]
         res["preemptions"] = stats1["num_preemptions"] - stats0["num_preemptions"]
         res["other_cpu_s"] = cpu.other_cpu_s
-        note(f"rtp {dtype_key}: {res['generated_tok_s']:.1f} generated tok/s, wall {wall:.1f} s")
+        note(f"rtp {name}: {res['generated_tok_s']:.1f} generated tok/s, wall {wall:.1f} s")
         if extras:
             res["single"] = bench_single(llm, ids, args)
             res["batch_decode"] = bench_batch_decode(llm, ids, args)
@@ -771,6 +781,10 @@ def ratios_and_targets(results: dict) -> tuple[dict, dict]:
         "batch_decode_flop_utilisation": _get(bf16, "batch_decode", "flop_utilisation"),
         "warmup_s": bf16.get("warmup_s") if bf16.get("compile") else None,
     }
+    # every other rtp run (fp32, other activation dtypes) against vLLM too
+    for key, r in results["rtp"].items():
+        if key != "bf16":
+            ratios[f"rtp_{key}_vs_vllm"] = _ratio(_get(r, "generated_tok_s"), _get(results, "vllm", "generated_tok_s"))
     cache_state = _get(bf16, "inductor_cache", "state")
     met = {
         f"vs_transformers_generate_ge_{TARGET_VS_TRANSFORMERS:g}x":
@@ -835,7 +849,7 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
         print(f"   {name:<34}{_fmt(r.get(gen_key)):>11}{_fmt(r.get('total_tok_s')):>13}{_fmt(r.get('wall_s')):>9}"
               f"{_fmt(startup):>12}{ok:>11}{_fmt(r.get('other_cpu_s')):>13}")
 
-    for key in args.dtypes:
+    for key, _, _ in run_keys(args):
         r = results["rtp"].get(key)
         label = f"rtp {key}{'' if not args.no_compile else ' (eager)'}"
         row(label, r, startup=_get(r, "startup_s"))
@@ -849,7 +863,7 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
     vl = results.get("vllm")
     row(f"vLLM CPU {(vl or {}).get('version') or ''}".rstrip(), vl, startup=_get(vl, "startup_s"))
 
-    for key in args.dtypes:
+    for key, _, _ in run_keys(args):
         r = results["rtp"].get(key)
         if _status(r) is None:
             extra = ""
@@ -910,6 +924,9 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
         ("rtp bf16 / vLLM", _fmt(ratios["rtp_bf16_vs_vllm"], ".2f", "x") if ratios["rtp_bf16_vs_vllm"] is not None
          else "not run", f">= {TARGET_VS_VLLM:g}x", met[f"vs_vllm_ge_{TARGET_VS_VLLM:g}x"]),
         ("rtp bf16 / rtp fp32", _fmt(ratios["rtp_bf16_vs_fp32"], ".2f", "x"), "-", None),
+        *((f"rtp {key[4:-8]} / vLLM", _fmt(v, ".2f", "x"), "-", None)
+          for key, v in ratios.items() if key.startswith("rtp_") and key.endswith("_vs_vllm")
+          and key not in ("rtp_bf16_vs_vllm", "rtp_fp32_vs_vllm") and v is not None),
         ("single-request decode tok/s", _fmt(ratios["single_request_tok_s"]), f">= {TARGET_SINGLE_TOK_S:g}",
          met[f"single_request_ge_{TARGET_SINGLE_TOK_S:g}_tok_s"]),
         (f"batch-{args.decode_batch} decode FLOP utilisation", _fmt(ratios["batch_decode_flop_utilisation"], ".1%"),
@@ -987,8 +1004,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rtp dtypes to run, comma separated from bf16,fp32 (default bf16,fp32); the decode "
                         "measurements run with bf16 only")
     g.add_argument("--no-compile", action="store_true", help="run rtp eagerly (no Inductor decode graphs)")
-    g.add_argument("--activation-dtype", choices=["auto", "int8", "int8-prefill"], default="auto",
-                   help="rtp's --activation-dtype (int8: Q4_1 layers take int8 rows on a CPU with VNNI and no AMX; "
+    g.add_argument("--activation-dtype", choices=["auto", "int8", "int8-prefill"], nargs="+", default=["auto"],
+                   help="rtp's --activation-dtype, one or more; each dtype runs once per value, side by side "
+                        "(int8: Q4_1 layers take int8 rows on a CPU with VNNI and no AMX; "
                         "int8-prefill: their prompt rows only)")
     g.add_argument("--max-num-seqs", type=int, default=64,
                    help="requests decoding at once, for rtp and the continuous batchers (default 64)")
@@ -1068,11 +1086,13 @@ def main(argv: list[str] | None = None) -> int:
         "rtp": {},
     }
 
-    for i, key in enumerate(args.dtypes):
+    runs = run_keys(args)
+    for i, (key, dtype_key, act) in enumerate(runs):
         try:
-            # the decode measurements go with bf16 (or the first dtype when bf16 is not asked for)
-            extras = key == "bf16" or ("bf16" not in args.dtypes and i == 0)
-            results["rtp"][key] = bench_rtp(key, work, args, model_path, ids, extras=extras)
+            # the decode measurements go with bf16 (or the first run when bf16 is not asked for)
+            extras = key == "bf16" or (i == 0 and all(r[0] != "bf16" for r in runs))
+            results["rtp"][key] = bench_rtp(dtype_key, work, args, model_path, ids, extras=extras,
+                                            activation_dtype=act)
         except Exception as e:  # noqa: BLE001 - report it in the table, run the others
             traceback.print_exc()
             results["rtp"][key] = {"error": error_text(e)}

@@ -249,9 +249,13 @@ class ModelRunner:
                                      plan=PlanRows(self.host["query_start_loc"], self.host["seq_lens"], tables))
             ids, pos = self.host["input_ids"][:tokens], self.host["positions"][:tokens]
             rows = self.host["logits_indices"][:samples]
+
+            def logits(index: torch.Tensor):
+                return lambda hidden: self.model.compute_logits(cpu_kernels.gather_rows(hidden, index))
+
             with forward_context(meta):
-                return capture(lambda: self.model(ids, pos), tokens,
-                               samples=lambda hidden: self.model.compute_logits(cpu_kernels.gather_rows(hidden, rows)))
+                # one sampling row takes the one-row kernels in an eager step: captured apart
+                return capture(lambda: self.model(ids, pos), tokens, samples=logits(rows), one_sample=logits(rows[:1]))
         except (CaptureRefused, ValueError) as e:
             log.info("no CPU graph for prefill and mixed steps (%s): they run eagerly", e)
             return None

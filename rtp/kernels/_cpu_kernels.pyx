@@ -42,6 +42,8 @@ cdef extern from "cpu_kernels.h":
         RTP_COUNT_SAMPLES
         RTP_COUNT_DECODE_ROWS
         RTP_COUNT_PREFILL_ROWS
+        RTP_SEVERAL_SAMPLES
+        RTP_ONE_SAMPLE
     int rtp_run_call(const int64_t *call) nogil
     void rtp_argmax_rows(const float *x, int64_t ldx, int64_t t, int64_t n, int64_t *out) nogil
     void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
@@ -65,6 +67,7 @@ OP_NAMES = {RTP_OP_LINEAR_Q4_1: "linear_q4_1", RTP_OP_LINEAR_Q8: "linear_q8", RT
 # what a step graph's call counts its rows in (rtp_run_step_calls)
 COUNT_AS_RECORDED, COUNT_TOKENS, COUNT_SAMPLES = RTP_COUNT_AS_RECORDED, RTP_COUNT_TOKENS, RTP_COUNT_SAMPLES
 COUNT_DECODE_ROWS, COUNT_PREFILL_ROWS = RTP_COUNT_DECODE_ROWS, RTP_COUNT_PREFILL_ROWS
+SEVERAL_SAMPLES, ONE_SAMPLE = RTP_SEVERAL_SAMPLES, RTP_ONE_SAMPLE
 
 cdef object _recording = None  # array('q') of the calls made since record_start(), or None
 

@@ -82,12 +82,13 @@ class CPUGraph:
     (capture(..., samples_from=k)) replays any step instead, replay_step(...)."""
 
     def __init__(self, calls: np.ndarray, rows: int, arena: torch.Tensor, output: torch.Tensor,
-                 classes: np.ndarray | None = None):
+                 classes: np.ndarray | None = None, one_sample_output: torch.Tensor | None = None):
         self.calls = calls           # int64 [n, CALL_WORDS], contiguous
         self.rows = rows             # rows at capture: the most a replay takes
         self.arena = arena           # the intermediates' memory (addresses in calls point here)
         self.output = output
         self.classes = classes       # step graphs: int8 [n], what each call counts its rows in
+        self.one_sample_output = one_sample_output  # step graphs captured with one_sample: its output
 
     def replay(self, rows: int) -> torch.Tensor:
         """Rerun the step over the first `rows` rows of its inputs; returns output[:rows]."""
@@ -111,6 +112,8 @@ class CPUGraph:
             raise ValueError("replay_step replays step graphs (captured with samples_from)")
         self._check_rows(tokens)
         cpu_kernels.run_step_calls(self.calls, self.classes, tokens, samples, decode_rows, prefill_rows, times)
+        if samples == 1 and self.one_sample_output is not None:
+            return self.one_sample_output
         return self.output[:samples]
 
     def _check_rows(self, rows: int) -> None:
@@ -124,20 +127,28 @@ class CPUGraph:
 
 
 def capture(forward: Callable[[], torch.Tensor], rows: int,
-            samples: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CPUGraph:
+            samples: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            one_sample: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CPUGraph:
     """Capture forward() (over `rows` rows of static inputs; it returns one tensor) as a CPUGraph.
     With `samples`, a step graph: forward() returns the hidden states of every token, samples(hidden)
     the logits of the rows that sample; the calls of the first count their rows in tokens, those of
-    the second in samples (replay_step). Raises CaptureRefused when the forward leaves rtp's kernels."""
+    the second in samples (replay_step). With `one_sample` too, one_sample(hidden) is captured beside
+    samples(hidden), and a replay of one sampling row runs it instead: a batch of one row takes other
+    kernels than a batch of several (the one-row kernels), and a replay gives what an eager step gives.
+    Raises CaptureRefused when the forward leaves rtp's kernels."""
     mode = _CaptureMode()
     cpu_kernels.record_start()
-    split = -1
+    split = one = -1
+    one_output = None
     try:
         with mode:
-            output = forward()
+            hidden = output = forward()
             if samples is not None:
                 split = len(cpu_kernels.record_peek()) // cpu_kernels.CALL_WORDS
-                output = samples(output)
+                output = samples(hidden)
+                if one_sample is not None:
+                    one = len(cpu_kernels.record_peek()) // cpu_kernels.CALL_WORDS
+                    one_output = one_sample(hidden)
     finally:
         recorded = cpu_kernels.record_stop()
     calls = np.frombuffer(recorded, dtype=np.int64).reshape(-1, cpu_kernels.CALL_WORDS).copy()
@@ -147,12 +158,15 @@ def capture(forward: Callable[[], torch.Tensor], rows: int,
     if samples is not None:
         classes = np.full(len(calls), cpu_kernels.COUNT_TOKENS, dtype=np.int8)
         classes[split:] = cpu_kernels.COUNT_SAMPLES
-    out_storage = output.untyped_storage().data_ptr()
+        if one_output is not None:
+            classes[split:one] = cpu_kernels.SEVERAL_SAMPLES
+            classes[one:] = cpu_kernels.ONE_SAMPLE
+    outputs = {t.untyped_storage().data_ptr() for t in (output, one_output) if t is not None}
     buffers = sorted({(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                      for t in mode.allocations if t.untyped_storage().data_ptr() != out_storage
+                      for t in mode.allocations if t.untyped_storage().data_ptr() not in outputs
                       and t.untyped_storage().nbytes()})
     arena = _relocate(calls, buffers)
-    return CPUGraph(calls, rows, arena, output, classes)
+    return CPUGraph(calls, rows, arena, output, classes, one_output)
 
 
 def _call_signature(call: np.ndarray) -> tuple:

@@ -571,6 +571,9 @@ def rows_word(op: int) -> int:
 
 COUNT_AS_RECORDED, COUNT_TOKENS, COUNT_SAMPLES = (getattr(_k, n, i) if _AVAILABLE else i for i, n in enumerate(
     ("COUNT_AS_RECORDED", "COUNT_TOKENS", "COUNT_SAMPLES")))
+# a step graph's sampling calls captured both ways: the ones that run for several samples, or for one
+SEVERAL_SAMPLES, ONE_SAMPLE = (getattr(_k, n, i) if _AVAILABLE else i for n, i in (
+    ("SEVERAL_SAMPLES", 5), ("ONE_SAMPLE", 6)))
 
 
 def run_step_calls(calls, classes, tokens: int, samples: int, decode_rows: int, prefill_rows: int,

@@ -225,6 +225,28 @@ def test_cpu_graphs_give_the_eager_tokens(llm_bf16):
     assert replayed == eager
 
 
+def test_a_step_graph_samples_one_row_as_an_eager_step_does(llm_bf16):
+    """A prompt's step samples one row: the step graph replays it on the LM head's one-row kernel, as
+    the eager step runs it, so the first token's logprobs are the eager ones exactly (on the tile
+    kernels that the graph's several-sample head takes they were ~0.1 apart, enough to flip a near tie)."""
+    runner = llm_bf16.engine.runner
+    if runner.step_graph is None:
+        pytest.skip("no step graph: rtp's CPU kernels are not available here")
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    prompts = [chat_ids(llm_bf16, q) for q in QUESTIONS[:3]]
+
+    def first_logprobs():
+        return [llm_bf16.generate([p], params)[0].outputs[0].logprobs[0] for p in prompts]
+
+    first_logprobs()  # the prompts' full blocks now sit in the prefix cache for both runs below
+    before = runner.graph_steps
+    replayed = first_logprobs()
+    assert runner.graph_steps - before == len(prompts)
+    with runner.eager():
+        eager = first_logprobs()
+    assert replayed == eager
+
+
 def test_compiled_bf16_decode_equals_eager(default_gguf):
     """The bucket-1 decode graph (Inductor on CPU, rtp's kernels as custom ops inside) gives the
     eager engine's tokens. The eager engine is a fresh one like it: the shared llm_bf16 holds

@@ -99,3 +99,30 @@ def test_place_never_overlaps_live_blocks():
             for j, (sj, lj, hj) in enumerate(blocks[:i]):
                 if li <= hj and lj <= hi:  # live at once
                     assert offsets[i] + si <= offsets[j] or offsets[j] + sj <= offsets[i]
+
+
+def test_a_step_graph_samples_one_row_on_the_one_row_kernels():
+    """A step graph captured with one_sample replays a step of one sampling row on the one-row
+    kernels (the exact weights), as an eager step of one sample runs, and several rows on the tile
+    kernels; captured without it, one row would take the tile kernels and give other logits."""
+    body = random_blocks("q4_1", 64, 64, seed=3)
+    head = random_blocks("q8_0", 96, 64, seed=4).with_tile_layout()
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    index = torch.zeros(4, dtype=torch.int32)
+
+    def logits(idx):
+        return lambda hidden: head.linear(cpu_kernels.gather_rows(hidden, idx), None, torch.float32)
+
+    both = capture(lambda: body.linear(x, None, torch.bfloat16), 8, samples=logits(index),
+                   one_sample=logits(index[:1]))
+    several = capture(lambda: body.linear(x, None, torch.bfloat16), 8, samples=logits(index))
+    x.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(5)))
+    index.copy_(torch.tensor([5, 1, 7, 2], dtype=torch.int32))
+    hidden = body.linear(x, None, torch.bfloat16)
+    for samples in (1, 2, 4):
+        want = head.linear(hidden[index[:samples].long()], None, torch.float32)
+        assert torch.equal(both.replay_step(8, samples, 0, 1), want), samples
+    assert torch.equal(several.replay_step(8, 4, 0, 1), head.linear(hidden[index.long()], None, torch.float32))
+    one = head.linear(hidden[index[:1].long()], None, torch.float32)
+    assert not torch.equal(several.replay_step(8, 1, 0, 1), one)  # the tile kernels' bf16 weights
+    assert torch.allclose(several.replay_step(8, 1, 0, 1), one, atol=0.05, rtol=0.02)

@@ -96,8 +96,12 @@ enum {
     RTP_OP_SOFTCAP,
 };
 /* The counts a step graph is replayed over (rtp_run_step_calls): each call's rows word is one of
- * them, named per call by its class (decode and prefill attention take theirs by op). */
-enum { RTP_COUNT_AS_RECORDED = 0, RTP_COUNT_TOKENS, RTP_COUNT_SAMPLES, RTP_COUNT_DECODE_ROWS, RTP_COUNT_PREFILL_ROWS };
+ * them, named per call by its class (decode and prefill attention take theirs by op). Two more
+ * classes hold the sampling rows' calls of a graph captured both ways: RTP_SEVERAL_SAMPLES runs
+ * (over the samples) only when more than one row samples, RTP_ONE_SAMPLE (as recorded, over one
+ * row: the one-row kernels an eager step of one sample takes) only when exactly one does. */
+enum { RTP_COUNT_AS_RECORDED = 0, RTP_COUNT_TOKENS, RTP_COUNT_SAMPLES, RTP_COUNT_DECODE_ROWS, RTP_COUNT_PREFILL_ROWS,
+       RTP_SEVERAL_SAMPLES, RTP_ONE_SAMPLE };
 int rtp_run_call(const int64_t *call);
 int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns);
 int64_t rtp_run_step_calls(const int64_t *calls, int64_t n, const int8_t *classes, const int64_t *counts,

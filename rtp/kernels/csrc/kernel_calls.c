@@ -157,7 +157,8 @@ int64_t rtp_run_calls(const int64_t *calls, int64_t n, int64_t rows, int64_t *ns
  * every call whose class names one (classes[i]; RTP_COUNT_AS_RECORDED: none), decode attention takes
  * the decode rows as its batch, and prefill attention the prefill rows, which follow the decode rows
  * in the plan; a tile linear that multiplies prompt rows only as int8 takes the decode rows as its
- * bf16 rows. Tokens and samples may not exceed what a call was recorded with (its buffers in the
+ * bf16 rows; the sampling rows' calls of a graph captured both ways run for one sample or for several
+ * (RTP_ONE_SAMPLE, RTP_SEVERAL_SAMPLES). Tokens and samples may not exceed what a call was recorded with (its buffers in the
  * graph's arena hold that many rows); decode and prefill rows index the plan's arrays, which the
  * caller checks against the plan. Returns n, or the index of the call that failed. */
 int64_t rtp_run_step_calls(const int64_t *calls, int64_t n, const int8_t *classes, const int64_t *counts,
@@ -165,16 +166,21 @@ int64_t rtp_run_step_calls(const int64_t *calls, int64_t n, const int8_t *classe
     int64_t c[RTP_CALL_WORDS];
     struct timespec start, end;
     for (int64_t i = 0; i < n; i++) {
+        int k = classes[i];
+        if (k == RTP_SEVERAL_SAMPLES || k == RTP_ONE_SAMPLE) {
+            if ((counts[RTP_COUNT_SAMPLES] == 1) != (k == RTP_ONE_SAMPLE)) continue;
+            k = k == RTP_ONE_SAMPLE ? RTP_COUNT_AS_RECORDED : RTP_COUNT_SAMPLES;
+        }
         memcpy(c, calls + i * RTP_CALL_WORDS, sizeof c);
         if (c[0] == RTP_OP_DECODE_ATTENTION) {
             c[9] = counts[RTP_COUNT_DECODE_ROWS];
         } else if (c[0] == RTP_OP_PREFILL_ATTENTION) {
             c[9] = counts[RTP_COUNT_DECODE_ROWS];
             c[10] = counts[RTP_COUNT_PREFILL_ROWS];
-        } else if (classes[i] != RTP_COUNT_AS_RECORDED) {
+        } else if (k != RTP_COUNT_AS_RECORDED) {
             int w = rtp_call_rows_word(c[0]);
-            if (!w || counts[classes[i]] > c[w]) return i;
-            c[w] = counts[classes[i]];
+            if (!w || counts[k] > c[w]) return i;
+            c[w] = counts[k];
             if (c[0] == RTP_OP_LINEAR_TILES && c[16]) c[15] = counts[RTP_COUNT_DECODE_ROWS];
         }
         if (ns) clock_gettime(CLOCK_MONOTONIC, &start);
