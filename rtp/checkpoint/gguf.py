@@ -2,7 +2,7 @@
 
 A GGUF file (llama.cpp's format) holds metadata key/values and tensors under
 llama.cpp's names, with shapes written fastest-moving dimension first. This
-module reads its metadata with `gguf.GGUFReader` (a memory map) and presents it
+module reads its header (rtp/checkpoint/gguf_header.py, over a memory map) and presents it
 the way a Hugging Face checkpoint looks:
 
     ckpt = GGUFCheckpoint("model.gguf")
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rtp.checkpoint.gguf_header import GGUFHeader, GGUFTensor
 from rtp.checkpoint.records import CheckpointError, TensorRecord
 
 if TYPE_CHECKING:
@@ -129,44 +130,11 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _float32_value(v: float) -> float:
-    """A float32 metadata value as the shortest decimal that round-trips: 1e-05, not 9.9999997e-06."""
-    return float(str(np.float32(v)))
-
-
-def _field_value(field) -> Any:
-    """Decode one GGUFReader field into Python values (str, int, float, bool or a list of them)."""
-    from gguf import GGUFValueType
-
-    def scalar(part, vtype):
-        if vtype == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8", errors="replace")
-        value = part[0].item()
-        if vtype == GGUFValueType.FLOAT32:
-            return _float32_value(value)
-        if vtype == GGUFValueType.BOOL:
-            return bool(value)
-        return value
-
-    vtype = field.types[0]
-    if vtype == GGUFValueType.ARRAY:
-        if len(field.types) < 2:
-            return []
-        etype = field.types[1]
-        if etype == GGUFValueType.ARRAY:  # nested arrays: no key rtp reads uses them
-            return None
-        return [scalar(field.parts[i], etype) for i in field.data]
-    return scalar(field.parts[field.data[0]], vtype)
-
-
 @functools.lru_cache(maxsize=8)
-def _read(path: str, size: int, mtime_ns: int):
-    """gguf's reader over one file version (size and mtime in the key). Parsing takes 2.6 s for
-    the default model and a start reads the file twice (the loader, then the tokenizer): the
-    last files parsed (a split GGUF's parts) are kept, memory-mapped."""
-    from gguf import GGUFReader
-
-    return GGUFReader(path, "r")
+def _read(path: str, size: int, mtime_ns: int) -> GGUFHeader:
+    """The header of one file version (size and mtime in the key): a start opens the file twice (the
+    loader, then the tokenizer), and the last files read (a split GGUF's parts) stay memory-mapped."""
+    return GGUFHeader(path)
 
 
 _SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -180,7 +148,7 @@ def _open(path: Path):
     stat = path.stat()
     try:
         return _read(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on damage
+    except Exception as e:  # the header's reading raises ValueError/struct.error/KeyError on damage
         raise GGUFError(f"{path}: cannot parse GGUF: {e}") from e
 
 
@@ -193,11 +161,10 @@ class GGUFFile:
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         if not self.path.is_file():
             raise GGUFError(f"{self.path} is not a file (expected a .gguf checkpoint)")
-        self.reader = _open(self.path)
-        self._values: dict[str, Any] = {}
+        self.header = _open(self.path)
         # a split GGUF (llama.cpp's gguf-split: NAME-00001-of-0000N.gguf): the metadata is the first
         # part's, the tensors are spread over all N, each part a file of its own
-        self.parts: list[tuple[Path, Any]] = [(self.path, self.reader)]
+        self.parts: list[tuple[Path, GGUFHeader]] = [(self.path, self.header)]
         count = int(self.get("split.count", 1) or 1)
         if count > 1:
             split = _SPLIT_NAME.match(self.path.name)
@@ -210,21 +177,16 @@ class GGUFFile:
                     raise GGUFError(f"{self.path}: part {k} of {count} of this split GGUF is missing ({part})")
                 self.parts.append((part, _open(part)))
 
-    def all_tensors(self) -> list[tuple[Path, Any]]:
-        """(file, gguf tensor) of every tensor, part by part, each part's in data-offset order."""
-        return [(path, t) for path, reader in self.parts for t in sorted(reader.tensors, key=lambda t: t.data_offset)]
+    def all_tensors(self) -> list[tuple[Path, GGUFTensor]]:
+        """(file, tensor) of every tensor, part by part, each part's in data-offset order."""
+        return [(path, t) for path, header in self.parts for t in sorted(header.tensors, key=lambda t: t.data_offset)]
 
     def get(self, key: str, default: Any = None) -> Any:
-        """One metadata value by its GGUF key (e.g. 'llama.block_count'), decoded and cached."""
-        if key not in self._values:
-            field = self.reader.fields.get(key)
-            if field is None:
-                return default
-            self._values[key] = _field_value(field)
-        return self._values[key]
+        """One metadata value by its GGUF key (e.g. 'llama.block_count')."""
+        return self.header.fields.get(key, default)
 
     def keys(self) -> list[str]:
-        return list(self.reader.fields)
+        return list(self.header.fields)
 
     @cached_property
     def architecture(self) -> str:
@@ -242,7 +204,7 @@ class GGUFFile:
         """The `tokenizer.ggml.*` fields, without the prefix (tokens, merges, token_type, pre, ...),
         plus `chat_template`. Ids absent from the file are absent here."""
         prefix = "tokenizer.ggml."
-        meta = {k[len(prefix):]: self.get(k) for k in self.reader.fields if k.startswith(prefix)}
+        meta = {k[len(prefix):]: v for k, v in self.header.fields.items() if k.startswith(prefix)}
         meta["chat_template"] = self.chat_template
         return meta
 
@@ -278,8 +240,8 @@ class GGUFCheckpoint(GGUFFile):
         if missing:
             raise GGUFError(f"{self.path}: metadata lacks {', '.join(missing)}")
         kv_heads = key("attention.head_count_kv", heads)
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+        tokens = self.get("tokenizer.ggml.tokens")
+        vocab = key("vocab_size") or (len(tokens) if tokens is not None else None)
         if vocab is None:
             embd = next((t for _, t in self.all_tensors() if t.name == "token_embd.weight"), None)
             vocab = int(embd.shape[-1]) if embd is not None else None
@@ -359,7 +321,7 @@ class GGUFCheckpoint(GGUFFile):
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(reader.tensors) for _, reader in self.parts)
+        return sum(len(header.tensors) for _, header in self.parts)
 
     def records(self) -> list[TensorRecord]:
         """Where each model tensor's bytes lie and how they decode (to fp32, HF name and shape,
