@@ -254,8 +254,10 @@ class ModelRunner:
                 return lambda hidden: self.model.compute_logits(cpu_kernels.gather_rows(hidden, index))
 
             with forward_context(meta):
-                # one sampling row takes the one-row kernels in an eager step: captured apart
-                return capture(lambda: self.model(ids, pos), tokens, samples=logits(rows), one_sample=logits(rows[:1]))
+                # one sampling row takes the one-row kernels in an eager step: captured apart; dry: the
+                # forward over the whole token budget would take 1.5-2 s of every start for nothing
+                return capture(lambda: self.model(ids, pos), tokens, samples=logits(rows), one_sample=logits(rows[:1]),
+                               dry=True)
         except (CaptureRefused, ValueError) as e:
             log.info("no CPU graph for prefill and mixed steps (%s): they run eagerly", e)
             return None

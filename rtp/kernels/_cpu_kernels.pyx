@@ -70,6 +70,8 @@ COUNT_DECODE_ROWS, COUNT_PREFILL_ROWS = RTP_COUNT_DECODE_ROWS, RTP_COUNT_PREFILL
 SEVERAL_SAMPLES, ONE_SAMPLE = RTP_SEVERAL_SAMPLES, RTP_ONE_SAMPLE
 
 cdef object _recording = None  # array('q') of the calls made since record_start(), or None
+cdef bint _dry = False          # recording: each call runs over at most DRY_ROWS rows
+DRY_ROWS = 2
 
 
 cdef inline int64_t _float_word(double v):
@@ -84,9 +86,14 @@ cdef int _run(int64_t *c, int used) except -1:
     cdef int i
     for i in range(used, RTP_CALL_WORDS):
         c[i] = 0
+    cdef int w
     if _recording is not None:
         for i in range(RTP_CALL_WORDS):
             _recording.append(c[i])
+        if _dry:
+            w = rtp_call_rows_word(c[0])
+            if w and c[w] > DRY_ROWS:
+                c[w] = DRY_ROWS
     with nogil:
         ok = rtp_run_call(c)
     if not ok:
@@ -121,12 +128,14 @@ def vnni_supported() -> bool:
     return bool(rtp_vnni_supported())
 
 
-def record_start() -> None:
-    """Keep every kernel call from now on (they still run) until record_stop()."""
-    global _recording
+def record_start(bint dry=False) -> None:
+    """Keep every kernel call from now on (they still run; dry: over at most DRY_ROWS of their rows, so
+    each call is checked but a large capture costs nothing) until record_stop()."""
+    global _recording, _dry
     if _recording is not None:
         raise RuntimeError("already recording kernel calls")
     _recording = array("q")
+    _dry = dry
 
 
 def record_peek():
@@ -138,8 +147,8 @@ def record_peek():
 
 def record_stop():
     """The calls made since record_start(): array('q') of CALL_WORDS words per call."""
-    global _recording
-    calls, _recording = _recording, None
+    global _recording, _dry
+    calls, _recording, _dry = _recording, None, False
     return calls if calls is not None else array("q")
 
 

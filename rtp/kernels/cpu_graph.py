@@ -59,6 +59,13 @@ class CaptureRefused(RuntimeError):
 
 
 class _CaptureMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo.disable unless this says no, and its first
+        # call imports torch._dynamo: 1.2-1.9 s of every process's start. Nothing is compiled inside a
+        # capture (CPU graphs are off under --compile), so there is nothing for it to disable.
+        return False
+
     def __init__(self):
         super().__init__()
         self.allocations: list[torch.Tensor] = []
@@ -128,16 +135,18 @@ class CPUGraph:
 
 def capture(forward: Callable[[], torch.Tensor], rows: int,
             samples: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            one_sample: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CPUGraph:
+            one_sample: Callable[[torch.Tensor], torch.Tensor] | None = None, dry: bool = False) -> CPUGraph:
     """Capture forward() (over `rows` rows of static inputs; it returns one tensor) as a CPUGraph.
     With `samples`, a step graph: forward() returns the hidden states of every token, samples(hidden)
     the logits of the rows that sample; the calls of the first count their rows in tokens, those of
     the second in samples (replay_step). With `one_sample` too, one_sample(hidden) is captured beside
     samples(hidden), and a replay of one sampling row runs it instead: a batch of one row takes other
     kernels than a batch of several (the one-row kernels), and a replay gives what an eager step gives.
-    Raises CaptureRefused when the forward leaves rtp's kernels."""
+    dry: the kernels run over at most 2 rows while recorded (cpu_kernels.record_start), for a forward
+    whose work would cost much and whose result is not wanted. Raises CaptureRefused when the forward
+    leaves rtp's kernels."""
     mode = _CaptureMode()
-    cpu_kernels.record_start()
+    cpu_kernels.record_start(dry)
     split = one = -1
     one_output = None
     try:

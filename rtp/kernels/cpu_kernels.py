@@ -539,9 +539,11 @@ def paged_decode_attention_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 CALL_WORDS = _k.CALL_WORDS if _AVAILABLE else 16
 
 
-def record_start() -> None:
-    """Record every kernel call from now on (they still run), until record_stop()."""
-    _k.record_start()
+def record_start(dry: bool = False) -> None:
+    """Record every kernel call from now on (they still run), until record_stop(). dry: each call runs
+    over at most 2 of its rows, enough to check it, so recording a large forward costs little; what
+    the forward computes is then not its result (a capture's first replay computes it)."""
+    _k.record_start(dry)
 
 
 def record_peek():

@@ -126,3 +126,18 @@ def test_a_step_graph_samples_one_row_on_the_one_row_kernels():
     one = head.linear(hidden[index[:1].long()], None, torch.float32)
     assert not torch.equal(several.replay_step(8, 1, 0, 1), one)  # the tile kernels' bf16 weights
     assert torch.allclose(several.replay_step(8, 1, 0, 1), one, atol=0.05, rtol=0.02)
+
+
+def test_a_dry_capture_records_the_same_calls_and_replays_exactly():
+    """A dry capture runs each kernel over 2 rows only, but records every call over all its rows: its
+    replays compute what the eager forward computes, as a full capture's do."""
+    mlp = TinyMLP(6)
+    full = capture(mlp, 6)
+    dry = capture(mlp, 6, dry=True)
+    rows = [cpu_kernels.rows_word(int(c[0])) for c in full.calls]
+    assert [int(c[w]) for c, w in zip(dry.calls, rows)] == [int(c[w]) for c, w in zip(full.calls, rows)] == [6] * 3
+    assert dry.signature() == full.signature()
+    for seed in range(2):
+        mlp.x.copy_(torch.randn(6, 64, generator=torch.Generator().manual_seed(seed)))
+        want = mlp()
+        assert torch.equal(dry.replay(6), want) and torch.equal(full.replay(6), want)
