@@ -454,6 +454,13 @@ def _decode(raw: torch.Tensor, *, qtype, shape: tuple[int, ...], name: str,
         arr = data.view(np.float16).astype(np.float32)
     elif qtype == Q.F64:
         arr = data.view(np.float64).astype(np.float32)
+    elif qtype == Q.Q8_0:
+        # d q per block of 32, in torch (vectorised, both cores): the same bits as gguf's numpy
+        # dequantize (tests/checkpoint/test_gguf.py), 0.15 s for the default model's embedding against 0.7
+        blocks = raw.view(-1, 34)
+        d = blocks[:, :2].contiguous().view(torch.float16).float()
+        w = (blocks[:, 2:].contiguous().view(torch.int8).float() * d).reshape(shape)
+        return w if unpermute_heads is None else _unpermute_qk(w, unpermute_heads)
     else:
         try:
             arr = quants.dequantize(data, qtype)
