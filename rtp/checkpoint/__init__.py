@@ -7,6 +7,7 @@ a model, conversion, and the default model.
     multimodal.py         the language model inside a multimodal checkpoint (Gemma 3 4 B+)
     safetensors_format.py safetensors headers and index; the writer `rtp convert` uses
     gguf.py               GGUF metadata -> config.json and records (quantized blocks kept or dequantized)
+    gguf_header.py        a GGUF file's metadata and tensor table, read in one pass over a memory map
     reader.py             SequentialReader and stream_tensors: file-order reads into two buffers
     prefault.py           pages of freshly loaded weights touched ahead of use
     loader.py             load_model: build on meta, stream, place, shard (tensor parallelism)

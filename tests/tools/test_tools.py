@@ -138,3 +138,15 @@ def test_bench_speculative_runs_both_engines_side_by_side(default_gguf):
     alone = rows["summarise", 1]
     assert alone["identical"] and alone["tokens"] > 0 and alone["plain_tok_s"] > 0 and alone["spec_tok_s"] > 0
     assert alone["acceptance_rate"] is not None and 0 < alone["acceptance_rate"] <= 1  # quoting drafts, some kept
+
+
+def test_bench_startup_times_a_server_from_command_to_health(default_gguf):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_startup.py"), "--rounds", "1", "--model",
+                          str(default_gguf), "--serve-args", "--max-num-seqs 2 --max-model-len 256 --kv-cache-memory 32MiB"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    m = res["median"]
+    # every phase seen, in order, before /health answered; the process's own CPU time measured
+    assert 0 < m["loaded"] <= m["engine ready"] <= m["serving"] <= m["ready_s"] and m["cpu_s"] > 0
+    assert "/health answers" in out.stdout
