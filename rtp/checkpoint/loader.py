@@ -200,6 +200,13 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, options: Lo
     # parameters are created uninitialised (torch.empty) directly in their final dtype and device
     with _default_dtype(dtype), torch.device(device):
         model = cls(config)
+    blocks_only: set[str] = set()
+    if checkpoint.gguf is not None and dtype == torch.bfloat16 and device.type == "cpu":
+        # the GGUF's blocks first: the dense weights they replace are neither read nor dequantized
+        _attach_quantized(model, checkpoint.gguf)
+        blocks_only = _drop_dense_weights(model)
+        fused_target = getattr(model, "fused_target", lambda name: (name, None))
+        records = [r for r in records if fused_target(r.name)[0] not in blocks_only]
     total = sum(r.nbytes for r in records)
     bar = ProgressBar(path.name, total)
     read_start = time.perf_counter()
@@ -217,13 +224,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, options: Lo
         tensors.close()  # stops the reader thread now, not when the traceback is collected
         bar.close()
     read_s = time.perf_counter() - read_start
-    missing = model.expected_weights() - loaded
+    missing = {name for name in model.expected_weights() - loaded if name.split("#")[0] not in blocks_only}
     if missing:  # the meta-device check rules this out; a guard against loaders that differ off meta
         raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     model.eval()
-    if checkpoint.gguf is not None and dtype == torch.bfloat16 and device.type == "cpu":
-        _attach_quantized(model, checkpoint.gguf)
-        _drop_dense_weights(model)
     if dtype == torch.bfloat16 and device.type == "cpu":
         _attach_dense(model)
     _pack_cpu_weights(model)
@@ -260,23 +264,26 @@ def _pack_cpu_weights(model: torch.nn.Module) -> None:
         log.info("prepacked %d bf16 linear weights for oneDNN", count)
 
 
-def _drop_dense_weights(model: torch.nn.Module) -> None:
-    """Free the dense bf16 weights of layers whose GGUF blocks serve every batch (tile order): nothing
-    multiplies them, and they were most of the weights' memory. The parameter stays, on the meta
-    device (its shape and dtype, no storage), so a path that would still read it fails loudly. A
-    weight the layer shares (a tied LM head's, the embedding's) stays."""
+def _drop_dense_weights(model: torch.nn.Module) -> set[str]:
+    """Put on the meta device (its shape and dtype, no storage) the dense bf16 weight of every layer
+    whose GGUF blocks serve every batch (tile order): nothing multiplies it, so the loader neither
+    reads nor dequantizes it (they were most of the weights' memory and of the load's time), and a
+    path that would still read it fails loudly. A weight the layer shares (a tied LM head's, the
+    embedding's) stays. Returns the dropped parameters' names."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Module)
                   and not hasattr(m, "quant") and isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
-    freed = 0
-    for module in model.modules():
+    freed, dropped = 0, set()
+    for name, module in model.named_modules():
         quant = getattr(module, "quant", None)
         if (quant is None or not quant.serves_every_batch or id(module.weight) in embeddings
                 or quant.kind == "bf16"):  # a dense layer's blocks are its weight
             continue
         freed += module.weight.numel() * module.weight.element_size()
         module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+        dropped.add(f"{name}.weight")
     if freed:
-        log.info("dropped %.1f MB of dense weights that the GGUF blocks replace", freed / 1e6)
+        log.info("no dense copy of %.1f MB of weights that the GGUF blocks replace", freed / 1e6)
+    return dropped
 
 
 def _attach_dense(model: torch.nn.Module) -> None:
