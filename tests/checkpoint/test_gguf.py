@@ -354,6 +354,33 @@ def test_a_damaged_header_is_a_clear_error(tmp_path, damage):
         GGUFCheckpoint(path)
 
 
+def test_random_damage_to_a_header_never_crashes_or_hangs(tmp_path):
+    """Bytes of a header flipped at random, or the file cut anywhere in it: the header reads or raises
+    one of the errors GGUFCheckpoint turns into a GGUFError naming the file, quickly, every time."""
+    import random
+    import struct
+    import time
+
+    from rtp.checkpoint.gguf_header import GGUFHeader
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path, _tiny_hf_weights())
+    good = path.read_bytes()
+    end = GGUFHeader(path).tensors[0].data_offset  # the header is everything before the data
+    rng = random.Random(0)
+    for trial in range(300):
+        data = bytearray(good[: rng.randrange(4, end)] if trial % 3 == 0 else good)
+        for _ in range(rng.randrange(1, 4)):
+            data[rng.randrange(4, min(end, len(data)))] = rng.randrange(256)
+        path.write_bytes(bytes(data))
+        start = time.perf_counter()
+        try:
+            GGUFHeader(path)
+        except (ValueError, struct.error, KeyError, RecursionError):
+            pass
+        assert time.perf_counter() - start < 2, trial
+
+
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "gpt2.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt2")
