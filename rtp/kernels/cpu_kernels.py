@@ -571,11 +571,12 @@ def rows_word(op: int) -> int:
     return _k.rows_word(op)
 
 
-COUNT_AS_RECORDED, COUNT_TOKENS, COUNT_SAMPLES = (getattr(_k, n, i) if _AVAILABLE else i for i, n in enumerate(
-    ("COUNT_AS_RECORDED", "COUNT_TOKENS", "COUNT_SAMPLES")))
-# a step graph's sampling calls captured both ways: the ones that run for several samples, or for one
-SEVERAL_SAMPLES, ONE_SAMPLE = (getattr(_k, n, i) if _AVAILABLE else i for n, i in (
-    ("SEVERAL_SAMPLES", 5), ("ONE_SAMPLE", 6)))
+# what a step graph's call counts its rows in; the last two: its sampling calls captured both ways, the
+# ones that run for several samples and the ones that run for one (cpu_graph.capture's one_sample)
+(COUNT_AS_RECORDED, COUNT_TOKENS, COUNT_SAMPLES, _COUNT_DECODE_ROWS, _COUNT_PREFILL_ROWS, SEVERAL_SAMPLES,
+ ONE_SAMPLE) = (getattr(_k, n, i) if _AVAILABLE else i for i, n in enumerate(
+    ("COUNT_AS_RECORDED", "COUNT_TOKENS", "COUNT_SAMPLES", "COUNT_DECODE_ROWS", "COUNT_PREFILL_ROWS",
+     "SEVERAL_SAMPLES", "ONE_SAMPLE")))
 
 
 def run_step_calls(calls, classes, tokens: int, samples: int, decode_rows: int, prefill_rows: int,
