@@ -20,6 +20,7 @@ mean share of tokens produced before the first divergence.
     python tools/bench_fidelity.py              # 32 prompts x 48 tokens, a few minutes
     python tools/bench_fidelity.py --prompts 8 --tokens 16
     python tools/bench_fidelity.py --prompts 128 --tokens 32  # a wider sample: 96 templated prompts more
+    python tools/bench_fidelity.py --prompts 288 --tokens 32  # the widest: 256 templated prompts
     python tools/bench_fidelity.py --kv-cache-dtype int8   # also rtp-auto over an int8 KV cache
     python tools/bench_fidelity.py --activation-dtype int8 # also rtp-auto with int8 rows into its linears
     python tools/bench_fidelity.py --activation-dtype int8 int8-prefill   # both, in one run
@@ -57,7 +58,19 @@ TOPICS = [
     "gardening", "the Olympic Games",
 ]
 TEMPLATES = ["Explain {} to a child in two sentences.", "Write a short poem about {}.", "List three facts about {}."]
-PROMPTS = QUESTIONS + [t.format(topic) for t in TEMPLATES for topic in TOPICS]
+# Wider still (a 2-prompt margin in 128 is within the noise too): 32 topics more, under the three templates
+# and a fourth over all 64, appended so that the first 128 prompts stay as they were: 288 in all.
+MORE_TOPICS = [
+    "rivers", "the Eiffel Tower", "ants", "the Sahara", "trains", "tea", "deserts", "football", "the brain",
+    "snowflakes", "smartphones", "owls", "cheese", "the Amazon rainforest", "hurricanes", "classical music",
+    "wind turbines", "sharks", "the telephone", "comets", "antibiotics", "knitting", "caves", "museums",
+    "fog", "skateboards", "the pyramids of Giza", "dolphins", "composting", "microscopes", "beekeeping",
+    "the Tour de France",
+]
+FOURTH_TEMPLATE = "Give one surprising fact about {}."
+PROMPTS = (QUESTIONS + [t.format(topic) for t in TEMPLATES for topic in TOPICS]
+           + [t.format(topic) for t in TEMPLATES for topic in MORE_TOPICS]
+           + [FOURTH_TEMPLATE.format(topic) for topic in TOPICS + MORE_TOPICS])
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

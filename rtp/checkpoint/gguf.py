@@ -231,22 +231,50 @@ class GGUFCheckpoint(GGUFFile):
         def key(name, default=None):
             return self.get(f"{arch}.{name}", default)
 
+        # a header can parse and still hold nonsense (a string head count, zero layers): each value the
+        # config uses is checked here, so such a file fails naming its key, not in a division below
+        def count(name, default=None, minimum=1):
+            value = key(name, default)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+                raise GGUFError(f"{self.path}: metadata {arch}.{name} = {value!r} is not an integer >= {minimum}")
+            return int(value)
+
+        def positive(name, default):
+            value = key(name, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not 0 < value < float("inf"):
+                raise GGUFError(f"{self.path}: metadata {arch}.{name} = {value!r} is not a positive number")
+            return float(value)
+
         names = {t.name for _, t in self.all_tensors()}
-        hidden = key("embedding_length")
-        heads = key("attention.head_count")
+        hidden = count("embedding_length")
+        heads = count("attention.head_count")
         required = {"embedding_length": hidden, "attention.head_count": heads,
-                    "block_count": key("block_count"), "feed_forward_length": key("feed_forward_length")}
+                    "block_count": count("block_count"), "feed_forward_length": count("feed_forward_length")}
         missing = [f"{arch}.{k}" for k, v in required.items() if v is None]
         if missing:
             raise GGUFError(f"{self.path}: metadata lacks {', '.join(missing)}")
-        kv_heads = key("attention.head_count_kv", heads)
+        kv_heads = count("attention.head_count_kv", heads)
+        if heads % kv_heads:
+            raise GGUFError(f"{self.path}: metadata {arch}.attention.head_count = {heads} is not a multiple of "
+                            f"{arch}.attention.head_count_kv = {kv_heads}")
         tokens = self.get("tokenizer.ggml.tokens")
-        vocab = key("vocab_size") or (len(tokens) if tokens is not None else None)
+        vocab = count("vocab_size") or (len(tokens) if isinstance(tokens, list) and tokens else None)
         if vocab is None:
             embd = next((t for _, t in self.all_tensors() if t.name == "token_embd.weight"), None)
             vocab = int(embd.shape[-1]) if embd is not None else None
-        head_dim = key("attention.key_length") or hidden // heads
-        rope_dim = key("rope.dimension_count")
+        head_dim = count("attention.key_length")
+        if head_dim is None:
+            if hidden % heads:
+                raise GGUFError(f"{self.path}: metadata {arch}.embedding_length = {hidden} is not a multiple of "
+                                f"{arch}.attention.head_count = {heads}, and no attention.key_length says the "
+                                "head size")
+            head_dim = hidden // heads
+        rope_dim = count("rope.dimension_count")
+        if rope_dim is not None and rope_dim > head_dim:
+            raise GGUFError(f"{self.path}: metadata {arch}.rope.dimension_count = {rope_dim} exceeds the head "
+                            f"size {head_dim}")
 
         cfg: dict[str, Any] = {
             "architectures": [hf_arch],
@@ -259,9 +287,9 @@ class GGUFCheckpoint(GGUFFile):
             "num_key_value_heads": kv_heads,
             "head_dim": head_dim,
             "hidden_act": "silu",
-            "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
-            "rope_theta": key("rope.freq_base", 10000.0),
-            "max_position_embeddings": key("context_length", 4096),
+            "rms_norm_eps": positive("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": positive("rope.freq_base", 10000.0),
+            "max_position_embeddings": count("context_length", 4096),
             "tie_word_embeddings": "output.weight" not in names,
         }
         if model_type in ("llama", "mistral"):
@@ -269,7 +297,7 @@ class GGUFCheckpoint(GGUFFile):
             cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
         if rope_dim and rope_dim != head_dim:  # Phi-4-mini rotates 96 of its 128 dims
             cfg["partial_rotary_factor"] = rope_dim / head_dim
-        sliding = key("attention.sliding_window")
+        sliding = count("attention.sliding_window", minimum=0)
         if sliding:  # llama.cpp writes 0 for none (Phi-4-mini)
             cfg["sliding_window"] = sliding
         rope_scaling = self._rope_scaling(arch)
@@ -281,7 +309,9 @@ class GGUFCheckpoint(GGUFFile):
                                  ("padding_token_id", "pad_token_id")):
             value = self.get(f"tokenizer.ggml.{gguf_key}")
             if value is not None:
-                cfg[hf_key] = value
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                    raise GGUFError(f"{self.path}: metadata tokenizer.ggml.{gguf_key} = {value!r} is not a token id")
+                cfg[hf_key] = int(value)
         return cfg
 
     def _rope_scaling(self, arch: str) -> dict[str, Any] | None:

@@ -381,6 +381,37 @@ def test_random_damage_to_a_header_never_crashes_or_hangs(tmp_path):
         assert time.perf_counter() - start < 2, trial
 
 
+@pytest.mark.parametrize("key, value, vtype, message", [
+    ("llama.attention.head_count", "four", "STRING", r"llama\.attention\.head_count = 'four' is not an integer"),
+    ("llama.attention.head_count", 0, "UINT32", r"llama\.attention\.head_count = 0 is not an integer >= 1"),
+    ("llama.block_count", 0, "UINT32", r"llama\.block_count = 0 is not an integer >= 1"),
+    ("llama.embedding_length", 2.5, "FLOAT32", r"llama\.embedding_length = 2\.5 is not an integer"),
+    ("llama.attention.head_count_kv", 3, "UINT32", r"llama\.attention\.head_count = 4 is not a multiple of .*_kv = 3"),
+    ("llama.attention.layer_norm_rms_epsilon", -1.0, "FLOAT32", r"llama\.attention\.layer_norm_rms_epsilon = -1\.0 is not"),
+    ("llama.rope.freq_base", "big", "STRING", r"llama\.rope\.freq_base = 'big' is not a positive number"),
+    ("llama.context_length", 0, "UINT32", r"llama\.context_length = 0 is not an integer >= 1"),
+    ("llama.rope.dimension_count", 64, "UINT32", r"llama\.rope\.dimension_count = 64 exceeds the head size 16"),
+    ("tokenizer.ggml.eos_token_id", "two", "STRING", r"tokenizer\.ggml\.eos_token_id = 'two' is not a token id"),
+])
+def test_nonsense_metadata_is_an_error_naming_its_key(tmp_path, key, value, vtype, message):
+    """A header that parses but holds nonsense fails naming the key and its value: not a TypeError or a
+    ZeroDivisionError from deep in the config."""
+    def extra(writer):  # GGUFWriter overwrites a key written before
+        writer.add_key_value(key, value, getattr(gguf.GGUFValueType, vtype))
+    _write_tiny(tmp_path / "bad.gguf", _tiny_hf_weights(), extra=extra)
+    with pytest.raises(GGUFError, match=r"bad\.gguf: metadata " + message):
+        GGUFCheckpoint(tmp_path / "bad.gguf")
+
+
+def test_embedding_length_must_split_into_heads_without_a_key_length(tmp_path):
+    def extra(writer):
+        writer.add_key_value("llama.attention.head_count", 5, gguf.GGUFValueType.UINT32)
+        writer.add_key_value("llama.attention.head_count_kv", 5, gguf.GGUFValueType.UINT32)
+    _write_tiny(tmp_path / "bad.gguf", _tiny_hf_weights(), extra=extra)
+    with pytest.raises(GGUFError, match=r"embedding_length = 64 is not a multiple of .*head_count = 5"):
+        GGUFCheckpoint(tmp_path / "bad.gguf")
+
+
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "gpt2.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt2")
@@ -399,7 +430,7 @@ def test_unsupported_quant_type_named_with_its_tensor(tmp_path):
     path = tmp_path / "q81.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_architecture()
-    for key, value in (("embedding_length", 64), ("head_count", 4), ("block_count", 0),
+    for key, value in (("embedding_length", 64), ("head_count", 4), ("block_count", 1),
                        ("feed_forward_length", 96)):
         getattr(writer, f"add_{key}")(value)
     # Q8_1 (the activation format) has no dequantizer in the gguf package: 40-byte blocks of 32
