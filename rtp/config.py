@@ -60,9 +60,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         if not archs:
             raise ValueError("config.json names no architecture (its \"architectures\" list is empty)")
         arch = archs[0]
-        heads = _required(hf, "num_attention_heads")
-        hidden = _required(hf, "hidden_size")
-        head_dim = hf.get("head_dim") or hidden // heads
+        heads = _count(hf, "num_attention_heads")
+        hidden = _count(hf, "hidden_size")
+        head_dim = _count(hf, "head_dim", None)
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"config.json hidden_size {hidden} is not a multiple of num_attention_heads "
+                                 f"{heads}, and no head_dim says the head size")
+            head_dim = hidden // heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         attention_bias = bool(hf.get("attention_bias", False))
@@ -72,15 +77,15 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         num_experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
         cfg = cls(
             architecture=arch,
-            vocab_size=_required(hf, "vocab_size"),
+            vocab_size=_count(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_required(hf, "intermediate_size"),
-            num_hidden_layers=_required(hf, "num_hidden_layers"),
+            intermediate_size=_count(hf, "intermediate_size"),
+            num_hidden_layers=_count(hf, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            num_key_value_heads=_count(hf, "num_key_value_heads", heads),
             head_dim=head_dim,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=_positive_number(hf, "rms_norm_eps", 1e-6),
+            max_position_embeddings=_count(hf, "max_position_embeddings", 4096),
             # Gemma's configs leave it out and mean transformers' default, tied
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _GEMMA_ACTIVATIONS)),
             qkv_bias=(attention_bias or arch == "Qwen2ForCausalLM"
@@ -162,10 +167,27 @@ def _deepseek_dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i in range(hf.get("num_hidden_layers", 0)) if i < first or i % freq)
 
 
-def _required(hf: dict[str, Any], key: str) -> Any:
-    if key not in hf:
-        raise ValueError(f"config.json lacks {key!r}")
-    return hf[key]
+_MISSING = object()
+
+
+def _count(hf: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
+    """A positive integer of config.json (null or absent: default; no default: required). Checked here,
+    so that a config holding nonsense (a string, 0) fails naming its key, not in a division below."""
+    value = hf.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ValueError(f"config.json lacks {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json {key} = {value!r} is not a positive integer")
+    return value
+
+
+def _positive_number(hf: dict[str, Any], key: str, default: float) -> float:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"config.json {key} = {value!r} is not a positive number")
+    return float(value)
 
 
 # -- the engine's own knobs -----------------------------------------------------------------------------

@@ -72,3 +72,24 @@ def test_bad_checkpoints_get_clear_errors(tmp_path):
     (path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
     with pytest.raises(CheckpointError, match="shape"):
         load_model(path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("num_attention_heads", "four", r"config\.json num_attention_heads = 'four' is not a positive integer"),
+    ("num_attention_heads", 0, r"config\.json num_attention_heads = 0 is not a positive integer"),
+    ("num_hidden_layers", 1.5, r"config\.json num_hidden_layers = 1\.5 is not a positive integer"),
+    ("hidden_size", 60, r"hidden_size 60 is not a multiple of num_attention_heads 8"),
+    ("num_key_value_heads", 3, r"num_attention_heads 8 is not a multiple of num_key_value_heads 3"),
+    ("rms_norm_eps", "tiny", r"config\.json rms_norm_eps = 'tiny' is not a positive number"),
+    ("vocab_size", None, r"config\.json lacks 'vocab_size'"),
+])
+def test_nonsense_in_config_json_is_an_error_naming_its_key(tmp_path, key, value, message):
+    """A config.json that parses but holds nonsense fails naming the key, not with a TypeError or a
+    ZeroDivisionError from the config's arithmetic."""
+    import json
+    path, _ = make_dense("llama", tmp_path)
+    cfg = {**json.loads((path / "config.json").read_text()), "num_attention_heads": 8, "head_dim": None}
+    cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        load_model(path, torch.float32, torch.device("cpu"))
