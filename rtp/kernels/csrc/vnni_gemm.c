@@ -130,6 +130,15 @@ VNNI_TARGET static void column_operands(int kind, const uint8_t *recs, int64_t n
     }
 }
 
+/* acc + w . (the 4 bytes at a, broadcast): vpdpbusd with the broadcast folded into its memory operand
+ * (m32bcst), which GCC 12 does not do for this instruction (it emitted a vpbroadcastd before every
+ * product). AMD Zen 4, SmolLM2's four layer shapes at 2,048 rows, 30 layers, two threads, alternated
+ * with the build before 11 times: median 866 against 911 ms (best 825 against 852), the same bits. */
+VNNI_TARGET static inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int8_t *a) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)a));
+    return acc;
+}
+
 /* c[r][16] = rows r < R of the quantized x (q at row stride K; dx, cx, s128 at stride nk) times one column
  * of operands w. Q8: Q8_0's operands (q + 128: 128 sum(qx) off the integer sums), else Q4_1's (the m term).
  * R and Q8 constants per copy, so the chains stay in registers. */
@@ -146,11 +155,8 @@ VNNI_TARGET static void column_operands(int kind, const uint8_t *recs, int64_t n
                 ia[r] = (Q8) ? _mm512_set1_epi32(-s128[r * nk + kb]) : _mm512_setzero_si512();                      \
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {                                                  \
                 __m512i wg = _mm512_load_si512((const void *)(o + g));                                              \
-                _Pragma("GCC unroll 8") for (int r = 0; r < (R); r++) {                                            \
-                    int32_t a;                                                                                      \
-                    memcpy(&a, q + r * K + 32 * kb + 4 * g, 4);                                                     \
-                    ia[r] = _mm512_dpbusd_epi32(ia[r], wg, _mm512_set1_epi32(a));                                  \
-                }                                                                                                   \
+                _Pragma("GCC unroll 8") for (int r = 0; r < (R); r++)                                              \
+                    ia[r] = dpbusd_bcst(ia[r], wg, q + r * K + 32 * kb + 4 * g);                                   \
             }                                                                                                       \
             __m512 dv = _mm512_load_ps((const float *)(o + 8)), mv = _mm512_load_ps((const float *)(o + 9));       \
             _Pragma("GCC unroll 8") for (int r = 0; r < (R); r++) {                                                \
