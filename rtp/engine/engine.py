@@ -174,7 +174,7 @@ class LLMEngine:
         ref = self.speculative.model
         path = resolve_model(ref)
         model, config = load_model(path, self.dtype, self.device)
-        _use_activation_dtype(model, self.config.load.activation_dtype)
+        _use_activation_dtype(model, self.config.load.activation_dtype, hint=False)
         try:
             tokenizer = Tokenizer.from_pretrained(path)
         except TokenizerError:
@@ -493,19 +493,22 @@ class LLMEngine:
         return stats
 
 
-def _use_activation_dtype(model: torch.nn.Module, dtype: str) -> None:
+def _use_activation_dtype(model: torch.nn.Module, dtype: str, hint: bool = True) -> None:
     """--activation-dtype int8 / int8-prefill: every block-quantized linear layer's input rows (int8-prefill:
     its prompt rows, not the step's decode rows) go to the tile kernels as int8 (BlockQuantized.int8_rows;
     the CPU graphs captured after this record it), but the LM head's: its logits pick the tokens, and int8
     rows there cost more fidelity than they bought (SmolLM2 at 64 rows: 6.16 -> 5.99 ms; greedy prefixes
-    identical to fp32 12/32 -> 9/32, docs/benchmarks.md)."""
+    identical to fp32 12/32 -> 9/32, docs/benchmarks.md). hint: say where int8-prefill would help (the
+    target model, not a draft model)."""
     from rtp.kernels import cpu_kernels
     from rtp.kernels.quant import TILE_KIND_INT8_ROWS
 
     if dtype not in ("int8", "int8-prefill"):
         # not the default: on 288 chat prompts its greedy output matched fp32 171 times, transformers' bf16
         # 147, rtp's bf16 rows 233 (docs/benchmarks.md); rtp keeps its own fidelity unless asked
-        if (cpu_kernels.available() and cpu_kernels.int8_rows_available()
+        weight = next(model.parameters(), None)
+        if (hint and weight is not None and weight.dtype == torch.bfloat16 and cpu_kernels.available()
+                and cpu_kernels.int8_rows_available()
                 and any(isinstance(q := getattr(m, "quant", None), BlockQuantized) and q.kind in TILE_KIND_INT8_ROWS
                         for m in model.modules())):
             log.info("this CPU multiplies int8 rows (AVX-512 VNNI, no AMX): --activation-dtype int8-prefill "

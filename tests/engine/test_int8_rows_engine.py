@@ -97,3 +97,17 @@ def test_a_bad_activation_dtype_is_a_clear_error():
             == "int8-prefill")
     with pytest.raises(SystemExit):
         parser.parse_args(["--activation-dtype", "fp8"])
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.int8_rows_available(),
+                    reason="needs AVX-512 VNNI and no AMX")
+def test_the_engine_says_where_int8_prefill_would_help(default_gguf, caplog):
+    """int8-prefill is opt-in; on a CPU where it runs, a bf16 engine over Q4_1 layers says so once at
+    start-up, and an fp32 engine (asked for fidelity) or one already taking int8 rows does not."""
+    hint = "--activation-dtype int8-prefill makes prefill"
+    for kwargs, said in [({}, True), ({"dtype": "float32"}, False), ({"activation_dtype": "int8-prefill"}, False)]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="rtp.engine"):
+            llm = LLM(model=str(default_gguf), max_num_seqs=2, **kwargs)
+        del llm
+        assert sum(hint in r.getMessage() for r in caplog.records) == int(said), kwargs
