@@ -243,7 +243,8 @@ class GGUFCheckpoint(GGUFFile):
 
         def positive(name, default):
             value = key(name, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not 0 < value < float("inf"):
+            if (isinstance(value, bool) or not isinstance(value, (int, float, np.number))
+                    or not 0 < value < float("inf")):
                 raise GGUFError(f"{self.path}: metadata {arch}.{name} = {value!r} is not a positive number")
             return float(value)
 

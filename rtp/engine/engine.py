@@ -507,8 +507,7 @@ def _use_activation_dtype(model: torch.nn.Module, dtype: str, hint: bool = True)
         # not the default: on 288 chat prompts its greedy output matched fp32 171 times, transformers' bf16
         # 147, rtp's bf16 rows 233 (docs/benchmarks.md); rtp keeps its own fidelity unless asked
         weight = next(model.parameters(), None)
-        if (hint and weight is not None and weight.dtype == torch.bfloat16 and cpu_kernels.available()
-                and cpu_kernels.int8_rows_available()
+        if (hint and weight is not None and weight.dtype == torch.bfloat16 and cpu_kernels.int8_rows_available()
                 and any(isinstance(q := getattr(m, "quant", None), BlockQuantized) and q.kind in TILE_KIND_INT8_ROWS
                         for m in model.modules())):
             log.info("this CPU multiplies int8 rows (AVX-512 VNNI, no AMX): --activation-dtype int8-prefill "

@@ -35,7 +35,6 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <string.h>
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")))
 
