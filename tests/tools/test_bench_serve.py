@@ -33,12 +33,13 @@ class FakeServer:
         self.arrivals: list[float] = []
         self.in_flight = self.max_in_flight = 0
         self.fail_every = 0  # fail every k-th request after the first (the bench's probe) with a 500
+        self.piece = ""  # appended to every streamed token's text (a long one: an SSE line past 64 KiB)
         self.app = Starlette(routes=[Route("/v1/models", self.models), Route("/v1/completions", self.generate,
                                                                               methods=["POST"]),
                                      Route("/v1/chat/completions", self.generate, methods=["POST"])])
 
-    def reset(self, fail_every: int = 0) -> None:
-        self.bodies, self.arrivals, self.max_in_flight, self.fail_every = [], [], 0, fail_every
+    def reset(self, fail_every: int = 0, piece: str = "") -> None:
+        self.bodies, self.arrivals, self.max_in_flight, self.fail_every, self.piece = [], [], 0, fail_every, piece
 
     async def models(self, request: Request):
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
@@ -62,7 +63,8 @@ class FakeServer:
                     yield b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
                 for i in range(tokens):
                     await asyncio.sleep(0.002)
-                    piece = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
+                    text = f" t{i}{self.piece}"
+                    piece = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                     yield b"data: " + msgspec.json.encode({"choices": [piece]}) + b"\n\n"
                 usage = {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens}
                 yield b"data: " + msgspec.json.encode({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
@@ -133,9 +135,11 @@ def test_fixed_concurrency_table_and_saved_result(fake, tokenizer_json, tmp_path
     assert figures["output_throughput"] == pytest.approx(24 * 6 / figures["duration"])
     assert figures["mean_itl_ms"] >= 1.5  # the fake's 2 ms between chunks
     assert figures["p99_ttft_ms"] >= figures["median_ttft_ms"] > 0
+    assert 0 < figures["client_cpu_s"] < 60  # the client's own CPU over the run
+    assert figures["client_us_per_output_token"] == pytest.approx(1e6 * figures["client_cpu_s"] / (24 * 6))
     for line in ("Successful requests:", "Benchmark duration (s):", "Output token throughput (tok/s):",
                  "Total token throughput (tok/s):", "Mean TTFT (ms):", "P99 TPOT (ms):", "P90 ITL (ms):",
-                 "Median E2EL (ms):"):
+                 "Median E2EL (ms):", "Client CPU (s):"):
         assert line in stdout
     saved = json.loads(result.read_text())
     assert saved["completed"] == 24 and len(saved["itls"]) == 24 and len(saved["itls"][0]) == 5
@@ -196,6 +200,13 @@ def test_failed_requests_are_counted(fake, tokenizer_json):
     figures, _ = bench(fake, tokenizer_json, "--num-prompts", "16", "--input-len", "8", "--output-len", "2",
                        "--max-concurrency", "1", "--disable-tqdm")
     assert figures["failed"] == 4 and figures["completed"] == 12
+
+
+def test_a_chunk_longer_than_the_clients_line_buffer_is_read_whole(fake, tokenizer_json):
+    fake.reset(piece="x" * 200_000)  # an SSE line of 200 KB (aiohttp's default limit is 64 KiB)
+    figures, _ = bench(fake, tokenizer_json, "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+                       "--disable-tqdm")
+    assert figures["completed"] == 2 and figures["failed"] == 0 and figures["total_output_tokens"] == 6
 
 
 def test_an_unreachable_server_fails_fast(tokenizer_json):
