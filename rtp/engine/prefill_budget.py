@@ -9,8 +9,8 @@ this picks it per step from what the steps measurably cost on this machine:
            a decode step's time) / a prompt token's time, both running averages over the
            engine's own steps (a decode-only step's seconds; a mixed step's extra seconds per
            prompt token);
-  ageing   the budget doubles for every `target_step_s` the longest-waiting request has
-           waited past one target, so a burst of arrivals is prefilled at full speed (its
+  ageing   the budget (at least the floor) doubles for every `target_step_s` the longest-waiting
+           request has waited past one target, so a burst of arrivals is prefilled at full speed (its
            few long steps are a small share of all inter-token gaps) while steady traffic
            keeps steps near the target.
 
@@ -48,6 +48,10 @@ class PrefillBudget:
             return self.cap
         tokens = max(0.0, self.target - self.decode_s) / max(self.token_s, 1e-9)
         if oldest_waiting_step >= 0:
+            # ageing grows the budget from at least the floor: where a decode step alone takes the
+            # target (64 rows on a slow CPU), the base is 0, and doubling 0 kept every waiting
+            # request at the floor for as long as the batch ran (P99 TTFT 18-23 s at concurrency 64)
+            tokens = max(tokens, float(self.floor))
             since = self._step_start[max(oldest_waiting_step, self._oldest_ring_step) % _RING]
             waited = (now - since) / self.target - 1.0
             if waited > 0:

@@ -46,6 +46,17 @@ def test_the_budget_doubles_for_each_target_the_oldest_request_waited_past_one()
     assert small.budget(3, 0, now=5.0) == 512                         # never past the cap
 
 
+def test_ageing_grows_the_budget_even_where_a_decode_step_alone_takes_the_target():
+    b = PrefillBudget(0.07, cap=2048, floor=16)
+    b.observe(0.075, prompt_tokens=0, decode_rows=64)                  # decode alone: past the target
+    b.observe(0.075 + 64 * 0.0005, prompt_tokens=64, decode_rows=63)
+    for step in range(10):
+        b.budget(step, -1, now=step * 0.07)
+    assert b.budget(10, -1, now=0.7) == 16                            # nobody waits: the floor
+    assert b.budget(11, 10, now=0.77) == 16                           # waited one target: no boost
+    assert b.budget(12, 5, now=0.84) == pytest.approx(16 * 2**6, abs=1)  # waited 7 targets: 2^(7 - 1)
+
+
 def test_the_engine_sizes_each_step_and_reports_it(default_gguf):
     from rtp import LLM, SamplingParams
 
