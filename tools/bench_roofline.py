@@ -29,9 +29,19 @@ and attention (its FLOPs; the KV read and written) -- each the larger of its com
 time. "% of limit" is limit / measured; "bound" names the resource that sets the larger share
 of the limit, and that share. The table, then (last line of stdout) one JSON.
 
+With --workload N:P_LO-P_HI:O_LO-O_HI, a whole offline workload runs too: tools/bench_offline.py's
+(the same requests for the same --seed: N prompts of random tokens, lengths uniform in the ranges,
+each generating its length), through LLM.generate. Every forward it runs is timed as it comes and set
+against its own limit as above, and the sums say how near the machine's limit the whole run came:
+split into the steps that hold prompt rows and those that only decode, with the wall time beside
+them (the forwards' sum plus the host's share: scheduling, sampling). Its generated tokens over the
+limits' sum is the highest generated tok/s this machine allows that workload -- the figure a ratio
+against another engine's measured rate can be checked against.
+
     python tools/bench_roofline.py
     python tools/bench_roofline.py --repeats 5 --shapes prefill,mixed
     python tools/bench_roofline.py --activation-dtype int8   # int8 rows into the linears, at the int8 limit
+    python tools/bench_roofline.py --shapes none --workload 64:256-1024:32-96   # bench_offline's prompt-heavy mix
 """
 
 from __future__ import annotations
@@ -266,6 +276,83 @@ class ForwardTimer:
         return out
 
 
+class StepRecorder:
+    """Wraps the runner's forward while a workload runs: every step's time and cost, as it comes (the
+    plan is rewritten by the next step)."""
+
+    def __init__(self, runner, model_cost: ModelCost):
+        self.runner, self.model_cost, self.forward = runner, model_cost, runner.forward
+        self.steps: list[tuple[float, StepCost]] = []
+
+    def __enter__(self) -> "StepRecorder":
+        self.runner.forward = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runner.forward = self.forward
+
+    def __call__(self):
+        t = time.perf_counter()
+        out = self.forward()
+        seconds = time.perf_counter() - t
+        self.steps.append((seconds, StepCost.of(self.runner.plan, self.model_cost)))
+        return out
+
+
+def run_workload(llm, spec: tuple[int, tuple[int, int], tuple[int, int]], seed: int, model_path: Path,
+                 cost: ModelCost) -> dict:
+    """tools/bench_offline.py's workload for this spec and seed through LLM.generate, every step recorded."""
+    from bench_offline import allowed_token_ids, make_workload
+
+    from rtp import SamplingParams
+
+    n, prompt_lens, output_lens = spec
+    work = make_workload(allowed_token_ids(model_path), n, prompt_lens, output_lens, seed, stream=1)
+    note(f"workload: {n} requests, {work.prompt_tokens:,} prompt tokens, {work.output_tokens:,} to generate")
+    llm.generate([work.prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in work.output_lens]
+    with StepRecorder(llm.engine.runner, cost) as recorder:
+        t = time.perf_counter()
+        outs = llm.generate(work.prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"requests": n, "prompt_lens": list(prompt_lens), "output_lens": list(output_lens), "seed": seed,
+            "prompt_tokens": work.prompt_tokens, "generated_tokens": generated, "wall_s": wall,
+            "steps": recorder.steps}
+
+
+def workload_rows(run: dict, limits: dict) -> dict:
+    """The recorded steps against their limits, summed: those holding prompt rows, those only decoding."""
+    groups = {"with prompt rows": [0, 0.0, 0.0], "decode only": [0, 0.0, 0.0]}
+    for seconds, cost in run["steps"]:
+        row = row_for({"name": "", "path": "", "cost": cost, "measured": seconds}, limits)
+        g = groups["with prompt rows" if cost.prefill_rows else "decode only"]
+        g[0] += 1
+        g[1] += seconds
+        g[2] += row["limit_ms"] / 1e3
+    total = [sum(g[i] for g in groups.values()) for i in range(3)]
+    groups["all forwards"] = total
+    out = {k: v for k, v in run.items() if k != "steps"}
+    out["groups"] = {k: {"steps": c, "measured_s": round(m, 3), "limit_s": round(lim, 3),
+                         "of_limit": round(lim / m, 4) if m else None} for k, (c, m, lim) in groups.items()}
+    out["wall_s"] = round(run["wall_s"], 3)
+    out["generated_tok_s"] = round(run["generated_tokens"] / run["wall_s"], 2)
+    out["generated_tok_s_at_limit"] = round(run["generated_tokens"] / total[2], 2) if total[2] else None
+    return out
+
+
+def print_workload(w: dict) -> None:
+    print(f"\nworkload: {w['requests']} requests (prompts {w['prompt_lens'][0]}-{w['prompt_lens'][1]}, outputs "
+          f"{w['output_lens'][0]}-{w['output_lens'][1]}, seed {w['seed']}): {w['prompt_tokens']:,} prompt tokens, "
+          f"{w['generated_tokens']:,} generated")
+    print(f"{'steps':<18} {'count':>6} {'measured s':>11} {'limit s':>9} {'of limit':>9}")
+    for name, g in w["groups"].items():
+        of = f"{g['of_limit']:.1%}" if g["of_limit"] else "-"
+        print(f"{name:<18} {g['steps']:>6} {g['measured_s']:>11.2f} {g['limit_s']:>9.2f} {of:>9}")
+    print(f"{'wall (generate)':<18} {'':>6} {w['wall_s']:>11.2f}")
+    print(f"generated tok/s: {w['generated_tok_s']:,.1f} measured, {w['generated_tok_s_at_limit']:,.1f} at the limit")
+
+
 def run_until(engine, timer: ForwardTimer, limit: int = 400) -> None:
     for _ in range(limit):
         if timer.times:
@@ -361,6 +448,19 @@ def print_table(rows: list[dict], limits: dict) -> None:
 SHAPES = ("decode", "prefill", "mixed")
 
 
+def _workload_spec(text: str) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    try:
+        n, p, o = text.split(":")
+        spec = int(n), tuple(int(v) for v in p.split("-")), tuple(int(v) for v in o.split("-"))
+    except ValueError:
+        spec = None
+    if (spec is None or len(spec[1]) != 2 or len(spec[2]) != 2 or spec[0] < 1
+            or not 1 <= spec[1][0] <= spec[1][1] or not 1 <= spec[2][0] <= spec[2][1]):
+        raise argparse.ArgumentTypeError(f"{text!r}: give REQUESTS:PROMPT_LO-PROMPT_HI:OUTPUT_LO-OUTPUT_HI, "
+                                         "e.g. 64:256-1024:32-96")
+    return spec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -371,7 +471,11 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,2048", help="decode contexts; the mixed step runs at the first "
                                                            "(default 256,2048)")
     ap.add_argument("--prefill-tokens", type=int, default=2048, help="the prefill chunk (default 2048)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="which of decode, prefill, mixed (default all)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="which of decode, prefill, mixed, or none "
+                                                               "(default all)")
+    ap.add_argument("--workload", type=_workload_spec, metavar="N:P_LO-P_HI:O_LO-O_HI",
+                    help="also run tools/bench_offline.py's workload of N requests, prompt and output lengths in "
+                         "those ranges (its --seed), every step against its limit; e.g. 64:256-1024:32-96")
     ap.add_argument("--kv-cache-gib", type=float, default=4,
                     help="KV cache: --rows rows at the longest context, with room (default 4; SmolLM2-135M "
                          "needs 3.3)")
@@ -381,10 +485,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    shapes = set(args.shapes.split(","))
+    shapes = set(args.shapes.split(",")) - {"none"}
     contexts = [int(c) for c in args.contexts.split(",")]
     if shapes - set(SHAPES) or args.repeats < 1 or args.rows < 2 or min(contexts) < 1:
-        ap.error(f"--shapes takes {', '.join(SHAPES)}; --repeats at least 1, --rows at least 2")
+        ap.error(f"--shapes takes {', '.join(SHAPES)} or none; --repeats at least 1, --rows at least 2")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not cpu_kernels.available():
@@ -392,7 +496,8 @@ def main() -> None:
 
     from rtp import LLM
 
-    top = max(contexts + [args.prefill_tokens])
+    longest = args.workload[1][1] + args.workload[2][1] if args.workload else 0  # a workload's longest request
+    top = max(contexts + [args.prefill_tokens, longest])
     budget = max(2048, args.prefill_tokens)
     note(f"loading the model, bf16, --activation-dtype {args.activation_dtype}")
     llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=args.rows, max_num_batched_tokens=budget,
@@ -445,6 +550,12 @@ def main() -> None:
                     steps.append(step_of(f"decode {keep} @ {context}", timer, cost))
             abort(engine, ids)
             engine.step()
+        workload = None
+        if args.workload:
+            from rtp.checkpoint.default_model import default_model_path
+
+            model_path = Path(args.model).expanduser() if args.model else default_model_path()
+            workload = run_workload(llm, args.workload, args.seed, model_path, cost)
     # the matmul again after the shapes, and the faster of the two probes as the limit: a probe that caught the
     # host in a slow minute (it moves 1.5x within minutes) put steps above 100 % of their "limit"
     note("measuring the bf16 and int8 matmuls again")
@@ -456,9 +567,14 @@ def main() -> None:
     limits["activation_dtype"] = args.activation_dtype
     rows = [row_for(step, limits) for step in steps]
     limits["other_cpu_s"] = cpu.other_cpu_s
-    print_table(rows, limits)
-    print(json.dumps({"limits": {**limits, "stream_gb_s": {str(k): round(v, 1) for k, v in
-                                                             limits["stream_gb_s"].items()}}, "shapes": rows}))
+    if rows:
+        print_table(rows, limits)
+    figures = {"limits": {**limits, "stream_gb_s": {str(k): round(v, 1) for k, v in limits["stream_gb_s"].items()}},
+               "shapes": rows}
+    if workload is not None:
+        figures["workload"] = workload_rows(workload, limits)
+        print_workload(figures["workload"])
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,31 @@ def test_bench_roofline_sets_every_shape_against_its_limit(default_gguf):
     assert limits["weights_mib"]["parameters"] > 0
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (the streaming-read kernel)")
+def test_bench_roofline_sets_a_whole_workload_against_its_steps_limits(default_gguf):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_roofline.py"), "--shapes", "none", "--rows", "4",
+                          "--workload", "6:20-60:3-7", "--kv-cache-gib", "0.1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["shapes"] == []
+    w = res["workload"]
+    assert w["requests"] == 6 and 6 * 3 <= w["generated_tokens"] <= 6 * 7 and 6 * 20 <= w["prompt_tokens"] <= 6 * 60
+    groups = w["groups"]
+    prompt, decode, every = groups["with prompt rows"], groups["decode only"], groups["all forwards"]
+    assert prompt["steps"] >= 2 and decode["steps"] >= 2  # 6 prompts, 4 rows at a time; the last tokens alone
+    assert every["steps"] == prompt["steps"] + decode["steps"]
+    assert every["measured_s"] == pytest.approx(prompt["measured_s"] + decode["measured_s"], abs=0.002)
+    assert 0 < every["measured_s"] <= w["wall_s"]  # the wall adds the host's share
+    for g in groups.values():
+        assert g["limit_s"] > 0 and g["of_limit"] == pytest.approx(g["limit_s"] / g["measured_s"], rel=0.01)
+    assert w["generated_tok_s_at_limit"] == pytest.approx(w["generated_tokens"] / every["limit_s"], rel=0.01)
+    assert "at the limit" in out.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_roofline.py"), "--workload", "6:60-20:3-7"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "REQUESTS:PROMPT_LO-PROMPT_HI" in bad.stderr
+
+
 def test_bench_speculative_runs_both_engines_side_by_side(default_gguf):
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_speculative.py"), "--workloads", "summarise",
                           "--max-tokens", "24", "--streams", "2"], capture_output=True, text=True, timeout=600)
