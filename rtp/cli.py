@@ -270,9 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     # `rtp serve ORG/NAME`, as `vllm serve ORG/NAME`: the same as --model
     p.add_argument("model_ref", nargs="?", metavar="MODEL", help="the model, as --model takes it")
     add_serve_options(p)
-    # serving keeps inter-token latency low: a step takes at most 512 prompt tokens beside decodes
-    # the prefill budget adapts to the measured step costs and the waiting queue (rtp/engine/prefill_budget.py)
-    add_engine_options(p, defaults={"step_time_target": 0.1})
+    # serving sizes each step's prompt tokens from measured step costs and the waiting queue
+    # (rtp/engine/prefill_budget.py). 0.07 s, not 0.1: the gap a client sees is the step plus the HTTP side,
+    # and a 0.1 s step put it on the edge of the usual 100 ms ITL objective (AMD Zen 4, 128 x 128 tokens:
+    # goodput at 2 and 4 req/s 1.40 / 0.45 against 1.10 / 0.08 req/s, concurrency 64 alike; docs/benchmarks.md)
+    add_engine_options(p, defaults={"step_time_target": 0.07})
     p.set_defaults(func=_serve)
 
     p = sub.add_parser(

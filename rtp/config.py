@@ -270,13 +270,12 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_prefill_tokens_with_decodes: _field(
         int, "prompt tokens a step may take while other requests decode: each such step stalls every decode "
              "for as long as its chunks take. Smaller keeps inter-token latency low, larger prefills faster "
-             "(0: up to --max-num-batched-tokens; offline, throughput is all that counts: 0; rtp serve: 512, "
-             "as vLLM sizes its token budget by usage)") = 0
+             "(0: up to --max-num-batched-tokens; with --step-time-target, the cap of the budget it sizes)") = 0
     step_time_target: _field(
         float, "while requests decode, size each step's prompt tokens from measured step costs so that a step "
                "takes about this long (the streams' inter-token gap), doubling the budget for every such span the "
                "oldest waiting request has waited past one (0: the fixed --max-prefill-tokens-with-decodes; rtp "
-               "serve: 0.1)", metavar="SECONDS") = 0.0
+               "serve: 0.07)", metavar="SECONDS") = 0.0
     max_model_len: _field(int | None, "context length, prompt plus completion (default: the model's, at most "
                                       "8192)") = None
     scheduling_policy: _field(str, "fcfs, or lpm: longest prefix match first (aged, so cold requests do not "
