@@ -321,20 +321,44 @@ def run_workload(llm, spec: tuple[int, tuple[int, int], tuple[int, int]], seed: 
             "steps": recorder.steps}
 
 
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)  # decode-only steps by batch size: up to each, past the last
+
+
+def rows_bucket(rows: int) -> tuple[int, str]:
+    """A batch size's bucket: its order and its label ("1", "3-4", ..., "65+")."""
+    low = 1
+    for i, top in enumerate(ROW_BUCKETS):
+        if rows <= top:
+            return i, str(top) if low == top else f"{low}-{top}"
+        low = top + 1
+    return len(ROW_BUCKETS), f"{low}+"
+
+
 def workload_rows(run: dict, limits: dict) -> dict:
-    """The recorded steps against their limits, summed: those holding prompt rows, those only decoding."""
+    """The recorded steps against their limits, summed: those holding prompt rows, those only decoding,
+    and the decode-only ones again by batch size (with their mean context)."""
     groups = {"with prompt rows": [0, 0.0, 0.0], "decode only": [0, 0.0, 0.0]}
+    by_rows: dict[tuple[int, str], list] = {}
     for seconds, cost in run["steps"]:
         row = row_for({"name": "", "path": "", "cost": cost, "measured": seconds}, limits)
         g = groups["with prompt rows" if cost.prefill_rows else "decode only"]
         g[0] += 1
         g[1] += seconds
         g[2] += row["limit_ms"] / 1e3
+        if not cost.prefill_rows:
+            b = by_rows.setdefault(rows_bucket(cost.decode_rows), [0, 0.0, 0.0, 0.0])
+            b[0] += 1
+            b[1] += seconds
+            b[2] += row["limit_ms"] / 1e3
+            b[3] += cost.mean_context
     total = [sum(g[i] for g in groups.values()) for i in range(3)]
     groups["all forwards"] = total
     out = {k: v for k, v in run.items() if k != "steps"}
-    out["groups"] = {k: {"steps": c, "measured_s": round(m, 3), "limit_s": round(lim, 3),
+    out["groups"] = {k: {"steps": c, "measured_s": round(m, 5), "limit_s": round(lim, 5),
                          "of_limit": round(lim / m, 4) if m else None} for k, (c, m, lim) in groups.items()}
+    out["decode_by_rows"] = {k: {"steps": c, "measured_s": round(m, 5), "limit_s": round(lim, 5),
+                                 "of_limit": round(lim / m, 4) if m else None, "mean_context": round(ctx / c, 1)}
+                             for (_, k), (c, m, lim, ctx) in sorted(by_rows.items())}
     out["wall_s"] = round(run["wall_s"], 3)
     out["generated_tok_s"] = round(run["generated_tokens"] / run["wall_s"], 2)
     out["generated_tok_s_at_limit"] = round(run["generated_tokens"] / total[2], 2) if total[2] else None
@@ -350,6 +374,11 @@ def print_workload(w: dict) -> None:
         of = f"{g['of_limit']:.1%}" if g["of_limit"] else "-"
         print(f"{name:<18} {g['steps']:>6} {g['measured_s']:>11.2f} {g['limit_s']:>9.2f} {of:>9}")
     print(f"{'wall (generate)':<18} {'':>6} {w['wall_s']:>11.2f}")
+    print(f"{'decode-only rows':<18} {'count':>6} {'measured s':>11} {'limit s':>9} {'of limit':>9} {'context':>8}")
+    for name, g in w["decode_by_rows"].items():
+        of = f"{g['of_limit']:.1%}" if g["of_limit"] else "-"
+        print(f"{name:<18} {g['steps']:>6} {g['measured_s']:>11.2f} {g['limit_s']:>9.2f} {of:>9} "
+              f"{g['mean_context']:>8.0f}")
     print(f"generated tok/s: {w['generated_tok_s']:,.1f} measured, {w['generated_tok_s_at_limit']:,.1f} at the limit")
 
 

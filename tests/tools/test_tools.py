@@ -148,6 +148,9 @@ def test_bench_roofline_sets_a_whole_workload_against_its_steps_limits(default_g
         assert g["limit_s"] > 0 and g["of_limit"] == pytest.approx(g["limit_s"] / g["measured_s"], rel=0.01)
     assert w["generated_tok_s_at_limit"] == pytest.approx(w["generated_tokens"] / every["limit_s"], rel=0.01)
     assert "at the limit" in out.stdout
+    by_rows = w["decode_by_rows"]  # the decode-only steps again, by batch size
+    assert sum(b["steps"] for b in by_rows.values()) == decode["steps"] and set(by_rows) <= {"1", "2", "3-4"}
+    assert sum(b["measured_s"] for b in by_rows.values()) == pytest.approx(decode["measured_s"], abs=0.005)
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_roofline.py"), "--workload", "6:60-20:3-7"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "REQUESTS:PROMPT_LO-PROMPT_HI" in bad.stderr
