@@ -19,7 +19,9 @@ Datasets:
                  (P50/P99) and the bitmask's cost per step
 
 Prompts are random token ids of --tokenizer (default: rtp's default model) decoded to
-text, so the same run works against any server. Against `rtp serve`, the CPU time
+text, so the same run works against any server. The client's own CPU time over the run
+is reported (on a host it shares with the server, what the measurement cost the server);
+against `rtp serve`, the CPU time
 its process and its event loop thread (the HTTP side) used during the run is read
 from its /metrics and reported too. The table goes to stdout, followed by one line
 with the figures as a JSON object; --save-result also writes them, with every
