@@ -50,7 +50,7 @@ class PrefillBudget:
         if oldest_waiting_step >= 0:
             # ageing grows the budget from at least the floor: where a decode step alone takes the
             # target (64 rows on a slow CPU), the base is 0, and doubling 0 kept every waiting
-            # request at the floor for as long as the batch ran (P99 TTFT 18-23 s at concurrency 64)
+            # request at the floor for as long as the batch ran (P99 TTFT 16-23 s at concurrency 64)
             tokens = max(tokens, float(self.floor))
             since = self._step_start[max(oldest_waiting_step, self._oldest_ring_step) % _RING]
             waited = (now - since) / self.target - 1.0
