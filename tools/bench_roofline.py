@@ -337,31 +337,30 @@ def rows_bucket(rows: int) -> tuple[int, str]:
 def workload_rows(run: dict, limits: dict) -> dict:
     """The recorded steps against their limits, summed: those holding prompt rows, those only decoding,
     and the decode-only ones again by batch size (with their mean context)."""
-    groups = {"with prompt rows": [0, 0.0, 0.0], "decode only": [0, 0.0, 0.0]}
+    groups: dict = {"with prompt rows": [0, 0.0, 0.0, 0.0], "decode only": [0, 0.0, 0.0, 0.0]}
     by_rows: dict[tuple[int, str], list] = {}
     for seconds, cost in run["steps"]:
-        row = row_for({"name": "", "path": "", "cost": cost, "measured": seconds}, limits)
-        g = groups["with prompt rows" if cost.prefill_rows else "decode only"]
-        g[0] += 1
-        g[1] += seconds
-        g[2] += row["limit_ms"] / 1e3
+        limit = row_for({"name": "", "path": "", "cost": cost, "measured": seconds}, limits)["limit_ms"] / 1e3
+        tallies = [groups["with prompt rows" if cost.prefill_rows else "decode only"]]
         if not cost.prefill_rows:
-            b = by_rows.setdefault(rows_bucket(cost.decode_rows), [0, 0.0, 0.0, 0.0])
-            b[0] += 1
-            b[1] += seconds
-            b[2] += row["limit_ms"] / 1e3
-            b[3] += cost.mean_context
-    total = [sum(g[i] for g in groups.values()) for i in range(3)]
-    groups["all forwards"] = total
+            tallies.append(by_rows.setdefault(rows_bucket(cost.decode_rows), [0, 0.0, 0.0, 0.0]))
+        for t in tallies:  # steps, measured seconds, limit seconds, contexts' sum
+            for i, v in enumerate((1, seconds, limit, cost.mean_context)):
+                t[i] += v
+    groups["all forwards"] = [sum(g[i] for g in groups.values()) for i in range(4)]
+
+    def summary(c: int, m: float, lim: float) -> dict:
+        return {"steps": c, "measured_s": round(m, 5), "limit_s": round(lim, 5),
+                "of_limit": round(lim / m, 4) if m else None}
+
     out = {k: v for k, v in run.items() if k != "steps"}
-    out["groups"] = {k: {"steps": c, "measured_s": round(m, 5), "limit_s": round(lim, 5),
-                         "of_limit": round(lim / m, 4) if m else None} for k, (c, m, lim) in groups.items()}
-    out["decode_by_rows"] = {k: {"steps": c, "measured_s": round(m, 5), "limit_s": round(lim, 5),
-                                 "of_limit": round(lim / m, 4) if m else None, "mean_context": round(ctx / c, 1)}
+    out["groups"] = {k: summary(c, m, lim) for k, (c, m, lim, _) in groups.items()}
+    out["decode_by_rows"] = {k: {**summary(c, m, lim), "mean_context": round(ctx / c, 1)}
                              for (_, k), (c, m, lim, ctx) in sorted(by_rows.items())}
     out["wall_s"] = round(run["wall_s"], 3)
     out["generated_tok_s"] = round(run["generated_tokens"] / run["wall_s"], 2)
-    out["generated_tok_s_at_limit"] = round(run["generated_tokens"] / total[2], 2) if total[2] else None
+    limit_s = groups["all forwards"][2]
+    out["generated_tok_s_at_limit"] = round(run["generated_tokens"] / limit_s, 2) if limit_s else None
     return out
 
 
