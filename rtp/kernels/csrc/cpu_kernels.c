@@ -644,7 +644,7 @@ TARGET static inline __attribute__((always_inline)) void row_chunk(const char *r
     }
 }
 
-/* Long rows: a row past RTP_ATTN_PART keys is attended in parts of that many keys, as tasks of their
+/* Long rows: a row past RTP_ATTN_PART keys is attended in parts of at most that many keys, as tasks of their
  * own so one long row keeps every thread busy, each part's state written as RTP_ATTN_PART_FLOATS(G, D)
  * floats per kv head (m and l of its G query heads, base 2, padded to 16 floats; then their G x D
  * unnormalized outputs in dim order), then merged. Parts are set by positions alone, so a row's
@@ -652,6 +652,17 @@ TARGET static inline __attribute__((always_inline)) void row_chunk(const char *r
 #define RTP_ATTN_PART 512
 #define RTP_ATTN_PART_OUT(G) ((2 * (G) + 15) / 16 * 16)  /* where a part's outputs start */
 #define RTP_ATTN_PART_FLOATS(G, D) (RTP_ATTN_PART_OUT(G) + (G) * (D))
+/* The parts of a row of len keys past RTP_ATTN_PART: as many as it takes at most RTP_ATTN_PART keys each,
+ * made even (so that the parts of a lone row split evenly over two threads) and of equal size: a row of
+ * 700 keys goes 350 + 350 rather than 512 + 188, of 1,100 275 x 4. Set by the row's length alone. */
+static inline int64_t attention_parts(int64_t len) {
+    int64_t n = (len + RTP_ATTN_PART - 1) / RTP_ATTN_PART;
+    return n > 1 ? n + n % 2 : n;
+}
+static inline int64_t attention_part_keys(int64_t len) {
+    int64_t n = attention_parts(len);
+    return n > 1 ? (len + n - 1) / n : RTP_ATTN_PART;
+}
 
 /* The first key a row of len keys attends (window 0: no sliding window). */
 static inline int64_t window_start(int64_t len, int64_t window) {
@@ -951,18 +962,18 @@ static inline attention_task attention_task_at(const attention_tasks *ts, int64_
     t.h1 = ts->per_row == 1 ? ts->Hkv : t.h0 + 1;
     t.p = p;
     t.len = ts->seq_lens[t.b];
-    t.k_lo = long_part ? p * RTP_ATTN_PART : 0;
+    int64_t keys = attention_part_keys(t.len);
+    t.k_lo = long_part ? p * keys : 0;
     if (!long_part) {
         if (ts->nparts && t.len > RTP_ATTN_PART) return t;
         if (t.len <= 0) {
             t.zero = t.h0 == 0;
             return t;
         }
-    } else if (t.len <= RTP_ATTN_PART || t.k_lo >= t.len ||
-               t.k_lo + RTP_ATTN_PART <= window_start(t.len, ts->window)) {
+    } else if (t.len <= RTP_ATTN_PART || t.k_lo >= t.len || t.k_lo + keys <= window_start(t.len, ts->window)) {
         return t; /* no keys of the row in this part */
     }
-    t.k_hi = p >= 0 && t.k_lo + RTP_ATTN_PART < t.len ? t.k_lo + RTP_ATTN_PART : t.len;
+    t.k_hi = p >= 0 && t.k_lo + keys < t.len ? t.k_lo + keys : t.len;
     t.first = window_start(t.len, ts->window);
     if (t.first < t.k_lo) t.first = t.k_lo;
     t.run = 1;
@@ -992,9 +1003,9 @@ TARGET void rtp_paged_decode_attention_bf16(
     int64_t max_long = 0, units = 0; /* units: the rows and long rows' parts, the tasks of whole rows */
     for (int64_t b = 0; b < B; b++) {
         if (seq_lens[b] > RTP_ATTN_PART && seq_lens[b] > max_long) max_long = seq_lens[b];
-        units += seq_lens[b] > RTP_ATTN_PART ? (seq_lens[b] + RTP_ATTN_PART - 1) / RTP_ATTN_PART : 1;
+        units += seq_lens[b] > RTP_ATTN_PART ? attention_parts(seq_lens[b]) : 1;
     }
-    int64_t nparts = (max_long + RTP_ATTN_PART - 1) / RTP_ATTN_PART, part_stride = RTP_ATTN_PART_FLOATS(G, D);
+    int64_t nparts = attention_parts(max_long), part_stride = RTP_ATTN_PART_FLOATS(G, D);
     int64_t row_stride = Hkv * nparts * part_stride;
     float *parts = nparts ? rtp_scratch_get(&parts_scratch, (size_t)(B * row_stride) * sizeof(float)) : NULL;
     if (!parts) { /* no memory for the parts: whole rows, as short ones */
@@ -1084,8 +1095,8 @@ TARGET void rtp_paged_decode_attention_bf16(
                 int64_t b = task / Hkv, h = task % Hkv, len = seq_lens[b];
                 if (len <= RTP_ATTN_PART) continue;
                 /* the parts holding the row's keys: those the part loop above did not skip */
-                int64_t p_lo = window_start(len, window) / RTP_ATTN_PART;
-                int64_t p_hi = (len + RTP_ATTN_PART - 1) / RTP_ATTN_PART;
+                int64_t keys = attention_part_keys(len);
+                int64_t p_lo = window_start(len, window) / keys, p_hi = (len + keys - 1) / keys;
                 merge_attention_parts(parts + b * row_stride + h * nparts * part_stride, part_stride, p_lo, p_hi, G, D,
                                       acc, out + (b * H + h * G) * D);
             }
