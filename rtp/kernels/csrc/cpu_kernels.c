@@ -64,10 +64,11 @@ static inline void store_out(void *out, int64_t at, int out_bf16, float v) {
  *         d, m fp32 [N, K/32]; weight = d * q + m, q in 0..15.
  *   Q8_0: qs int8 [N, K], d fp32 [N, K/32]; weight = d * q (and the other int8 kinds: rtp_linear_q8).
  * Scales are fp32 (the file's fp16 values, exactly): a broadcast straight from memory costs
- * no shuffle-port work, and that port, not memory, bounds these loops.
+ * no shuffle-port work, and the vector ports, not memory, bound these loops on AMD Zen 4 (the
+ * same time from L2 as from DRAM); Q4_1's loop spreads four blocks' scales with one permute.
  * The checkpoint's exact weights, at 0.625 (Q4_1) or 1.06 (Q8_0) bytes each instead of
  * bf16's 2: a small-batch step reads a third of the bytes. Q4_1 takes bf16 activations
- * (q is exact in bf16: one dot instruction per block, the scale applied in fp32);
+ * (q is exact in bf16: one dot instruction per block, the scales applied in fp32, four blocks a multiply-add);
  * Q8_0 takes fp32 activations (the final hidden state feeding the LM head).
  * K is a multiple of 32. out is fp32 or bf16 [M, N] (row stride ldo).
  * ------------------------------------------------------------------------------------------- */
