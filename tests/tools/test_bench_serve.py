@@ -156,8 +156,11 @@ def test_poisson_arrivals(fake, tokenizer_json):
     assert 0.4 < span < 3.0
     fake.reset()
     bench(fake, tokenizer_json, "--num-prompts", "40", "--input-len", "8", "--output-len", "2", "--disable-tqdm")
-    assert fake.arrivals[-1] - fake.arrivals[1] < 0.4  # rate inf: all at once
+    # rate inf: all at once, so many requests overlap (a paced one lasts ~5 ms against 25 ms gaps), and they
+    # arrive sooner than the paced ones did. Not against a fixed time: on two loaded cores 40 connections
+    # took 0.61 s to arrive in a CI run (the same client and server threads share the GIL)
     assert fake.max_in_flight > 4
+    assert fake.arrivals[-1] - fake.arrivals[1] < span
 
 
 def test_shared_prefix_chat_and_length_ranges(fake, tokenizer_json):
