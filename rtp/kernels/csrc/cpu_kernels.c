@@ -611,24 +611,21 @@ static inline __attribute__((always_inline)) int64_t key_rows(const kv_view *kv,
      * addresses; on AMD Zen 4 (tools/bench_decode_attention.py, alternated three times) 64 rows x
      * 1,024 keys from memory 2.32-2.39 -> 2.12-2.23 ms a layer, 4 x 256 on one thread from L2
      * 0.053-0.054 -> 0.050-0.052 */
-    int64_t slot = (int64_t)table[blk] * kv->block_size + off;
-    const char *k = kv->k + slot * kv->tok_bytes + head, *v = kv->v + slot * kv->tok_bytes + head;
-    for (int64_t i = 0; i < n; i++) {
-        kp[i] = k;
-        vp[i] = v;
+    int64_t slot = 0, at = 0; /* at: the key's rows' byte offset in the K and V caches */
+    for (int64_t i = 0; i < n; i++, slot++, at += kv->tok_bytes) {
+        if (i == 0 || off == 0) { /* the first key, or a block's first slot */
+            slot = (int64_t)table[blk] * kv->block_size + off;
+            at = slot * kv->tok_bytes + head;
+        }
+        kp[i] = kv->k + at;
+        vp[i] = kv->v + at;
         if (I8) {
             ks[i] = kv->ks[slot * kv->hkv + h];
             vs[i] = kv->vs[slot * kv->hkv + h];
         }
-        if (++off < kv->block_size) {
-            slot++;
-            k += kv->tok_bytes;
-            v += kv->tok_bytes;
-        } else if (i + 1 < n) { /* the next block's first slot (the table is not read past the last key) */
+        if (++off == kv->block_size) {
             off = 0;
-            slot = (int64_t)table[++blk] * kv->block_size;
-            k = kv->k + slot * kv->tok_bytes + head;
-            v = kv->v + slot * kv->tok_bytes + head;
+            blk++;
         }
     }
     if (I8)
