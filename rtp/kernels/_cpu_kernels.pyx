@@ -1,6 +1,6 @@
 # cython: language_level=3
-"""Python entry points of rtp/kernels/csrc/cpu_kernels.c, amx_linear.c, prefill_attention.c and row_kernels.c
-(AVX-512 BF16 and AMX kernels).
+"""Python entry points of rtp/kernels/csrc/cpu_kernels.c, decode_attention.c, amx_linear.c, prefill_attention.c
+and row_kernels.c (AVX-512 BF16 and AMX kernels).
 
 Arguments are raw addresses and sizes, so this module needs neither torch nor
 numpy; rtp.kernels.cpu_kernels checks dtypes, shapes and strides and passes
@@ -250,7 +250,7 @@ def paged_decode_attention_bf16(intptr_t q, intptr_t k_cache, intptr_t v_cache, 
                                 float softcap=0) -> None:
     """One bf16 query token per row over paged bf16 K/V, or int8 K/V with fp32 scales (k_scales,
     v_scales: [slots, hkv]; 0: bf16); softcap > 0: scores -> softcap * tanh(scores / softcap) (0:
-    none); see cpu_kernels.c for the layout."""
+    none); see decode_attention.c for the layout."""
     cdef int64_t c[RTP_CALL_WORDS]
     c[:19] = [RTP_OP_DECODE_ATTENTION, q, k_cache, v_cache, tok_stride, block_tables, ldt, seq_lens, out,
               b, h, hkv, d, block_size, _float_word(scale), window, k_scales, v_scales, _float_word(softcap)]

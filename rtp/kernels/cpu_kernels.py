@@ -1,4 +1,4 @@
-"""Torch-facing wrappers of rtp's CPU decode kernels (rtp/kernels/csrc/cpu_kernels.c).
+"""Torch-facing wrappers of rtp's CPU kernels (rtp/kernels/csrc/: cpu_kernels.c, decode_attention.c and the rest).
 
 Each kernel is registered as a torch custom op, so a `torch.compile`d decode
 graph calls it as one opaque node; eager code calls the implementation
@@ -463,7 +463,7 @@ def _rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     return q
 
 
-# -- decode attention over the paged cache ---------------------------------------------------------
+# -- decode attention over the paged cache (rtp/kernels/csrc/decode_attention.c) ---------------------
 
 def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention (bf16 cache) or paged_decode_attention_int8 (int8 cache, bf16 q)

@@ -3,8 +3,10 @@
 #include <stdint.h>
 
 int rtp_cpu_kernels_supported(void);
+/* The largest head dim the attention and RoPE kernels take (rtp/kernels/cpu_kernels.py checks it). */
+#define RTP_MAX_HEAD_DIM 256
 /* The attention kernels and the KV write take bf16 caches, or int8 ones with fp32 scales per (token,
- * kv head) (k_scales / v_scales not NULL; see cpu_kernels.c). */
+ * kv head) (k_scales / v_scales not NULL; see decode_attention.c). */
 void rtp_paged_decode_attention_bf16(
     const uint16_t *q, const void *k_cache, const void *v_cache, int64_t tok_stride,
     const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, uint16_t *out,
