@@ -26,7 +26,11 @@
 #define MAX_DIM RTP_MAX_HEAD_DIM
 #define KEYS 16  /* keys scored at once (one vector of scores) */
 #define SPAN 256 /* keys per online-softmax update */
-#define AHEAD 2   /* chunks of keys ahead that whole tokens are prefetched (attend_task's `whole`) */
+#define AHEAD 2   /* chunks of keys ahead that attend_task prefetches into L2 (its `ahead`) */
+/* attend_task's `ahead`: what it prefetches AHEAD chunks on */
+#define AHEAD_NONE 0   /* nothing (its tokens are in L2 already, or the CPU is not one this was measured on) */
+#define AHEAD_TOKENS 1 /* whole tokens, by the first of the task's kv heads, for the rest to find in L2 */
+#define AHEAD_OWN 2    /* its own kv head's K and V rows: a task of one kv head */
 
 /* Sixteen vectors in, one out: lane i = the sum of v[i]'s 16 lanes. A transposing tree
  * (31 shuffles for 16 sums) instead of 16 horizontal reductions (64 shuffles, each a
@@ -199,18 +203,23 @@ TARGET static inline void stream_tokens(key_stream *s, const kv_view *kv, int64_
 TARGET static inline __attribute__((always_inline)) void attend_task(
         const uint16_t *q, const kv_view *kv, const int32_t *table, int64_t len, int64_t k_lo, int64_t k_hi,
         uint16_t *o, float *part, int64_t b, int64_t h, int64_t H, int64_t D, float scale, int64_t window, float softcap,
-        const int64_t G, const int64_t NC, int next_head, int whole_tokens, key_stream *stream, const int I8,
+        const int64_t G, const int64_t NC, int next_head, int ahead, key_stream *stream, const int I8,
         __m512 *acc) {
     int64_t first = window_start(len, window);
     if (first < k_lo) first = k_lo; /* a part of a long row (RTP_ATTN_PART): its keys alone */
     int64_t row_bytes = kv->head_bytes;
-    /* With whole_tokens, the task's first of several kv heads streams whole tokens (every head's K and
-     * V rows) into L2, AHEAD chunks of keys on; the other heads then find them there. On AMD Zen 4,
+    /* AHEAD_TOKENS: the task's first of several kv heads streams whole tokens (every head's K and V
+     * rows) into L2, AHEAD chunks of keys on; the other heads then find them there. On AMD Zen 4,
      * where a chunk's math is shorter than a trip to DRAM, 64 rows at 256 keys: 1.13-1.19 -> 0.82-0.85
      * ms a layer (AHEAD 1: 0.89-0.92, 4: 0.93-0.98), 4 rows at 2,048: 0.67 -> 0.43 ms; 16 rows at
-     * 2,048 unchanged. Not measured on the Intel AMX machine, where prefetch bursts outran the line fill
-     * buffers (above): off there (rtp_paged_decode_attention_bf16) until they are. */
-    int whole = whole_tokens && next_head && h == 0;
+     * 2,048 unchanged. AHEAD_OWN: a task of one kv head (a lone short row, split by head) streams its
+     * own rows so, where only the next chunk's were prefetched and every chunk waited on DRAM: one row
+     * of 256 keys from memory (a /tmp driver over 300 layers' caches, two threads) 20.5-22.3 -> 11.2-11.5
+     * us a layer, of 128 and 512 keys 1.6-1.9x alike (AHEAD 4: slower). Not measured on the Intel AMX
+     * machine, where prefetch bursts outran the line fill buffers (above): off there
+     * (rtp_paged_decode_attention_bf16) until they are. */
+    int own = ahead == AHEAD_OWN;
+    int whole = own || (ahead == AHEAD_TOKENS && next_head && h == 0);
     const __m512 capv = _mm512_set1_ps(softcap), inv_capv = _mm512_set1_ps(softcap > 0.0f ? 1.0f / softcap : 0.0f);
     /* The query: for a bf16 cache as it lies, 32 bf16 a chunk, whose dot products with a key's row take
      * vdpbf16ps (two exact products a lane, summed in fp32; the scale goes on the summed scores); for
@@ -257,7 +266,8 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
             int64_t nt = ns - ch * KEYS < KEYS ? ns - ch * KEYS : KEYS;
             int64_t nn = key_rows(kv, table, h, s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp, nks, nvs, I8);
             const char *fkp[KEYS], *fvp[KEYS];
-            int64_t nf = whole ? key_rows(kv, table, 0, s0 + (ch + AHEAD) * KEYS, k_hi, fkp, fvp, NULL, NULL, 0) : 0;
+            int64_t ahead_at = s0 + (ch + AHEAD) * KEYS;
+            int64_t nf = whole ? key_rows(kv, table, own ? h : 0, ahead_at, k_hi, fkp, fvp, NULL, NULL, 0) : 0;
             /* the next task's tokens this chunk streams: its share of them by this task's key visits */
             int64_t from = 0, quota = 0;
             if (stream) {
@@ -272,8 +282,8 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
                 if (i < nn) prefetch_row(nkp[i], row_bytes, 0);
                 if (i < nt) prefetch_row(vp[i], row_bytes, 0);
                 if (i < nf) {
-                    prefetch_row(fkp[i], kv->tok_bytes, 1);
-                    prefetch_row(fvp[i], kv->tok_bytes, 1);
+                    prefetch_row(fkp[i], own ? row_bytes : kv->tok_bytes, 1);
+                    prefetch_row(fvp[i], own ? row_bytes : kv->tok_bytes, 1);
                 }
                 if (quota > 0) stream_tokens(stream, kv, from + quota * (i + 1) / KEYS);
                 if (i >= nt) {
@@ -540,17 +550,18 @@ TARGET void rtp_paged_decode_attention_bf16(
                 const int32_t *table = block_tables + b * ldt;
                 uint16_t *o = out + (b * H + h * G) * D;
                 float *part = p >= 0 ? parts + b * row_stride + (h * nparts + p) * part_stride : NULL;
-                int whole = whole_tokens && !streamed; /* a streamed task's tokens are in L2 already */
+                /* a streamed task's tokens are in L2 already */
+                int ahead = !whole_tokens || streamed ? AHEAD_NONE : per_row == 1 ? AHEAD_TOKENS : AHEAD_OWN;
 /* each call site holds its accumulators (attend_task's acc), sized for its constant G and NC */
 #define ATTEND_WITH(g, n, ACC_VECTORS)                                                                          \
     do {                                                                                                        \
         __m512 acc[ACC_VECTORS];                                                                                \
         if (i8)                                                                                                 \
             attend_task(q, &kv, table, len, k_lo, k_hi, o, part, b, h, H, D, scale, window, softcap, g, n,      \
-                        h + 1 < t.h1, whole, stream, 1, acc);                                                   \
+                        h + 1 < t.h1, ahead, stream, 1, acc);                                                   \
         else                                                                                                    \
             attend_task(q, &kv, table, len, k_lo, k_hi, o, part, b, h, H, D, scale, window, softcap, g, n,      \
-                        h + 1 < t.h1, whole, stream, 0, acc);                                                   \
+                        h + 1 < t.h1, ahead, stream, 0, acc);                                                   \
     } while (0)
 #define ATTEND(g, n) ATTEND_WITH(g, n, 2 * (g) * (n))
                 /* head_dim 64 or 128 with the usual group sizes get their own unrolled copy */
