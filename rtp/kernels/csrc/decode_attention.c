@@ -498,8 +498,9 @@ TARGET void rtp_paged_decode_attention_bf16(
      * 2.72-2.84 -> 2.20-2.28 ms, 16 rows' 43.5-44.7 -> 40.3-41.4 ms; an int8 cache's one row
      * 2.24-2.36 -> 1.98-2.05 ms. (Both products on AMX tiles, P as bf16 hi + lo for fidelity, measured
      * no faster with the same parts: 2.14-2.17 and 42.5-43.7 ms. The KV reads bound it.) */
-    int64_t max_long = 0, units = 0; /* units: the rows and long rows' parts, the tasks of whole rows */
+    int64_t max_long = 0, max_len = 0, units = 0; /* units: the rows and long rows' parts, the tasks of whole rows */
     for (int64_t b = 0; b < B; b++) {
+        if (seq_lens[b] > max_len) max_len = seq_lens[b];
         if (seq_lens[b] > RTP_ATTN_PART && seq_lens[b] > max_long) max_long = seq_lens[b];
         units += seq_lens[b] > RTP_ATTN_PART ? attention_parts(seq_lens[b]) : 1;
     }
@@ -518,9 +519,16 @@ TARGET void rtp_paged_decode_attention_bf16(
      * are streamed (whole_tokens), a task per row wins as soon as every thread has one: on AMD Zen 4,
      * alternated in one process, 30 layers from memory, 1.31-1.78x at 1-3 rows of 256-4,096 keys (one
      * row of 2,048 keys 0.195 -> 0.121 ms a layer; 2 rows of 256 0.029 -> 0.021), the same bits; a
-     * lone short row stays split by head (1.2-1.4x faster so). On the Intel AMX machine, where nothing is
-     * streamed and this rule is not measured, a task per row from two rows per thread, as before. */
-    int64_t per_row = (whole_tokens ? units < omp_get_max_threads() : B < 2 * omp_get_max_threads()) ? Hkv : 1;
+     * lone short row stays split by head (1.2-1.4x faster so). Since a task of one head streams its own
+     * rows (AHEAD_OWN), split by head up to two tasks a thread too once rows reach 256 keys, where a whole-row
+     * task could stream nothing ahead but its first head's tokens: (a /tmp driver, caches past L3) 2 rows
+     * of 256 keys 20.2-20.3 -> 16.3-16.5 us a layer, of 512 40.6-42.5 -> 27.6-30.4, 3 rows 1.2x alike,
+     * one row of 1,024 keys (two parts) 39.4-40.6 -> 32.9-34.2; at 128 keys level, at 64 slower (6.8 ->
+     * 8.0), from three a thread slower or level. On the Intel AMX machine, where nothing is streamed and
+     * this rule is not measured, a task per row from two rows per thread, as before. */
+    int64_t threads = omp_get_max_threads();
+    int by_head = whole_tokens ? units < threads || (units < 2 * threads && max_len >= 256) : B < 2 * threads;
+    int64_t per_row = by_head ? Hkv : 1;
     int64_t short_tasks = B * per_row;
     /* a task streams the next one's tokens (key_stream) where tasks are whole rows, as whole_tokens */
     int stream_next = whole_tokens && per_row == 1;
