@@ -237,7 +237,8 @@ def test_paged_decode_attention_of_long_rows_matches_torch(heads, kv_heads, dim,
     assert torch.all(out[~live] == 0)
     # a row's output is the same alone as in the batch (a task per part), speculative verification relies on
     # it: alone, a long row takes a task per part where it has a part per thread (on a CPU that streams the
-    # tokens), and a task per kv head and part with more threads than parts
+    # tokens), and a task per kv head and part with more threads than parts; two rows together take a task
+    # per kv head on such a CPU where both threads would otherwise hold at most two whole-row tasks
     threads = torch.get_num_threads()
     try:
         for n in (threads, 8):
@@ -246,6 +247,10 @@ def test_paged_decode_attention_of_long_rows_matches_torch(heads, kv_heads, dim,
                 alone = cpu_kernels.paged_decode_attention(q[r:r + 1], kv[0], kv[1], tables[r:r + 1], lens[r:r + 1],
                                                            scale, window, softcap)
                 assert torch.equal(alone[0], out[r]), (n, r)
+            for r in (0, 2, 4):
+                pair = cpu_kernels.paged_decode_attention(q[r:r + 2], kv[0], kv[1], tables[r:r + 2], lens[r:r + 2],
+                                                          scale, window, softcap)
+                assert torch.equal(pair, out[r:r + 2]), (n, r)
     finally:
         torch.set_num_threads(threads)
 
