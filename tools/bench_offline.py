@@ -216,10 +216,12 @@ def free_memory() -> None:
 
 
 def count_params(model: torch.nn.Module) -> int:
-    """Parameters counted once per storage (a tied embedding / lm_head counts once)."""
+    """Parameters counted once per storage (a tied embedding / lm_head counts once). A layer whose weights
+    live in quantized blocks keeps its weight on the meta device (data_ptr 0 for all of them): each such
+    one counts on its own, or the whole model would count one layer's worth of them."""
     seen: dict[tuple[int, int], int] = {}
-    for p in model.parameters():
-        seen[(p.data_ptr(), p.numel())] = p.numel()
+    for i, p in enumerate(model.parameters()):
+        seen[(p.data_ptr(), p.numel()) if not p.is_meta else (-1, i)] = p.numel()
     return sum(seen.values())
 
 
