@@ -215,7 +215,7 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
      * 2,048 unchanged. AHEAD_OWN: a task of one kv head (a lone short row, split by head) streams its
      * own rows so, where only the next chunk's were prefetched and every chunk waited on DRAM: one row
      * of 256 keys from memory (a /tmp driver over 300 layers' caches, two threads) 20.5-22.3 -> 11.2-11.5
-     * us a layer, of 128 and 512 keys 1.6-1.9x alike (AHEAD 4: slower). Not measured on the Intel AMX
+     * us a layer, of 128 and 512 keys 1.5-1.9x alike (AHEAD 4: slower). Not measured on the Intel AMX
      * machine, where prefetch bursts outran the line fill buffers (above): off there
      * (rtp_paged_decode_attention_bf16) until they are. */
     int own = ahead == AHEAD_OWN;
