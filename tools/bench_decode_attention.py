@@ -7,7 +7,12 @@ after layer over --layers separate caches (SmolLM2-135M's shape by default: 9 qu
 heads, head dim 64, 16-token blocks), with each request's blocks dealt at random from the pool as
 a long-running server's allocator leaves them. Per shape it prints the median milliseconds per
 layer and the GB/s of K and V read. With --layers 1 the caches of a small shape stay in L2 or L3
-and the figure is the kernel's own work; with 30 they come from memory.
+and the figure is the kernel's own work; by default each shape gets as many layers as take
+MEMORY_MIB of caches (at least 30), so that they come from memory as in a step, where the weights
+stream through L3 between layers: 30 layers of one row of 256 keys are 6 MB, which L3 holds, and
+measured that row 2x faster than a replayed step does. Each call here also carries about 9 us of
+Python dispatch that a replayed step (a CPU graph, calling from C) does not: shapes that take tens of
+microseconds a layer read high by that much; tools/bench_decode_step.py times them inside the step.
 
 The script prints a table, then (as the last line of stdout) one JSON object.
 
@@ -30,11 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rtp.kernels import cpu_kernels  # noqa: E402
 
+MEMORY_MIB = 128  # the caches a shape's default layers add up to: past any L3 this runs on
+
 
 def bench_shape(rows: int, keys: int, args, gen: torch.Generator) -> dict:
     blocks = rows * (-(-keys // args.block_size))
+    layer_bytes = 2 * (blocks + 1) * args.block_size * args.kv_heads * args.head_dim * 2
+    layers = args.layers or max(30, -(-(MEMORY_MIB << 20) // layer_bytes))
     caches = [torch.randn(2, blocks + 1, args.block_size, args.kv_heads, args.head_dim, generator=gen).bfloat16()
-              for _ in range(args.layers)]
+              for _ in range(layers)]
     tables = (torch.randperm(blocks, generator=gen) + 1).view(rows, -1).to(torch.int32).contiguous()
     lens = torch.full((rows,), keys, dtype=torch.int32)
     q = torch.randn(rows, args.heads, args.head_dim, generator=gen).bfloat16()
@@ -44,18 +53,19 @@ def bench_shape(rows: int, keys: int, args, gen: torch.Generator) -> dict:
         start = time.perf_counter()
         for kv in caches:
             cpu_kernels.paged_decode_attention_into(q, kv[0], kv[1], tables, lens, args.head_dim ** -0.5, 0, out)
-        times.append((time.perf_counter() - start) / args.layers)
+        times.append((time.perf_counter() - start) / layers)
     ms = statistics.median(times[1:]) * 1e3
     kv_bytes = rows * keys * args.kv_heads * args.head_dim * 2 * 2
-    return {"rows": rows, "keys": keys, "ms_per_layer": round(ms, 4), "min_ms": round(min(times[1:]) * 1e3, 4),
-            "kv_gb_per_s": round(kv_bytes / ms / 1e6, 2)}
+    return {"rows": rows, "keys": keys, "layers": layers, "ms_per_layer": round(ms, 4),
+            "min_ms": round(min(times[1:]) * 1e3, 4), "kv_gb_per_s": round(kv_bytes / ms / 1e6, 2)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--shapes", default="64x256,16x2048,64x2048", help="ROWSxKEYS, comma separated")
-    ap.add_argument("--layers", type=int, default=30, help="separate caches attended in turn (default 30)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help=f"separate caches attended in turn (default: {MEMORY_MIB} MiB of them, at least 30)")
     ap.add_argument("--repeats", type=int, default=5, help="timed passes over every layer (default 5)")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
@@ -71,13 +81,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     results = []
     print(f"decode attention, {args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, "
-          f"{args.layers} layers, {torch.get_num_threads()} threads")
-    print(f"{'rows':>5} {'keys':>6} {'ms/layer':>9} {'min':>8} {'KV GB/s':>8}")
+          f"{args.layers or 'default'} layers, {torch.get_num_threads()} threads")
+    print(f"{'rows':>5} {'keys':>6} {'layers':>6} {'ms/layer':>9} {'min':>8} {'KV GB/s':>8}")
     for shape in args.shapes.split(","):
         rows, keys = (int(v) for v in shape.lower().split("x"))
         r = bench_shape(rows, keys, args, gen)
         results.append(r)
-        print(f"{rows:>5} {keys:>6} {r['ms_per_layer']:>9.3f} {r['min_ms']:>8.3f} {r['kv_gb_per_s']:>8.1f}", flush=True)
+        print(f"{rows:>5} {keys:>6} {r['layers']:>6} {r['ms_per_layer']:>9.3f} {r['min_ms']:>8.3f} "
+              f"{r['kv_gb_per_s']:>8.1f}", flush=True)
     print(json.dumps({"decode_attention": results, "layers": args.layers, "threads": torch.get_num_threads(),
                       "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}))
 
