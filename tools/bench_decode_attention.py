@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rtp.kernels import cpu_kernels  # noqa: E402
 
-MEMORY_MIB = 128  # the caches a shape's default layers add up to: past any L3 this runs on
+MEMORY_MIB = 128  # the caches a shape's default layers add up to: four times the L3 of the VMs this ran on
 
 
 def bench_shape(rows: int, keys: int, args, gen: torch.Generator) -> dict:
