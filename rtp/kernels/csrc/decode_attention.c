@@ -219,7 +219,7 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
      * machine, where prefetch bursts outran the line fill buffers (above): off there
      * (rtp_paged_decode_attention_bf16) until they are. */
     int own = ahead == AHEAD_OWN;
-    int whole = own || (ahead == AHEAD_TOKENS && next_head && h == 0);
+    int prefetch_ahead = own || (ahead == AHEAD_TOKENS && next_head && h == 0);
     const __m512 capv = _mm512_set1_ps(softcap), inv_capv = _mm512_set1_ps(softcap > 0.0f ? 1.0f / softcap : 0.0f);
     /* The query: for a bf16 cache as it lies, 32 bf16 a chunk, whose dot products with a key's row take
      * vdpbf16ps (two exact products a lane, summed in fp32; the scale goes on the summed scores); for
@@ -267,7 +267,7 @@ TARGET static inline __attribute__((always_inline)) void attend_task(
             int64_t nn = key_rows(kv, table, h, s0 + (ch + 1) * KEYS, s0 + ns, nkp, nvp, nks, nvs, I8);
             const char *fkp[KEYS], *fvp[KEYS];
             int64_t ahead_at = s0 + (ch + AHEAD) * KEYS;
-            int64_t nf = whole ? key_rows(kv, table, own ? h : 0, ahead_at, k_hi, fkp, fvp, NULL, NULL, 0) : 0;
+            int64_t nf = prefetch_ahead ? key_rows(kv, table, own ? h : 0, ahead_at, k_hi, fkp, fvp, NULL, NULL, 0) : 0;
             /* the next task's tokens this chunk streams: its share of them by this task's key visits */
             int64_t from = 0, quota = 0;
             if (stream) {
