@@ -77,6 +77,31 @@ def test_bench_decode_step_times_every_kernel_of_a_replayed_step(default_gguf):
     assert ref["rows"] == 3 and ref["matrices"] == 121 and 0 < ref["utilisation"] < 1
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (CPU graphs)")
+@pytest.mark.parametrize("rows", [0, 2])
+def test_bench_decode_step_times_a_step_with_a_prompt_from_the_step_graph(default_gguf, rows):
+    """--prompt: a prefill chunk (no decode rows) or a mixed step, replayed from the step graph; each
+    linear counts the rows it multiplies (the LM head: the sampling rows alone)."""
+    prompt = 40
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_decode_step.py"), "--rows", str(rows),
+                          "--context", "20", "--prompt", str(prompt), "--repeats", "2", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["prompt"] == prompt and res["replay_ms"] > 0
+    assert res["plan"] == {"tokens": rows + prompt, "samples": rows + 1, "decode_rows": rows, "prefill_rows": 1}
+    kernels = {k["kernel"]: k for k in res["kernels"]}
+    assert kernels["prefill_attention"]["calls"] == 30 and kernels["prefill_attention"]["gflops"] > 0
+    assert sum(k["calls"] for k in res["kernels"]) == res["calls"]
+    heads = [k for name, k in kernels.items() if name.startswith("lm_head")]
+    assert len(heads) == 1 and heads[0]["calls"] == 1  # the sampling rows' one LM head, not both captures
+    # every token through the 30 layers' four linears (576-wide SmolLM2), the LM head over the sampling rows
+    layer_flop = 2 * (rows + prompt) * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
+    head_flop = 2 * (rows + 1) * 576 * 49152
+    assert res["linear_gflop"] * 1e9 == pytest.approx(30 * layer_flop + head_flop, rel=1e-6)
+    assert ("mixed step" if rows else "prefill chunk") in out.stdout
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="rtp's CPU kernels are not available here")
 def test_bench_decode_attention_times_the_kernel_alone():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_decode_attention.py"), "--shapes", "3x40,2x600",
