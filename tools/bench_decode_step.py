@@ -110,12 +110,13 @@ def fill_batch(llm, rows: int, context: int, seed: int) -> None:
     raise SystemExit(f"the engine never ran all {rows} requests as one decode step (max_num_seqs, KV memory?)")
 
 
-def profile(graph, rows: int, repeats: int) -> np.ndarray:
-    """[repeats, calls] nanoseconds, after two untimed replays (warm caches, woken threads)."""
-    graph.replay(rows)
-    graph.replay(rows)
-    return np.stack([graph.profile(rows) for _ in tqdm(range(repeats), desc="replaying", unit="step",
-                                                          file=sys.stderr, leave=False)])
+def profile(timed_replay, repeats: int) -> np.ndarray:
+    """[repeats, calls] nanoseconds from timed_replay() (one replay, each call's ns), after two replays
+    left out (warm caches, woken threads)."""
+    timed_replay()
+    timed_replay()
+    return np.stack([timed_replay() for _ in tqdm(range(repeats), desc="replaying", unit="step",
+                                                  file=sys.stderr, leave=False)])
 
 
 def profile_step(llm, prompt: int, repeats: int, seed: int) -> tuple:
@@ -139,14 +140,13 @@ def profile_step(llm, prompt: int, repeats: int, seed: int) -> tuple:
         counts = {"tokens": p.num_tokens, "samples": p.num_samples, "decode_rows": p.num_decode_rows,
                   "prefill_rows": p.num_rows - p.num_decode_rows}
         args = (counts["tokens"], counts["samples"], counts["decode_rows"], counts["prefill_rows"])
-        for _ in range(2):  # warm caches, woken threads
-            graph.replay_step(*args)
-        times = []
-        for _ in tqdm(range(repeats), desc="replaying", unit="step", file=sys.stderr, leave=False):
+
+        def timed_replay() -> np.ndarray:
             t = np.zeros(len(graph.calls), dtype=np.int64)
             graph.replay_step(*args, times=t)
-            times.append(t)
-        got.update(counts=counts, times=np.stack(times))
+            return t
+
+        got.update(counts=counts, times=profile(timed_replay, repeats))
         return forward()
 
     runner.forward = timed_forward
@@ -174,10 +174,10 @@ def summarise(graph, times: np.ndarray, rows: int, context: int, config, params:
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     for i, (call, ms) in enumerate(zip(graph.calls, per_call)):
-        name, kernel, n, k, kind = label(call, names)
-        call_m = rows if call_rows is None else int(call_rows[i])
         if call_rows is not None and not times[:, i].any():
             continue  # a step graph's call for the other count of sampling rows: not run
+        name, kernel, n, k, kind = label(call, names)
+        call_m = rows if call_rows is None else int(call_rows[i])
         g = groups[name]
         g["calls"] += 1
         g["ms"] = g.get("ms", 0.0) + float(ms)
@@ -288,7 +288,7 @@ def main() -> None:
         if args.prompt:
             graph, times, call_rows, counts = profile_step(llm, args.prompt, args.repeats, args.seed)
         else:
-            times = profile(graph, args.rows, args.repeats)
+            times = profile(lambda: graph.profile(args.rows), args.repeats)
     res = summarise(graph, times, args.rows, args.context, llm.engine.model.config,
                     count_params(llm.engine.model), peak, kv_int8=args.kv_cache_dtype == "int8", call_rows=call_rows,
                     prompt=args.prompt)
