@@ -53,39 +53,48 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     raw: dict[str, Any] = msgspec.field(default_factory=dict)  # the whole config.json (rope, ...)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict. Whether rtp has a model of this
-        architecture is the model registry's to say (rtp.models.model_class), not this file's."""
-        archs = [a for a in hf.get("architectures") or [] if a]
-        if not archs:
-            raise ValueError("config.json names no architecture (its \"architectures\" list is empty)")
-        arch = archs[0]
-        heads = _count(hf, "num_attention_heads")
-        hidden = _count(hf, "hidden_size")
-        head_dim = _count(hf, "head_dim", None)
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a Hugging Face config.json dict; `source` is the file errors name (a GGUF's
+        config, made from its metadata, names the GGUF). The architecture is checked before any
+        other key is read, so an architecture rtp has no model for is named as such, not as a key
+        its config lacks; then every size is an integer within _SIZE_LIMITS (tests:
+        tests/checkpoint/test_config_validation.py). Each error is one line naming `source` and a key."""
+        arch = _architecture(hf, source)
+
+        def count(key: str, default: Any = _MISSING, minimum: int = 1) -> Any:
+            return _count(hf, key, default, minimum=minimum, source=source)
+
+        heads = count("num_attention_heads")
+        hidden = count("hidden_size")
+        head_dim = count("head_dim", None)
         if head_dim is None:
             if hidden % heads:
-                raise ValueError(f"config.json hidden_size {hidden} is not a multiple of num_attention_heads "
+                raise ValueError(f"{source} hidden_size {hidden} is not a multiple of num_attention_heads "
                                  f"{heads}, and no head_dim says the head size")
             head_dim = hidden // heads
+        layers = count("num_hidden_layers")
+        intermediate = count("intermediate_size")
         eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos_ids = _token_ids(eos if isinstance(eos, list) else [eos], "eos_token_id", source)
         attention_bias = bool(hf.get("attention_bias", False))
-        sliding = hf.get("sliding_window")
+        sliding = count("sliding_window", None, minimum=0)
         if arch.startswith("Qwen") and not hf.get("use_sliding_window", False):
             sliding = None  # Qwen configs carry a window size they do not use
-        num_experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
+        # the first of these a config sets names its routed experts (Qwen, Mixtral, DeepSeek)
+        num_experts = next((n for n in (count(k, 0, minimum=0) for k in _EXPERT_COUNT_KEYS) if n), 0)
+        for key in _OPTIONAL_SIZES:  # sizes only some architectures read (from raw)
+            count(key, None, minimum=_OPTIONAL_SIZES[key])
         cfg = cls(
             architecture=arch,
-            vocab_size=_count(hf, "vocab_size"),
+            vocab_size=count("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_count(hf, "intermediate_size"),
-            num_hidden_layers=_count(hf, "num_hidden_layers"),
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=_count(hf, "num_key_value_heads", heads),
+            num_key_value_heads=count("num_key_value_heads", heads),
             head_dim=head_dim,
-            rms_norm_eps=_positive_number(hf, "rms_norm_eps", 1e-6),
-            max_position_embeddings=_count(hf, "max_position_embeddings", 4096),
+            rms_norm_eps=_positive_number(hf, "rms_norm_eps", 1e-6, source),
+            max_position_embeddings=count("max_position_embeddings", 4096),
             # Gemma's configs leave it out and mean transformers' default, tied
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in _GEMMA_ACTIVATIONS)),
             qkv_bias=(attention_bias or arch == "Qwen2ForCausalLM"
@@ -97,22 +106,23 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
             # Gemma 2 and 3 compute with hidden_activation (a Gemma 2 config carries both keys)
             hidden_act=(hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
                         if arch in _GEMMA_ACTIVATIONS else hf.get("hidden_act", "silu")),
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=next(iter(_token_ids([hf.get("bos_token_id")], "bos_token_id", source)), None),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             num_experts=num_experts,
-            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            num_experts_per_tok=count("num_experts_per_tok", 0, minimum=0),
             # Mixtral's experts are intermediate_size wide; Qwen's have a size of their own
-            moe_intermediate_size=(hf.get("intermediate_size", 0) if arch == "MixtralForCausalLM"
-                                   else hf.get("moe_intermediate_size") or 0) if num_experts else 0,
-            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+            moe_intermediate_size=(intermediate if arch == "MixtralForCausalLM"
+                                   else count("moe_intermediate_size", 0, minimum=0)) if num_experts else 0,
+            shared_expert_intermediate_size=count("shared_expert_intermediate_size", 0, minimum=0),
             # Mixtral always renormalises; its config has no flag for it
             norm_topk_prob=arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob", False)),
-            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or _deepseek_dense_layers(hf)),
+            decoder_sparse_step=count("decoder_sparse_step", 0, minimum=0) or 1,
+            mlp_only_layers=(_layer_list(hf, "mlp_only_layers", source)
+                             or _deepseek_dense_layers(hf, layers)),
             raw=dict(hf),
         )
-        cfg.validate()
+        cfg.validate(source)
         return cfg
 
     @classmethod
@@ -137,21 +147,22 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"--tp {tp}: an intermediate size of {self.intermediate_size} does not split "
                              f"over {tp} ranks")
 
-    def validate(self) -> None:
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be between 1 and "
-                             f"num_experts {self.num_experts}")
-        if self.num_experts and self.moe_intermediate_size <= 0:
-            raise ValueError("config moe_intermediate_size must be positive")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
-        if self.hidden_act not in _GEMMA_ACTIVATIONS.get(self.architecture, ("silu", "swish")):
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} for {self.architecture} (rtp supports "
-                             f"{', '.join(_GEMMA_ACTIVATIONS.get(self.architecture, ('silu',)))})")
+    def validate(self, source: str = "config") -> None:
+        """The relations between sizes (from_hf has checked each on its own); `source` as there."""
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"config {name} must be positive")
+                raise ValueError(f"{source} {name} must be positive")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"{source} num_experts_per_tok {self.num_experts_per_tok} must be between 1 and "
+                             f"num_experts {self.num_experts}")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError(f"{source} moe_intermediate_size must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{source} num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.hidden_act not in _GEMMA_ACTIVATIONS.get(self.architecture, ("silu", "swish")):
+            raise ValueError(f"{source} hidden_act {self.hidden_act!r} is not supported for {self.architecture} "
+                             f"(rtp supports {', '.join(_GEMMA_ACTIVATIONS.get(self.architecture, ('silu',)))})")
 
 
 # the activations of Gemma's GeGLU MLP rtp computes (rtp/models/gemma.py); every other model: SiLU
@@ -159,35 +170,112 @@ _GEMMA_ACTIVATIONS = {arch: ("gelu_pytorch_tanh", "gelu")
                       for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")}
 
 
-def _deepseek_dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:
-    """DeepSeek's dense layers: the first first_k_dense_replace, and those off moe_layer_freq."""
+def _deepseek_dense_layers(hf: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """DeepSeek's dense layers: the first first_k_dense_replace, and those off moe_layer_freq
+    (both checked by from_hf, as _OPTIONAL_SIZES)."""
     if "first_k_dense_replace" not in hf:
         return ()
     first, freq = hf["first_k_dense_replace"] or 0, hf.get("moe_layer_freq") or 1
-    return tuple(i for i in range(hf.get("num_hidden_layers", 0)) if i < first or i % freq)
+    return tuple(i for i in range(layers) if i < first or i % freq)
+
+
+def _architecture(hf: dict[str, Any], source: str) -> str:
+    """The config's architecture, which rtp must have a model for: checked before any other key,
+    so that another model family's config is refused as that, not for a key it names differently."""
+    archs = hf.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"{source} architectures = {archs!r} is not a list of names")
+    archs = [a for a in archs or [] if a]
+    if not archs:
+        raise ValueError(f"{source} names no architecture (its \"architectures\" list is empty)")
+    # the model registry is the one list of architectures (rtp/models/__init__.py); it imports
+    # nothing but importlib, and only from here on, so this module stays importable without torch
+    from rtp.models import supported_architectures
+
+    supported = supported_architectures()
+    if archs[0] not in supported:
+        raise ValueError(f"{source} names architecture {archs[0]!r}, which rtp does not support "
+                         f"(supported: {', '.join(supported)})")
+    return archs[0]
 
 
 _MISSING = object()
+_INT32_MAX = 2**31 - 1
+# The most each size may be. Far past every released model (hidden sizes under 2**15, layers under
+# 2**8, experts under 2**10), and low enough that no tensor a model builds from them overflows int64 storage
+# arithmetic (the largest, a layer's experts: 2**16 x 2**21 x 2**20 elements x 4 bytes = 2**59 bytes):
+# a config beyond them is a typo, refused here by name rather than by torch in a traceback. What the
+# machine can hold is the loader's to check (rtp/checkpoint/loader.py: check_config_fits_checkpoint,
+# check_memory).
+_WIDTH, _COUNT = 2**20, 2**16
+_SIZE_LIMITS = {
+    "vocab_size": _INT32_MAX,  # the runtime holds token ids as int32
+    "max_position_embeddings": _INT32_MAX,  # and positions
+    "sliding_window": _INT32_MAX,
+    "hidden_size": _WIDTH, "intermediate_size": _WIDTH, "moe_intermediate_size": _WIDTH,
+    "shared_expert_intermediate_size": _WIDTH, "q_lora_rank": _WIDTH, "kv_lora_rank": _WIDTH,
+    "num_hidden_layers": _COUNT, "num_attention_heads": _COUNT, "num_key_value_heads": _COUNT, "head_dim": _COUNT,
+    "qk_nope_head_dim": _COUNT, "qk_rope_head_dim": _COUNT, "v_head_dim": _COUNT,
+    "num_experts": _COUNT, "num_local_experts": _COUNT, "n_routed_experts": _COUNT, "n_shared_experts": _COUNT,
+    "num_experts_per_tok": _COUNT, "n_group": _COUNT, "topk_group": _COUNT, "decoder_sparse_step": _COUNT,
+    "first_k_dense_replace": _COUNT, "moe_layer_freq": _COUNT,
+}
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# sizes read from `raw` by the architectures that have them (DeepSeek's MLA and MoE), each with
+# its least value; checked when present so that their models never meet a string or a zero
+_OPTIONAL_SIZES = {"q_lora_rank": 1, "kv_lora_rank": 1, "qk_nope_head_dim": 1, "qk_rope_head_dim": 1,
+                   "v_head_dim": 1, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
+                   "first_k_dense_replace": 0, "moe_layer_freq": 0}
 
 
-def _count(hf: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
-    """A positive integer of config.json (null or absent: default; no default: required). Checked here,
-    so that a config holding nonsense (a string, 0) fails naming its key, not in a division below."""
+def size_limit(key: str) -> int:
+    """The most config.json's size `key` may be (a GGUF's metadata is held to the same)."""
+    return _SIZE_LIMITS.get(key, _INT32_MAX)
+
+
+def _count(hf: dict[str, Any], key: str, default: Any = _MISSING, *, minimum: int = 1,
+           source: str = "config.json") -> Any:
+    """An integer of config.json, at least `minimum` and at most _SIZE_LIMITS[key] (null or absent:
+    default; no default: required). A float is refused even when whole (1e9 is JSON's float), as
+    GGUF metadata's counts are: sizes are integers. Checked here, so that a config holding nonsense
+    (a string, 0, 2**62) fails naming its key, not in a division or an allocation below."""
     value = hf.get(key)
     if value is None:
         if default is _MISSING:
-            raise ValueError(f"config.json lacks {key!r}")
+            raise ValueError(f"{source} lacks {key!r}")
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config.json {key} = {value!r} is not a positive integer")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{source} {key} = {value!r} is not {kind}")
+    limit = size_limit(key)
+    if value > limit:
+        raise ValueError(f"{source} {key} = {value} is larger than rtp takes (at most {limit})")
     return value
 
 
-def _positive_number(hf: dict[str, Any], key: str, default: float) -> float:
+def _positive_number(hf: dict[str, Any], key: str, default: float, source: str = "config.json") -> float:
     value = hf.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"config.json {key} = {value!r} is not a positive number")
+        raise ValueError(f"{source} {key} = {value!r} is not a positive number")
     return float(value)
+
+
+def _token_ids(values: list[Any], key: str, source: str) -> tuple[int, ...]:
+    """The token ids of `key` (nulls dropped): each an integer >= 0, as the runtime compares them."""
+    for value in values:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value <= _INT32_MAX):
+            raise ValueError(f"{source} {key} = {value!r} is not a token id")
+    return tuple(v for v in values if v is not None)
+
+
+def _layer_list(hf: dict[str, Any], key: str, source: str) -> tuple[int, ...]:
+    """A list of layer indices (null or absent: empty)."""
+    value = hf.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _COUNT
+                                              for i in value):
+        raise ValueError(f"{source} {key} = {value!r} is not a list of layer indices")
+    return tuple(value)
 
 
 # -- the engine's own knobs -----------------------------------------------------------------------------
@@ -397,6 +485,27 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True):
         return self.num_speculative_tokens if self.kind else 0
 
 
+class StructuredOutputConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Bounds on the grammars requests bring (rtp/engine/grammar/): a spec past a limit is a 400 naming
+    its field before anything is compiled; a compile runs in a child process, killed past its time or
+    when its client has gone. Flat names: grammar_<field>."""
+
+    compile_timeout: _field(float, "a grammar that takes longer to compile is a 400 (its compile is killed)",
+                            flat="grammar_compile_timeout", metavar="SECONDS") = 2.0
+    max_bytes: _field(int, "largest structured output (schema, regex, grammar or choices) as JSON",
+                      flat="grammar_max_bytes", parse="bytes", metavar="BYTES") = 128 << 10
+    max_choices: _field(int, "most strings a choice may list", flat="grammar_max_choices") = 4096
+    max_repetition: _field(int, "most characters one bounded repetition (a{n}, x{n,m}, nested counts "
+                                "multiplied) may spell out in a regex, a grammar or a schema's patterns",
+                           flat="grammar_max_repetition") = 10_000
+
+    def validate(self) -> None:
+        if not 0.0 < self.compile_timeout < float("inf"):
+            raise ValueError(f"grammar_compile_timeout must be a positive number of seconds, got "
+                             f"{self.compile_timeout}")
+        _positive(self, "max_bytes", "max_choices", "max_repetition")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Everything the engine is built from, one sub-config per component; validated once."""
 
@@ -406,6 +515,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     eplb: EPLBConfig = msgspec.field(default_factory=EPLBConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    structured: StructuredOutputConfig = msgspec.field(default_factory=StructuredOutputConfig)
 
     @classmethod
     def from_flat(cls, **flat) -> "EngineConfig":
@@ -425,6 +535,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     def validate(self) -> None:
         for part in self.__struct_fields__:
             getattr(self, part).validate()
+        drafts = self.speculative.num_speculative_tokens
+        rows = min(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
+        if self.speculative.kind and drafts > rows - 1:
+            # a request's drafts are verified as rows of one step beside its own token, and a step has
+            # --max-num-seqs rows and --max-num-batched-tokens tokens: more could never be verified
+            raise ValueError(f"--num-speculative-tokens {drafts} is more than one step can verify: a request's "
+                             f"drafts take a row each beside its own token, and a step has {rows} rows "
+                             f"(--max-num-seqs, --max-num-batched-tokens), so at most {rows - 1} drafts")
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -471,7 +589,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 SUB_CONFIGS: dict[str, type] = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                                "parallel": ParallelConfig, "eplb": EPLBConfig, "speculative": SpeculativeConfig}
+                                "parallel": ParallelConfig, "eplb": EPLBConfig, "speculative": SpeculativeConfig,
+                                "structured": StructuredOutputConfig}
 
 
 def field_meta(cls: type, field: str) -> msgspec.Meta | None:

@@ -30,3 +30,11 @@ class EngineFull(RuntimeError):
 
 class EngineFatal(RuntimeError):
     """A step failed in a way that leaves the engine's shared state unusable."""
+
+
+def one_line(message: str, limit: int = 300) -> str:
+    """An error text as one sentence: its first line, without llguidance's state dumps or a panic's
+    backtrace, cut to `limit` characters."""
+    line = next((s.strip() for s in message.splitlines() if s.strip()), "unknown error")
+    line = line.replace("<non-verbose/>", "").strip().rstrip(":;,").strip()
+    return line if len(line) <= limit else line[:limit - 3] + "..."

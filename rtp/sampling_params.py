@@ -33,6 +33,10 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
     regex        a regular expression the whole output matches
     choice       one of these strings, exactly
     grammar      a context-free grammar: GBNF/EBNF as llama.cpp and vLLM take it, or Lark
+    grammar_syntax  "lark" or "gbnf" to say which the grammar is (default: tried as GBNF when it has
+                 `::=`, then as Lark; rtp/engine/grammar/spec.py)
+    whitespace_pattern  JSON only: a regex for the whitespace allowed between tokens of the document
+                 (default: none, one canonical layout)
     """
 
     json: dict | str | None = None
@@ -40,6 +44,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    grammar_syntax: str | None = None
+    whitespace_pattern: str | None = None
 
     def validate(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -56,6 +62,17 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequest(f"{name} must be a non-empty string", "structured_outputs")
+        if self.whitespace_pattern is not None:
+            if self.json is None and not self.json_object:
+                raise InvalidRequest("whitespace_pattern applies to JSON only", "structured_outputs")
+            if not isinstance(self.whitespace_pattern, str):
+                raise InvalidRequest("whitespace_pattern must be a string (a regex)", "structured_outputs")
+        if self.grammar_syntax is not None:
+            if self.grammar is None:
+                raise InvalidRequest("grammar_syntax applies to a grammar only", "structured_outputs")
+            if self.grammar_syntax not in ("lark", "gbnf"):
+                raise InvalidRequest(f"grammar_syntax must be lark or gbnf, got {self.grammar_syntax!r}",
+                                     "structured_outputs")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):

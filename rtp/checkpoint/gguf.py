@@ -39,6 +39,7 @@ import torch
 
 from rtp.checkpoint.gguf_header import GGUFHeader, GGUFTensor
 from rtp.checkpoint.records import CheckpointError, TensorRecord
+from rtp.config import ModelConfig, size_limit
 
 if TYPE_CHECKING:
     from rtp.kernels.quant import BlockQuantized
@@ -57,6 +58,12 @@ _ARCHITECTURES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
 }
+# the config.json key each GGUF count becomes (_build_config), whose limit it is held to
+_CONFIG_KEYS = {"embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads", "block_count": "num_hidden_layers",
+                "feed_forward_length": "intermediate_size", "attention.key_length": "head_dim",
+                "rope.dimension_count": "head_dim", "context_length": "max_position_embeddings",
+                "attention.sliding_window": "sliding_window"}
 # llama.cpp's converter permutes q/k rows only for models it converts through its
 # LlamaModel class (Llama, Mistral); Qwen uses NEOX-style rope and is written as is.
 _PERMUTED_QK = {"llama", "mistral"}
@@ -219,6 +226,10 @@ class GGUFCheckpoint(GGUFFile):
             raise GGUFError(f"{self.path}: GGUF architecture {arch!r} is not supported; "
                             f"supported: {', '.join(sorted(_ARCHITECTURES))}")
         self.config: dict[str, Any] = self._build_config()
+        try:  # checked here too, so that whatever is wrong with it names this file, not a config.json
+            ModelConfig.from_hf(self.config, str(self.path))
+        except ValueError as e:
+            raise GGUFError(str(e)) from e
 
     def _build_config(self) -> dict[str, Any]:
         arch = self.architecture
@@ -239,6 +250,10 @@ class GGUFCheckpoint(GGUFFile):
                 return None
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
                 raise GGUFError(f"{self.path}: metadata {arch}.{name} = {value!r} is not an integer >= {minimum}")
+            limit = size_limit(_CONFIG_KEYS.get(name, name))
+            if value > limit:
+                raise GGUFError(f"{self.path}: metadata {arch}.{name} = {value} is larger than rtp takes "
+                                f"(at most {limit})")
             return int(value)
 
         def positive(name, default):

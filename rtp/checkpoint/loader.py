@@ -2,9 +2,11 @@
 
 A checkpoint (a Hugging Face safetensors directory or a GGUF file) is first
 described without reading its weights (rtp/checkpoint/formats.py: config and one
-record per tensor, every header validated), then checked against the model: the
-model's own weight loaders run once over placeholder tensors on the meta device,
-so a missing tensor, one with no place, or one whose shape disagrees with the
+record per tensor, every header validated); its config's sizes are held against
+the tensors the records describe and the memory free (check_config_fits_checkpoint,
+check_memory: one line naming the key, before anything is built); then it is checked
+against the model: the model's own weight loaders run once over placeholder tensors
+on the meta device, so a missing tensor, one with no place, or one whose shape disagrees with the
 config is a CheckpointError naming the file and tensor before a byte of data is
 read. Only then are the weights streamed in file order (one reader thread, two
 buffers, rtp/checkpoint/reader.py) and copied into the parameters by the
@@ -23,6 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,12 +39,14 @@ import msgspec
 import torch
 
 from rtp.checkpoint import Checkpoint, CheckpointError, TensorRecord, open_checkpoint, stream_tensors
+from rtp.checkpoint.records import is_gguf
 from rtp.checkpoint.prefault import Prefault
 from rtp.config import ModelConfig
 from rtp.distributed import world_rank, world_size
 from rtp.models import model_class
 
-__all__ = ["CheckpointError", "LoadOptions", "check_against_model", "checkpoint_tensors", "load_model"]
+__all__ = ["CheckpointError", "LoadOptions", "check_against_model", "check_config_fits_checkpoint",
+           "check_memory", "checkpoint_tensors", "config_parameters", "load_model"]
 
 if TYPE_CHECKING:
     from rtp.checkpoint.gguf import GGUFCheckpoint
@@ -62,7 +69,9 @@ def check_against_model(model_cls, config: ModelConfig, records: Sequence[Tensor
                         path: Path) -> torch.nn.Module:
     """Run the model's weight loaders over meta-device placeholders of every record; return
     that meta model. Raises CheckpointError for a tensor the model has no place for, a shape
-    or dtype that disagrees with the config, or a parameter no tensor fills."""
+    or dtype that disagrees with the config, or a parameter no tensor fills; first, for a config
+    that implies far more parameters than the records hold (check_config_fits_checkpoint)."""
+    check_config_fits_checkpoint(config, records, path)
     with torch.device("meta"):
         shadow = model_cls(config)
     current: list[TensorRecord] = []
@@ -86,6 +95,153 @@ def check_against_model(model_cls, config: ModelConfig, records: Sequence[Tensor
         raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, "
                               f"e.g. {', '.join(_checkpoint_name(shadow, m) for m in missing[:3])}")
     return shadow
+
+
+# -- the config's sizes against the files' and the machine's -------------------------------------------
+#
+# ModelConfig.from_hf has checked each size on its own; here the sizes together, before anything is
+# built: the parameters they imply (counted in Python integers, which cannot overflow) against the
+# elements the checkpoint's headers describe, then against the memory free. Elements, not bytes: a
+# quantized GGUF holds a few bits a weight, but its records give every tensor's dense shape.
+
+# a config may imply at most this many times the parameters its checkpoint holds, plus _SLACK: the
+# estimate leaves out norms and biases and is near, not exact, for DeepSeek's MLA, and a checkpoint
+# may hold tensors rtp does not load (MTP layers); a config that misses by one layer is left to the
+# tensor-by-tensor check, which names the tensor
+_RATIO, _SLACK = 2, 1 << 20
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def config_parameters(config: ModelConfig) -> dict[str, int]:
+    """The parameters `config` implies, by part (norms and biases left out: they are few); the
+    `redundant` part is EPLB's spare expert slots, which no checkpoint holds."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    dense = set(config.mlp_only_layers)  # ModelConfig.is_moe_layer's rule, over a set
+    moe = sum(1 for i in range(layers) if i not in dense and (i + 1) % config.decoder_sparse_step == 0
+              ) if config.num_experts else 0
+    expert = 3 * h * config.moe_intermediate_size
+    return {
+        "embedding": config.vocab_size * h,
+        "lm_head": 0 if config.tie_word_embeddings else config.vocab_size * h,
+        "attention": layers * 2 * h * config.head_dim * (config.num_attention_heads + config.num_key_value_heads),
+        "mlp": (layers - moe) * 3 * h * config.intermediate_size,
+        "experts": moe * config.num_experts * (expert + h),
+        "shared_expert": moe * 3 * h * config.shared_expert_intermediate_size,
+        "redundant": moe * config.num_redundant_experts * expert,
+    }
+
+
+def config_source(path: Path) -> str:
+    """The file a checkpoint's config came from: its config.json, or the GGUF itself."""
+    return str(path if is_gguf(path) else path / "config.json")
+
+
+def check_config_fits_checkpoint(config: ModelConfig, records: Sequence[TensorRecord], path: Path) -> None:
+    """CheckpointError naming the key most likely wrong when `config` implies far more parameters
+    than `records` hold (_RATIO): 1,000 layers in the config of a checkpoint of 2."""
+    implied = config_parameters(config)
+    wanted = sum(implied.values()) - implied["redundant"]
+    held = sum(math.prod(r.shape) for r in records)
+    if wanted <= _RATIO * held + _SLACK:
+        return
+    key, why = _likely_wrong_key(config, records, implied)
+    times = f", {wanted / held:,.0f}x" if held else ""
+    raise CheckpointError(f"{config_source(path)} {key} = {config.raw.get(key, getattr(config, key, None))} "
+                          f"implies {_amount(wanted)} parameters{times} the {_amount(held)} in its checkpoint "
+                          f"({why})")
+
+
+def _likely_wrong_key(config: ModelConfig, records: Sequence[TensorRecord],
+                      implied: dict[str, int]) -> tuple[str, str]:
+    """(config.json key, why) for a config too large for its checkpoint: a size the tensors
+    themselves contradict (their layer and expert indices, the embedding's shape), else the
+    key of the part of the estimate that dominates it."""
+    layers = {int(m.group(1)) for r in records if (m := _LAYER.search(r.name))}
+    if layers and config.num_hidden_layers > max(layers) + 1:
+        return "num_hidden_layers", f"whose tensors are of {max(layers) + 1} layers"
+    embedding = next((r for r in records if r.name.endswith("embed_tokens.weight") and len(r.shape) == 2), None)
+    if embedding is not None:
+        for key, size in zip(("vocab_size", "hidden_size"), embedding.shape):
+            if getattr(config, key) > size:
+                return key, f"whose {embedding.name} is {embedding.shape[0]} x {embedding.shape[1]}"
+    experts = {int(m.group(1)) for r in records if (m := _EXPERT.search(r.name))}
+    expert_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.raw.get(k)),
+                      "num_experts")
+    if experts and config.num_experts > max(experts) + 1:
+        return expert_key, f"whose tensors are of {max(experts) + 1} experts"
+    part = max((p for p in implied if p != "redundant"), key=implied.__getitem__)
+    key = {"embedding": "vocab_size", "lm_head": "vocab_size",
+           "attention": "head_dim" if config.raw.get("head_dim") else "num_attention_heads",
+           "mlp": "intermediate_size",
+           "experts": "intermediate_size" if config.architecture == "MixtralForCausalLM" else "moe_intermediate_size",
+           "shared_expert": "shared_expert_intermediate_size"}[part]
+    return key, f"the config's {part.replace('_', ' ')} alone is {_amount(implied[part])}"
+
+
+def check_memory(config: ModelConfig, records: Sequence[TensorRecord], path: Path, dtype: torch.dtype,
+                 device: torch.device, *, blocks: bool = False) -> None:
+    """CheckpointError saying how many GiB the model needs and how many are free, when its weights
+    (this rank's share) and its RoPE table cannot fit in the memory free on `device` now. A lower
+    bound, so that a model that fits is never refused: the weights as few as the config implies
+    or the records hold, in `dtype` (`blocks`: a GGUF whose quantized blocks replace the dense
+    weights: as many bytes as the file holds, if fewer); the table fp32, as rtp/models/rotary.py
+    builds it, one per model."""
+    free = _free_bytes(device)
+    if free is None:
+        return
+    implied = config_parameters(config)
+    held = sum(math.prod(r.shape) for r in records)
+    weights = (min(sum(implied.values()) - implied["redundant"], held) + implied["redundant"]) * dtype.itemsize
+    if blocks:
+        weights = min(weights, sum(r.nbytes for r in records))
+    weights //= world_size()
+    raw = config.raw
+    rotary_dim = raw.get("qk_rope_head_dim") or config.head_dim
+    partial = raw.get("partial_rotary_factor")
+    if isinstance(partial, float) and 0 < partial < 1:
+        rotary_dim = int(rotary_dim * partial)
+    rotary = config.max_position_embeddings * rotary_dim * 4
+    need = weights + rotary
+    if need <= free:
+        return
+    table = (f" and a {_gib(rotary)} RoPE table for max_position_embeddings {config.max_position_embeddings}"
+             if rotary >= need // 4 else "")
+    where = "on this host" if device.type == "cpu" else f"on {device}"
+    raise CheckpointError(f"{path}: the model needs {_gib(need)} ({_gib(weights)} of "
+                          f"{str(dtype).removeprefix('torch.')} weights{table}), but only {_gib(free)} is free {where}")
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Bytes free on `device` now (a CPU: the host's MemAvailable); None where it cannot be told."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: int) -> str:
+    """Bytes in GiB (in MiB below a tenth of one)."""
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 // 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _amount(n: int) -> str:
+    """A count of parameters, short: 33.8 M, 1.2 T."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return str(n)
 
 
 def _checkpoint_name(model: torch.nn.Module, target: str) -> str:
@@ -192,16 +348,21 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, options: Lo
     start = time.perf_counter()
     checkpoint = checkpoint or open_checkpoint(path)
     records = checkpoint.records
-    config = ModelConfig.from_hf(checkpoint.config)
+    config = ModelConfig.from_hf(checkpoint.config, config_source(path))
     if redundant_experts:
         config = msgspec.structs.replace(config, num_redundant_experts=redundant_experts)
     cls = model_class([config.architecture])
+    blocks = checkpoint.gguf is not None and dtype == torch.bfloat16 and device.type == "cpu"
+    # the config's sizes against the files' and the free memory, before anything is built (the meta
+    # model's RoPE table is real memory); check_against_model repeats the first, for convert's sake
+    check_config_fits_checkpoint(config, records, path)
+    check_memory(config, records, path, dtype, device, blocks=blocks)
     check_against_model(cls, config, records, path)
     # parameters are created uninitialised (torch.empty) directly in their final dtype and device
     with _default_dtype(dtype), torch.device(device):
         model = cls(config)
     blocks_only: set[str] = set()
-    if checkpoint.gguf is not None and dtype == torch.bfloat16 and device.type == "cpu":
+    if blocks:
         # the GGUF's blocks first: the dense weights they replace are neither read nor dequantized
         _attach_quantized(model, checkpoint.gguf)
         blocks_only = _drop_dense_weights(model)

@@ -40,7 +40,7 @@ from rtp.engine.disaggregation import KVHandoff
 from rtp.engine.draft_model import DraftModel, check_same_vocabulary
 from rtp.engine.speculation_governor import SpeculationGovernor
 from rtp.engine.expert_balancer import ExpertBalancer, eplb_slots, lendable_kv_blocks
-from rtp.engine.grammar import GrammarCompiler, GrammarSlots
+from rtp.engine.grammar import GrammarCompiler, GrammarLimits, GrammarSlots
 from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
 from rtp.engine.kv_transfer import KVLayout, KVSink
 from rtp.engine.output import Logprobs, OutputProcessor, RequestDelta
@@ -241,14 +241,18 @@ class LLMEngine:
         self.sampling.set(slot, params, None if params.seed is None else params.seed + index)
         self.grammars.set(slot, None if grammar is None else grammar.deep_copy())
 
-    def compile_grammar(self, spec):
-        """A future of the compiled grammar of a StructuredOutputs (rtp/engine/grammar.py); the
-        server awaits it before queueing, so the engine thread never builds one."""
+    def compile_grammar(self, spec, client: str = "local"):
+        """A future of the compiled grammar of a StructuredOutputs (rtp/engine/grammar/): bounded,
+        cached, fair between clients (`client`: who asks), cancelled when cancelled. The server
+        awaits it before queueing, so the engine thread never builds one."""
         with self._compiler_lock:
             if self._grammar_compiler is None:
+                s = self.config.structured
+                limits = GrammarLimits(max_bytes=s.max_bytes, max_choices=s.max_choices,
+                                       max_repetition=s.max_repetition, compile_timeout=s.compile_timeout)
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                         self.eos_token_ids)
-        return self._grammar_compiler.compile(spec)
+                                                         self.eos_token_ids, limits)
+        return self._grammar_compiler.compile(spec, client)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Everything about a request that can be refused before it runs, against this model:
@@ -343,6 +347,9 @@ class LLMEngine:
                                       eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size,
                                       offsets=offsets)
         refused, complete = self.grammars.advance(slots, sampled.token_ids, set(sampled.failed))
+        if complete:
+            refused.update(self._complete_too_soon(slots, complete))
+            complete -= set(refused)
         if refused:
             sampled.failed.update(refused)
             sampled.token_ids[list(refused)] = 0
@@ -371,6 +378,18 @@ class LLMEngine:
         if self.balancer is not None:
             self.balancer.between_steps(self.allocator, self.runner.kv_tensors, self._channel)
         return list(deltas.values())
+
+    def _complete_too_soon(self, slots: np.ndarray, rows: set[int]) -> dict[int, Exception]:
+        """Rows whose grammar completed before the request's min_tokens: min_tokens cannot be honoured
+        (the grammar takes nothing more), and is never dropped silently, so such a request fails as
+        the client's mistake."""
+        rows_list = sorted(rows)
+        kept = slots[rows_list]
+        generated = self.scheduler.output_lengths(kept) + 1  # this step's token included
+        wanted = self.sampling.min_tokens[kept]
+        return {r: InvalidRequest(f"the structured output was complete after {int(n)} tokens, fewer than "
+                                  f"min_tokens {int(m)}: lower min_tokens or widen the grammar", "min_tokens")
+                for r, n, m in zip(rows_list, generated, wanted) if n < m}
 
     def _after(self, delta: RequestDelta) -> None:
         """A request's delta is out: hand off a prefill-only one, forget a finished one."""
@@ -472,7 +491,10 @@ class LLMEngine:
         return all(proc.is_alive() for proc in self._followers)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel followers this engine started (idempotent)."""
+        """Stop the grammar compiler's sandboxes and the tensor-parallel followers this engine started
+        (idempotent)."""
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
         if self._channel is None or world_rank() != 0:
             return
         channel, self._channel = self._channel, None

@@ -200,7 +200,7 @@ class SamplingBatch:
                grammars=None, offsets: np.ndarray | None = None) -> SamplingBatch:
         """The batch of the rows sampling at `slots` (one per logits row): settings gathered by slot
         with numpy; tokens read (from `tokens`) only for rows whose settings need them; the token
-        bitmask of the rows under a grammar filled by `grammars` (rtp/engine/grammar.py); offsets:
+        bitmask of the rows under a grammar filled by `grammars` (rtp/engine/grammar/slots.py); offsets:
         each row's token's place past its request's generated tokens (Sampler.sample)."""
         n = len(slots)
         device = torch.device(device)

@@ -180,9 +180,9 @@ class AsyncEngine:
         """LLMEngine.check_request, from the loop: it reads only limits fixed at load."""
         self.engine.check_request(prompt_ids, params, prompt_param)
 
-    def compile_grammar(self, spec):
-        """LLMEngine.compile_grammar, from the loop: a future from the compiler's own pool."""
-        return self.engine.compile_grammar(spec)
+    def compile_grammar(self, spec, client: str = "local"):
+        """LLMEngine.compile_grammar, from the loop: a future from the compiler's own workers."""
+        return self.engine.compile_grammar(spec, client)
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                kv_sink=None) -> Stream:

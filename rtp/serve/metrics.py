@@ -173,7 +173,7 @@ class _EngineCollector:
         # process_cpu_seconds_total, which adds the engine's threads
         yield counter("event_loop_cpu_seconds", "CPU time of the event loop thread.", time.thread_time())
         grammar = s.get("grammar")
-        if grammar:  # structured outputs (rtp/engine/grammar.py)
+        if grammar:  # structured outputs (rtp/engine/grammar/)
             yield from self._grammar(grammar, name, counter)
         eplb = s.get("eplb")
         if eplb:  # --enable-eplb on a MoE model (rtp/engine/expert_balancer.py)
@@ -197,6 +197,14 @@ class _EngineCollector:
                       g["fill_seconds"])
         yield counter("grammar_advance_seconds", "Seconds advancing grammars by the sampled tokens.",
                       g["advance_seconds"])
+        refused = CounterMetricFamily("rtp:grammar_refused", "Structured outputs refused with a 400 (limits: past "
+                                      "a --grammar-max-* bound, before any compile; invalid: would not build or "
+                                      "admits no output; timeout: past --grammar-compile-timeout) or whose compile "
+                                      "was dropped because every client waiting for it had gone (cancelled).",
+                                      labels=["model_name", "cause"])
+        for cause, count in g.get("refused", {}).items():
+            refused.add_metric([*name, cause], count)
+        yield refused
 
     def _eplb(self, eplb: dict, name: list[str], gauge, counter):
         ratio = GaugeMetricFamily("rtp:eplb_rank_load_ratio", "Most over least loaded rank's routed tokens, per "

@@ -30,9 +30,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rtp.errors import EngineFull, InvalidRequest
+from rtp.errors import EngineFull, InvalidRequest, one_line
 from rtp.sampling_params import SamplingParams
 from rtp.serve.async_engine import AsyncEngine, EngineDead, Stream
+from rtp.serve.conversation import plain_messages, template_kwargs
 from rtp.serve.metrics import ServerMetrics
 from rtp.serve.pd import PDNode, PeerError
 from rtp.serve.protocol import (
@@ -54,21 +55,12 @@ from rtp.serve.protocol import (
 from rtp.serve.render import ChatRender, CompletionRender
 from rtp.serve.streams import EventStream
 from rtp.serve.structured import logit_bias, structured_outputs
-from rtp.serve.tools import message_tool_calls, plan_tools
+from rtp.serve.tools import plan_tools
 
 log = logging.getLogger("rtp.serve")
 
 _OFF_LOOP_CHARS = 16 << 10  # prompts this long or longer are tokenized off the event loop
-_ignored_fields: set[str] = set()
-
-
-def _log_ignored(path: str, names) -> None:
-    """Unknown fields are ignored, as vLLM does; each name is logged once at WARNING (a client that
-    always sends one would otherwise double the log), later at DEBUG."""
-    new = sorted(set(names) - _ignored_fields)
-    _ignored_fields.update(new)
-    log.log(logging.WARNING if new else logging.DEBUG, "%s: ignoring unknown fields %s", path,
-            ", ".join(sorted(names)))
+_OFF_LOOP_TOKENS = 4096     # token lists this long or longer are checked and decoded off the event loop
 
 
 class APIError(Exception):
@@ -84,10 +76,12 @@ class APIError(Exception):
         return Response(self.body(), self.status, self.headers, media_type="application/json")
 
 
-def _engine_error(e: Exception) -> APIError:
-    """The error an engine-side failure of one request shows its client (rtp/errors.py)."""
-    if isinstance(e, InvalidRequest):  # refused before it ran
-        return APIError(400, str(e), e.param)
+def _engine_error(e: Exception, grammar_field: str | None = None) -> APIError:
+    """The error an engine-side failure of one request shows its client (rtp/errors.py); a failure
+    of its grammar names the field the grammar came from (response_format, guided_json, ..., tools)."""
+    if isinstance(e, InvalidRequest):  # refused before it ran, or its grammar failed it
+        param = grammar_field if e.param == "structured_outputs" and grammar_field else e.param
+        return APIError(400, str(e), param)
     if isinstance(e, EngineFull):
         return APIError(503, f"the server is overloaded: {e}", headers={"Retry-After": "1"})
     if isinstance(e, EngineDead):
@@ -128,7 +122,7 @@ class _ClientGone(Exception):
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, *, model_names: list[str],
-                 api_key: str | None = None, max_body_bytes: int = 8 << 20, max_queue: int = 512,
+                 model_root: str | None = None, model_aliases: tuple[str, ...] = (), api_key: str | None = None, max_body_bytes: int = 8 << 20, max_queue: int = 512,
                  pd: PDNode | None = None, tool_call_parser: str | None = None):
         self.engine = engine
         self.pd = pd  # the RPC routes; on a prefill node, the relay through a decode node
@@ -136,6 +130,10 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.model_names = model_names
+        # what /v1/models says the model is (a name or Hub ID, never a path on this machine), and names
+        # "model" may also give (the path --model was given as) without /v1/models listing them
+        self.model_root = model_root or model_names[0]
+        self.model_aliases = model_aliases
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_queue = max_queue
@@ -212,19 +210,21 @@ class OpenAIServing:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
         except RecursionError:
             raise APIError(400, "the body is nested too deeply") from None
+        unknown = sorted(keys - set(kind.__struct_fields__))
+        if unknown:  # a field rtp does not know might have mattered: never answer as if it were absent
+            raise APIError(400, f"`{unknown[0]}` is not a field rtp takes on {request.url.path}", unknown[0])
         n = getattr(body, "n", 1)
         for name in unsupported:
             if asks_for(name, getattr(body, name), n):
                 raise APIError(400, f"`{name}` is not supported by rtp", name)
-        unknown = keys - set(kind.__struct_fields__)
-        if unknown:
-            _log_ignored(request.url.path, unknown)
+        if getattr(body, "stream_options", None) is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         return body
 
     def _model(self, name: str | None) -> str:
         if name is None:
             return self.model_names[0]
-        if name not in self.model_names:
+        if name not in self.model_names and name not in self.model_aliases:
             raise APIError(400, f"the model `{name}` does not exist; this server serves "
                            f"{', '.join(self.model_names)}", "model")
         return name
@@ -236,16 +236,18 @@ class OpenAIServing:
         model = self._model(body.model)
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
-        params, grammar_field = self._params(body, body.max_tokens, body.logprobs)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params, grammar_field = self._params(body, max_tokens, body.logprobs)
         texts, prompts = await self._completion_prompts(body.prompt)
         for ids in prompts:
-            await self._check(ids, params, "prompt", grammar_field)
+            self._check(ids, params, "prompt")
+        await self._compile(request, params, grammar_field)
         stream = await self._start(request, "cmpl", prompts, params)
         echo = [t if t is not None else self.tokenizer.decode(p) for t, p in zip(texts, prompts)] \
             if body.echo else None
         render = CompletionRender(stream.request_id, model, self.tokenizer, prompts, params.n,
                                   logprobs=body.logprobs is not None, echo=echo)
-        return await self._respond(request, body, stream, render)
+        return await self._respond(request, body, stream, render, grammar_field)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._decode(request, ChatCompletionRequest, UNSUPPORTED_CHAT)
@@ -266,11 +268,12 @@ class OpenAIServing:
             params.skip_special_tokens = False  # [TOOL_CALLS] and <|python_tag|> are special tokens
         ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                       tools.tools if tools is not None else None)
-        await self._check(ids, params, "messages", grammar_field)
+        self._check(ids, params, "messages")
+        await self._compile(request, params, grammar_field)
         stream = await self._start(request, "chatcmpl", [ids], params)
         render = ChatRender(stream.request_id, model, self.tokenizer, [ids], params.n,
                             top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, tools=tools)
-        return await self._respond(request, body, stream, render)
+        return await self._respond(request, body, stream, render, grammar_field)
 
     async def _completion_prompts(self, prompt) -> tuple[list[str | None], list[list[int]]]:
         """(texts, token ids) of each prompt of a completion request."""
@@ -287,45 +290,22 @@ class OpenAIServing:
                                                       else item for item in items])
         return texts, prompts
 
-    async def _off_loop(self, size: int, work):
-        """Run `work` (tokenizing, rendering a template) here when the text is small, else on the
-        tokenizing thread: a prompt of megabytes takes seconds, and the loop must keep answering."""
-        if size < _OFF_LOOP_CHARS:
+    async def _off_loop(self, size: int, work, threshold: int = _OFF_LOOP_CHARS):
+        """Run `work` (tokenizing, rendering a template, detokenizing) here when its input is small,
+        else on the tokenizing thread: a prompt of megabytes takes seconds, and the loop must keep
+        answering."""
+        if size < threshold:
             return work()
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
 
     async def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
                            kwargs: dict | None, tools: list[dict] | None = None) -> list[int]:
-        if not messages:
-            raise APIError(400, "messages is empty", "messages")
-        plain, size = [], 0
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(part.type != "text" for part in content):
-                    raise APIError(400, "only text content parts are supported", "messages")
-                content = "\n".join(part.text or "" for part in content)
-            message = {"role": m.role, "content": content or ""}
-            if m.name is not None:
-                message["name"] = m.name
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            if m.tool_calls:
-                if m.role != "assistant":
-                    raise APIError(400, f"messages[{i}].tool_calls: only an assistant's message makes calls",
-                                   "messages")
-                if "tool_calls" not in (self.tokenizer.chat_template or ""):
-                    # the template would drop them without a word: the model would never see its calls
-                    raise APIError(400, f"messages[{i}].tool_calls: this model's chat template does not render "
-                                   "tool calls; start the server with --chat-template (e.g. chatml-tools)",
-                                   "messages")
-                try:
-                    message["tool_calls"] = message_tool_calls(i, m.tool_calls)
-                except InvalidRequest as e:
-                    raise APIError(400, str(e), e.param) from None
-            plain.append(message)
-            size += len(message["content"])
-        extra = dict(kwargs or {})
+        """The conversation checked (rtp/serve/conversation.py) and rendered through the chat template."""
+        try:
+            plain, size = plain_messages(messages, self.tokenizer.chat_template)
+            extra, extra_size = template_kwargs(kwargs)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), e.param) from None
         if tools is not None:
             extra["tools"] = tools
 
@@ -334,9 +314,10 @@ class OpenAIServing:
                                                       tokenize=True, **extra)
 
         try:
-            return await self._off_loop(size, render)
-        except Exception as e:  # the template rejected these messages (raise_exception, bad roles)
-            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+            return await self._off_loop(size + extra_size, render)
+        except Exception as e:  # the template rejected these messages (raise_exception, turn order)
+            raise APIError(400, f"the chat template failed on these messages: {one_line(str(e))}",
+                           "messages") from None
 
     def _params(self, body, max_tokens: int | None, logprobs: int | None) -> tuple[SamplingParams, str | None]:
         """The request's SamplingParams, and the field its structured output came from (to name)."""
@@ -359,18 +340,32 @@ class OpenAIServing:
         except InvalidRequest as e:
             raise APIError(400, str(e), e.param) from None
 
-    async def _check(self, ids: list[int], params: SamplingParams, param: str, grammar_field: str | None) -> None:
+    def _check(self, ids: list[int], params: SamplingParams, param: str) -> None:
         """The engine's own admission checks, here before anything is queued: the request against
-        the model (LLMEngine.check_request), and its grammar compiled (off this loop and off the
-        engine thread; once per distinct grammar), so that one the backend cannot build is a 400
-        and the engine thread never waits for one."""
+        the model (LLMEngine.check_request)."""
         try:
             self.engine.check_request(ids, params, param)
-            if params.structured_outputs is not None:
-                await asyncio.wrap_future(self.engine.compile_grammar(params.structured_outputs))
         except InvalidRequest as e:
-            # name the field the grammar came from (response_format, guided_json, ..., tools)
-            raise APIError(400, str(e), grammar_field if e.param == "structured_outputs" else e.param) from None
+            raise APIError(400, str(e), e.param) from None
+
+    async def _compile(self, request: Request, params: SamplingParams, grammar_field: str | None) -> None:
+        """The request's grammar compiled before it is queued (off this loop and off the engine thread;
+        once per distinct grammar; bounded, and fair between clients: rtp/engine/grammar/), so one
+        the backend cannot build is a 400 naming its field, and the engine thread never waits for one.
+        A client that hangs up stops waiting, and a compile nobody waits for is dropped."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        client = request.client.host if request.client is not None else "unknown"
+        # a large spec's limit checks (a scan of its regexes) take milliseconds per 100 KB: off the loop
+        size = len(msgspec.json.encode(spec))
+        future = await self._off_loop(size, lambda: self.engine.compile_grammar(spec, client))
+        try:
+            await _until_disconnected(request, asyncio.wrap_future(future))
+        except InvalidRequest as e:
+            raise _engine_error(e, grammar_field) from None
+        finally:
+            future.cancel()  # a no-op once it is done
 
     async def _start(self, request: Request, kind: str, prompts: list[list[int]], params: SamplingParams) -> Stream:
         """Run the request here, or on a prefill node through its decode node (rtp/serve/pd/)."""
@@ -403,24 +398,25 @@ class OpenAIServing:
         except EngineDead as e:
             raise APIError(503, str(e)) from None
 
-    async def _respond(self, request: Request, body, stream: Stream, render) -> Response:
+    async def _respond(self, request: Request, body, stream: Stream, render, grammar_field: str | None) -> Response:
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self._events(stream, render, usage), on_close=stream.close)
+            return EventStream(self._events(stream, render, usage, grammar_field), on_close=stream.close)
         try:
-            await _until_disconnected(request, self._collect(stream, render))
+            await _until_disconnected(request, self._collect(stream, render, grammar_field))
         finally:
             stream.close()
         return Response(encoder.encode(render.response()), media_type="application/json")
 
-    async def _collect(self, stream: Stream, render) -> None:
+    async def _collect(self, stream: Stream, render, grammar_field: str | None) -> None:
         async for updates in stream:
             for update in updates:
                 if update.error is not None:
-                    raise _engine_error(update.error)
+                    raise _engine_error(update.error, grammar_field)
                 render.add(update)
 
-    async def _events(self, stream: Stream, render, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _events(self, stream: Stream, render, include_usage: bool,
+                      grammar_field: str | None) -> AsyncIterator[bytes]:
         opening = render.opening()
         if opening:
             yield opening
@@ -429,7 +425,7 @@ class OpenAIServing:
             for update in updates:
                 if update.error is not None:
                     # the status line is long gone: the error travels as an event, then the stream ends
-                    error = _engine_error(update.error)
+                    error = _engine_error(update.error, grammar_field)
                     log.warning("stream %s failed: %s", stream.request_id, error.message)
                     yield bytes(buf) + b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
                     return
@@ -443,8 +439,8 @@ class OpenAIServing:
     # -- the rest ---------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        cards = [ModelCard(id=name, created=self.created, root=str(self.engine.model_path),
-                           max_model_len=self.max_model_len) for name in self.model_names]
+        cards = [ModelCard(id=name, created=self.created, root=self.model_root, max_model_len=self.max_model_len)
+                 for name in self.model_names]
         return Response(encoder.encode(ModelList(cards)), media_type="application/json")
 
     async def tokenize(self, request: Request) -> Response:
@@ -463,10 +459,18 @@ class OpenAIServing:
     async def detokenize(self, request: Request) -> Response:
         body = await self._decode(request, DetokenizeRequest)
         self._model(body.model)
-        if not all(0 <= t < self.engine.vocab_size for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {self.engine.vocab_size})", "tokens")
-        return Response(encoder.encode(DetokenizeResponse(self.tokenizer.decode(body.tokens))),
-                        media_type="application/json")
+        vocab = self.engine.vocab_size
+
+        def decode() -> str | None:
+            if not all(0 <= t < vocab for t in body.tokens):
+                return None
+            return self.tokenizer.decode(body.tokens)
+
+        # a million ids take a quarter of a second to check and decode: never on the loop
+        text = await self._off_loop(len(body.tokens) * 4, decode, threshold=_OFF_LOOP_TOKENS * 4)
+        if text is None:
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return Response(encoder.encode(DetokenizeResponse(text)), media_type="application/json")
 
     async def health(self, request: Request) -> Response:
         if self.engine.dead is not None:

@@ -7,8 +7,9 @@ repetition_penalty, stop_token_ids, ignore_eos, ...) follow vLLM.
 
 Fields that would change what a request returns and that rtp does not implement are
 declared too (typed `Any`, so any value decodes), for the handler to refuse by name
-(`asks_for`) instead of answering as if they were absent. Fields nobody declares are
-ignored, as vLLM does, and the handler logs their names.
+(`asks_for`) instead of answering as if they were absent. A few fields are taken and ignored
+because no value of theirs can change the output (`_Ignored`: bookkeeping for the client's
+side). Any other field is a 400 naming it: a field rtp does not know might have mattered.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ _INERT: dict[str, tuple] = {
     "modalities": (["text"],),
     "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
+    "typical_p": (1, 1.0),          # llama.cpp's samplers, off at these values
+    "tfs_z": (1, 1.0),
+    "mirostat": (0,),
+    "service_tier": ("auto", "default"),  # how OpenAI schedules a request: rtp runs every one alike
 }
 
 
@@ -40,8 +45,23 @@ def asks_for(name: str, value, n: int = 1) -> bool:
     return value not in _INERT.get(name, ())
 
 
-class _Unsupported(Struct, kw_only=True):
-    """Fields of the OpenAI API and vLLM's extras that rtp does not implement (see asks_for)."""
+class _Ignored(Struct, kw_only=True):
+    """Fields taken and never read: the client's own bookkeeping, which no value can turn into a
+    different output (tests/serve/test_hostile_clients.py holds a request with all of them to the
+    same tokens as without). Everything else a body names is read, or refused."""
+
+    user: Any = None               # the end user, for the provider's abuse monitoring
+    store: Any = None              # keep the completion for OpenAI's evals/distillation
+    metadata: Any = None           # tags for the stored completion
+    prompt_cache_key: Any = None   # a hint for OpenAI's prompt cache routing (rtp's cache is by content)
+    safety_identifier: Any = None  # the end user, hashed, for abuse monitoring
+
+
+IGNORED_FIELDS = tuple(_Ignored.__struct_fields__)
+
+
+class _Unsupported(_Ignored, kw_only=True):
+    """Fields of the OpenAI API, vLLM's and llama.cpp's extras that rtp does not implement (see asks_for)."""
 
     best_of: Any = None
     prompt_logprobs: Any = None
@@ -52,6 +72,11 @@ class _Unsupported(Struct, kw_only=True):
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     spaces_between_special_tokens: Any = None
+    typical_p: Any = None
+    tfs_z: Any = None
+    mirostat: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
 
 
 class StreamOptions(Struct):
@@ -79,7 +104,6 @@ class _Sampling(_Unsupported, kw_only=True):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     # structured outputs and biases (rtp/serve/structured.py reads them: any JSON decodes here,
     # so that a wrong shape is a 400 that says what was expected)
     logit_bias: Any = None
@@ -89,6 +113,7 @@ class _Sampling(_Unsupported, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -96,6 +121,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     # (msgspec allows one array type per union, so the list's items are checked in the handler)
     prompt: str | list[str | int | list[int]]
     max_tokens: int | None = 16
+    max_completion_tokens: int | None = None  # the chat endpoint's name, taken here too; wins when both are set
     logprobs: int | None = None
     echo: bool = False
     suffix: Any = None        # unsupported
@@ -140,8 +166,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     documents: Any = None
 
 
-UNSUPPORTED_COMPLETION = tuple(_Unsupported.__struct_fields__) + ("suffix", "prompt_embeds")
-UNSUPPORTED_CHAT = tuple(_Unsupported.__struct_fields__) + (
+_UNSUPPORTED = tuple(f for f in _Unsupported.__struct_fields__ if f not in IGNORED_FIELDS)
+UNSUPPORTED_COMPLETION = _UNSUPPORTED + ("suffix", "prompt_embeds")
+UNSUPPORTED_CHAT = _UNSUPPORTED + (
     "functions", "function_call", "audio", "modalities", "prediction",
     "web_search_options", "echo", "continue_final_message", "chat_template", "documents")
 

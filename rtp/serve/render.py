@@ -194,39 +194,45 @@ class ChatRender(_Render):
         for d in update.choices:
             if self._skip(d):
                 continue
-            reason, content, calls = d.finish_reason, d.text or None, None
+            reason, deltas = d.finish_reason, [(d.text or None, None)]
             parser = self.parsers[d.index]
             if parser is not None:
                 events = parser.feed(d.text) if d.text else []
                 if reason is not None:
                     events += parser.finish()
-                content, calls = self._tool_delta(d.index, events)
+                deltas = self._tool_deltas(d.index, events)
                 if reason == "stop" and self.called[d.index]:
                     reason = "tool_calls"
-                if content is None and calls is None and reason is None and not d.logprobs:
-                    continue  # held back: it may be the start of a call
-            c.index, c.finish_reason, c.stop_reason = d.index, reason, d.stop_reason
-            c.delta.content, c.delta.tool_calls = content, calls
+                if not deltas:
+                    if reason is None and not d.logprobs:
+                        continue  # held back: it may be (the start of) a call
+                    deltas = [(None, None)]
+            # one event per delta: the step's logprobs go with the first, its finish with the last
+            c.index, last = d.index, len(deltas) - 1
             c.logprobs = self._logprobs(d.logprobs) if self.top_logprobs is not None and d.logprobs else None
-            self._event(self._chunk, buf)
+            for i, (content, calls) in enumerate(deltas):
+                c.delta.content, c.delta.tool_calls = content, calls
+                c.finish_reason, c.stop_reason = (reason, d.stop_reason) if i == last else (None, None)
+                self._event(self._chunk, buf)
+                c.logprobs = None
         c.delta.tool_calls = None
 
-    def _tool_delta(self, index: int, events: list) -> tuple[str | None, list[ToolCallDelta] | None]:
-        """A parser's events as one delta: its content, and its calls as OpenAI streams them (a
-        call's id, type and name first, then its arguments in pieces)."""
-        content, calls = [], []
+    def _tool_deltas(self, index: int, events: list) -> list[tuple[str | None, list[ToolCallDelta] | None]]:
+        """A parser's events as deltas (content, calls), as OpenAI streams a call: its id, type and
+        name first, then its arguments in pieces, each piece a delta of its own."""
+        deltas: list = []
         for e in events:
             if isinstance(e, Content):
-                content.append(e.text)
+                if deltas and deltas[-1][1] is None:
+                    deltas[-1] = (deltas[-1][0] + e.text, None)
+                else:
+                    deltas.append((e.text, None))
             elif isinstance(e, CallStart):
                 self.called[index] = True
-                calls.append(ToolCallDelta(e.index, e.id, "function", FunctionCallDelta(e.name, "")))
+                deltas.append((None, [ToolCallDelta(e.index, e.id, "function", FunctionCallDelta(e.name, ""))]))
             elif isinstance(e, CallArguments):
-                if calls and calls[-1].index == e.index:
-                    calls[-1].function.arguments += e.text
-                else:
-                    calls.append(ToolCallDelta(e.index, function=FunctionCallDelta(arguments=e.text)))
-        return "".join(content) or None, calls or None
+                deltas.append((None, [ToolCallDelta(e.index, function=FunctionCallDelta(arguments=e.text))]))
+        return deltas
 
     def usage_chunk(self) -> bytes:
         buf = bytearray()
@@ -241,7 +247,7 @@ class ChatRender(_Render):
             reason, stop = self.finish[index]
             message = AssistantMessage("".join(parts), "assistant")
             parser = self.tools.new_parser() if self.tools is not None else None
-            if parser is not None:
+            if parser is not None:  # the same parser as a stream's: the same content and calls
                 parsed = parser.parse(message.content)
                 if parsed.calls:
                     message = AssistantMessage(parsed.content, "assistant", tool_calls=[

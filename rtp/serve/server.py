@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+from pathlib import Path
 
 from rtp.config import EngineConfig, ServeConfig
 
@@ -43,7 +44,7 @@ def serve(config: EngineConfig, options: ServeConfig) -> int:
                          "moves blocks without their scales)")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call otherwise
     _check_bindable(options.host, options.port)  # fail now, not after loading the model
-    names = options.served_model_names or [config.load.model or DEFAULT_MODEL_NAME]
+    names, root, aliases = model_names(config.load.model, options.served_model_names)
     metrics = ServerMetrics(names[0])
     # loaded on the thread that steps it: one OpenMP pool (AsyncEngine.load says why)
     async_engine = AsyncEngine.load(lambda: LLMEngine(config), metrics)
@@ -53,7 +54,8 @@ def serve(config: EngineConfig, options: ServeConfig) -> int:
     if options.rpc_token is None and options.api_key is None and options.role != "collocated":
         log.warning("the /rpc routes are open to anyone who can reach %s:%d: pass --rpc-token", options.host,
                     options.port)
-    serving = OpenAIServing(async_engine, metrics, model_names=names, api_key=options.api_key,
+    serving = OpenAIServing(async_engine, metrics, model_names=names, model_root=root, model_aliases=aliases,
+                            api_key=options.api_key,
                             max_body_bytes=options.max_body_bytes, max_queue=options.max_queue, pd=pd,
                             tool_call_parser=options.tool_call_parser)
     metrics.read_healthy = lambda: async_engine.dead is None
@@ -63,6 +65,19 @@ def serve(config: EngineConfig, options: ServeConfig) -> int:
         return 1
     log.info("server stopped")
     return 0
+
+
+def model_names(model: str | None, served: list[str] | None) -> tuple[list[str], str, tuple[str, ...]]:
+    """The names clients may send in "model" (the first is the one reported), what /v1/models gives as
+    the model's `root`, and names accepted without being listed. A model given as a local path is
+    named and rooted by its file or directory name, the path itself only accepted: the server's
+    file layout is nobody's business. A Hub ID is its own name."""
+    if model is None:
+        return served or [DEFAULT_MODEL_NAME], DEFAULT_MODEL_NAME, ()
+    local = Path(model).exists()
+    name = Path(model).name.removesuffix(".gguf") if local else model
+    names = served or [name]
+    return names, name, (model,) if model not in names else ()
 
 
 def _check_bindable(host: str, port: int) -> None:

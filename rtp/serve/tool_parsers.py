@@ -8,21 +8,36 @@ Models write their calls in their own formats:
                  several calls separated by ";" (Llama 3.1/3.2/3.3)
     mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]  (Mistral's v3 format)
 
+and for tool_choice "required" or a named function rtp's grammar writes them (rtp/serve/tools.py):
+a JSON array of {"name", "parameters"} objects, or the named function's arguments alone.
+
+A call is a call only if its JSON closes (all of a Mistral or `required` array), its name is one of
+the functions offered, and its arguments (under "arguments" or "parameters"; neither: {}) are a
+JSON object, or a JSON string holding one, as some models write them: sent decoded. Anything else,
+from the marker that opened it to the end of the reply, is content as the model wrote it.
+
 Each parser reads one choice's text piece by piece (`feed`, then `finish`) and returns events:
 content to show, a call's start (its index, id and name) and pieces of its arguments' JSON. The
-server turns the events into OpenAI's streamed deltas (the name first, the arguments in pieces, as
-the `openai` client's stream helpers expect) and a whole response adds them up, so both go through
-one code path. Text that is not a call stays content; a call whose JSON breaks off becomes content
-again in a whole response (`parse`), as vLLM answers.
+server turns the events into OpenAI's streamed deltas and a whole response (`parse`) adds up the
+events of the whole text, so a stream and a whole response agree however the text was cut up:
 
-The JSON of a call is scanned one character at a time: only the calls' text pays for it, and a
-streaming JSON library would still need the "which key is this value under" bookkeeping below.
+- a call is held back until it is known to be one (its JSON closed and checked); then its start
+  goes out, then its arguments in the pieces the model wrote them in, as OpenAI streams them;
+- content that is only whitespace is held back until other content follows: a reply of calls only
+  has no content (null), so the newlines between parallel calls are no content either;
+- after text that is not a call, llama3_json and `required` read no more calls (their calls open
+  the reply), and after a call that is not one, no parser does.
+
+Where a call's JSON closes is found by scanning it one character at a time (only the calls' text
+pays for it); then it is decoded once, and its arguments are sent as the model wrote them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -61,147 +76,119 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-class _BadCall(Exception):
+class _NotACall(Exception):
     pass
 
 
-def _json(text: str):
-    """A JSON value of the call's text; what does not parse is not a call."""
+def _no_constant(name: str):
+    raise ValueError(name)  # NaN and Infinity: Python reads them, JSON has none
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _space(text: str, at: int) -> int:
+    return _SPACE.match(text, at).end()
+
+
+def _value(text: str, at: int):
+    """The JSON value that starts at text[at], and where it ends."""
     try:
-        return json.loads(text)
-    except ValueError:
-        raise _BadCall(text) from None
+        return _DECODER.raw_decode(text, at)
+    except (ValueError, RecursionError):
+        raise _NotACall from None
 
 
-class _CallScanner:
-    """The calls in one JSON value, read as it arrives: an object {"name": ..., "arguments": ...}
-    (array=False) or an array of them. Reports each call's name once it is whole, and the raw text
-    of its arguments as it comes (held back until the name is known, so the name always goes
-    first). `done` once the value is complete; `rest` is the text after it."""
+def _members(text: str, at: int) -> tuple[dict, int]:
+    """The JSON object at text[at] as {key: (value, where it starts, where it ends)}, and its end."""
+    members: dict = {}
+    at = _space(text, at + 1)
+    if text.startswith("}", at):
+        return members, at + 1
+    while True:
+        if not text.startswith('"', at):
+            raise _NotACall
+        key, at = _value(text, at)
+        at = _space(text, at)
+        if not text.startswith(":", at):
+            raise _NotACall
+        start = _space(text, at + 1)
+        value, at = _value(text, start)
+        if key in members:
+            raise _NotACall  # a key twice: which value was meant is anyone's guess
+        members[key] = (value, start, at)
+        at = _space(text, at)
+        if text.startswith("}", at):
+            return members, at + 1
+        if not text.startswith(",", at):
+            raise _NotACall
+        at = _space(text, at + 1)
 
-    def __init__(self, first_index: int, *, array: bool, argument_keys: tuple[str, ...]):
-        self.argument_keys = argument_keys
-        self.opening = "[" if array else "{"
-        self.call_depth = 2 if array else 1   # the depth at which a call's keys sit
-        self.index = first_index              # the index of the call being read
-        self.buf = ""
-        self.pos = 0                          # the next character to scan
-        self.depth = 0
-        self.in_string = self.escape = False
-        self.done = False
-        self._new_call()
 
-    def _new_call(self) -> None:
-        self.id = call_id()
-        self.key: str | None = None           # the key whose value comes next, at the call's depth
-        self.key_start = -1
-        self.awaiting_value = False           # after the key's ":", before its first character
-        self.value_start = -1                 # where the value being read starts (-1: between values)
-        self.name: str | None = None
-        self.args_start = self.args_end = -1  # the arguments' raw JSON text (end -1: not whole yet)
-        self.args_sent = 0                    # characters of it reported
-        self.announced = False
+def _pieces(text: str, cuts: list[int], start: int, end: int) -> list[str]:
+    """text[start:end] cut where the pieces fed ended (`cuts`, ascending)."""
+    out = []
+    for cut in cuts:
+        if start < cut < end:
+            out.append(text[start:cut])
+            start = cut
+    out.append(text[start:end])
+    return out
+
+
+class _Value:
+    """The JSON object or array after a call's marker, held as it arrives until it closes. Each
+    piece is scanned once, on arrival, and the pieces are joined once, when asked for."""
+
+    def __init__(self, opening: str):
+        self.opening = opening
+        self.start = self.end = -1  # where it opens, and where it closed (-1: not yet)
+        self.cuts: list[int] = []   # where each piece fed ended
+        self._parts: list[str] = []
+        self._depth = 0
+        self._in_string = self._escape = False
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) != 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0]
 
     @property
     def rest(self) -> str:
-        return self.buf[self.pos:]
+        return self.text[self.end:]
 
-    def feed(self, text: str) -> list:
-        self.buf += text
-        events: list = []
-        buf, at_call = self.buf, self.call_depth
-        while self.pos < len(buf) and not self.done:
-            i = self.pos
-            c = buf[i]
-            self.pos += 1
-            if self.in_string:
-                if self.escape:
-                    self.escape = False
+    def feed(self, text: str) -> bool:
+        """Add text; True once the value has closed. _NotACall if it opens with anything else."""
+        base = self.cuts[-1] if self.cuts else 0
+        self._parts.append(text)
+        self.cuts.append(base + len(text))
+        depth, in_string, escape = self._depth, self._in_string, self._escape
+        for i, c in enumerate(text):
+            if depth == 0:
+                if c == self.opening:
+                    depth, self.start = 1, base + i
+                elif c not in " \t\r\n":
+                    raise _NotACall
+            elif in_string:
+                if escape:
+                    escape = False
                 elif c == "\\":
-                    self.escape = True
+                    escape = True
                 elif c == '"':
-                    self.in_string = False
-                    if self.depth == at_call and self.value_start < 0:
-                        self.key = _json(buf[self.key_start:i + 1])
-                continue
-            if c in " \t\r\n":
-                continue
-            if self.depth == 0:
-                if c != self.opening:
-                    raise _BadCall(c)
-                self.depth = 1
-                continue
-            if self.awaiting_value:
-                self.awaiting_value, self.value_start = False, i
-                if self.key in self.argument_keys:
-                    self.args_start = i
-            elif self.depth < at_call and c not in "{,]":
-                raise _BadCall(c)  # between the calls of an array: only calls and commas
-            elif self.depth == at_call and self.value_start < 0 and c not in '":,}':
-                raise _BadCall(c)  # between a call's keys and values: JSON's punctuation only
-            if c == '"':
-                self.in_string = True
-                if self.depth == at_call and self.value_start < 0:
-                    self.key_start = i
-            elif c == ":" and self.depth == at_call and self.value_start < 0:
-                self.awaiting_value = True
+                    in_string = False
+            elif c == '"':
+                in_string = True
             elif c == "{" or c == "[":
-                if self.depth == at_call - 1:
-                    if c != "{":
-                        raise _BadCall(c)
-                    self._new_call()
-                self.depth += 1
-            elif c == "}" or c == "]" or (c == "," and self.depth == at_call):
-                if self.depth == at_call and self.value_start >= 0:
-                    self._end_value(i, events)
-                if c != ",":
-                    self.depth -= 1
-                    if self.depth == at_call - 1:
-                        self._end_call(events)
-                    self.done = self.depth == 0
-        self._stream_arguments(events)
-        return events
-
-    def _end_value(self, end: int, events: list) -> None:
-        value = self.buf[self.value_start:end].rstrip()
-        if self.key == "name":
-            self.name = _json(value)
-            if not isinstance(self.name, str):
-                raise _BadCall(value)
-        elif self.key in self.argument_keys:
-            self.args_end = self.value_start + len(value)
-        self.value_start, self.key = -1, None
-        self._stream_arguments(events)
-
-    def _stream_arguments(self, events: list) -> None:
-        if self.name is not None and not self.announced:
-            self.announced = True
-            events.append(CallStart(self.index, self.id, self.name))
-        if not self.announced or self.args_start < 0:
-            return
-        whole = self.args_end >= 0
-        if self.buf[self.args_start] == '"':
-            # arguments given as a JSON string (some models do): sent decoded, once whole
-            if whole and not self.args_sent:
-                self.args_sent = 1
-                arguments = _json(self.buf[self.args_start:self.args_end])
-                if not isinstance(arguments, str):
-                    raise _BadCall("arguments")
-                events.append(CallArguments(self.index, arguments))
-            return
-        # the scanned text, less trailing whitespace (it may be the value's end: sent once it is not)
-        end = self.args_end if whole else self.args_start + len(self.buf[self.args_start:self.pos].rstrip())
-        if self.args_start + self.args_sent < end:
-            events.append(CallArguments(self.index, self.buf[self.args_start + self.args_sent:end]))
-            self.args_sent = end - self.args_start
-
-    def _end_call(self, events: list) -> None:
-        if self.name is None:
-            raise _BadCall("a call without a name")
-        if self.args_start < 0:  # no arguments: an empty object, as OpenAI sends
-            events.append(CallArguments(self.index, "{}"))
-        self.index += 1
-        self._new_call()
+                depth += 1
+            elif c == "}" or c == "]":
+                depth -= 1
+                if depth == 0:
+                    self.end = base + i + 1
+                    return True
+        self._depth, self._in_string, self._escape = depth, in_string, escape
+        return False
 
 
 class ToolParser:
@@ -209,131 +196,200 @@ class ToolParser:
 
     name = ""
     start = ""                 # the marker before a call (at_start: optional)
-    end = ""                   # the marker after a call, if any
+    end = ""                   # the marker after a call, if any (optional)
     array = False              # a call marker opens an array of calls, not one
     separator = ""             # between consecutive calls without markers (llama3_json: ";")
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
     at_start = False           # the calls open the reply, or there are none
 
-    def __init__(self):
-        self.pending = ""      # text not yet shown: it may be (the start of) a marker
-        self.scanner: _CallScanner | None = None
-        self.marker = ""       # the text that opened the current call (content again if it breaks)
-        self.calls = 0
-        self.seen_text = False
+    def __init__(self, functions: Iterable[str]):
+        self.functions = frozenset(functions)  # the names a call may have
+        self.opening = "[" if self.array else "{"
+        self.pending = ""      # text not placed yet: it may be (the start of) a marker
+        self.value: _Value | None = None  # the call(s) being read, held back until known
+        self.marker = ""       # the text that opened them (content if they are no calls)
+        self.calls = 0         # calls sent
         self.awaiting_end = False
-        self.broken = False
+        self.aside: list[str] = []  # whitespace and markers that may open or close a call
+        self.led = False       # the marker that opens the next call (at_start) is among them
+        self.text_only = False  # the rest of the reply is content
+        self.space: list[str] = []  # content of only whitespace so far, held back
+        self.shown = False     # content other than whitespace was sent
 
     def feed(self, text: str) -> list:
-        if self.broken:
-            return [Content(text)] if text else []
         events: list = []
-        self.pending += text
-        self._run(events, final=False)
+        if self.text_only:
+            self._content(events, text)
+        else:
+            self.pending += text
+            self._run(events, final=False)
         return events
 
     def finish(self) -> list:
         events: list = []
-        if self.broken:
-            return events
-        self._run(events, final=True)
-        if self.scanner is not None and not self.scanner.announced:
-            self._break(events)  # cut off before its name: it was text
-        elif self.pending:
-            events.append(Content(self.pending))
-        self.pending, self.scanner = "", None
+        if not self.text_only:
+            self._run(events, final=True)
+            if self.value is not None:
+                self._fail(events)  # its JSON never closed: no call
+        if self.space and not self.calls:
+            events.append(Content("".join(self.space)))  # only whitespace and no call: the reply
+        self.space = []
         return events
 
     def parse(self, text: str) -> Parsed:
-        """A whole response: its content and calls; all content if a call is not valid JSON."""
-        return assemble(self.feed(text) + self.finish(), text)
+        """A whole response: its content and calls."""
+        return assemble(self.feed(text) + self.finish())
 
     def _run(self, events: list, final: bool) -> None:
         try:
             while True:
                 if self.awaiting_end and not self._drop_end(final):
                     return
-                if self.scanner is None and not self._find_call(events, final):
+                if self.value is None and not self._find_call(events, final):
                     return
                 text, self.pending = self.pending, ""
-                events.extend(self.scanner.feed(text))
-                if not self.scanner.done:
+                if not self.value.feed(text):
                     return
-                if self.scanner.index == self.calls:
-                    raise _BadCall("no call in it")  # "[]": text, not an empty list of calls
-                self.calls, self.pending = self.scanner.index, self.scanner.rest
-                self.scanner, self.awaiting_end = None, bool(self.end)
-        except _BadCall:
-            self._break(events)
+                self._send(events, self.value)
+                self.pending, self.value, self.awaiting_end = self.value.rest, None, bool(self.end)
+        except _NotACall:
+            self._fail(events)
 
-    def _break(self, events: list) -> None:
-        """Not a call after all: from its marker on, everything is content."""
-        text = self.marker + (self.scanner.buf if self.scanner is not None else "") + self.pending
-        self.broken, self.scanner, self.pending = True, None, ""
-        if text:
-            events.append(Content(text))
+    def _fail(self, events: list) -> None:
+        """Not a call after all: from its marker on, the reply is content."""
+        text = self.marker + (self.value.text if self.value is not None else "") + self.pending
+        self.value, self.pending, self.text_only = None, "", True
+        self._content(events, text)
+
+    def _content(self, events: list, text: str) -> None:
+        if not text:
+            return
+        if not self.shown and text.isspace():
+            self.space.append(text)  # shown once other content follows; none at all if calls do
+            return
+        events.append(Content("".join(self.space) + text))
+        self.space, self.shown = [], True
 
     def _find_call(self, events: list, final: bool) -> bool:
-        """Show the text before the next call and open a scanner on the call. False: no call (yet)."""
+        """Show the text before the next call and open a value on it. False: no call (yet)."""
+        if self.at_start:
+            return self._next_at_start(events, final)
         text = self.pending
-        opening = "[" if self.array else "{"
-        if self.calls and self.separator:
-            s = text.lstrip()
-            if s.startswith(self.separator):
-                s = s[len(self.separator):].lstrip()
-                if s.startswith(opening):
-                    return self._begin(s, text[:len(text) - len(s)])
-            if not final and (not s or self.separator.startswith(text.lstrip())):
-                return False
-            return self._show(events, text)
-        if self.at_start and not self.seen_text:
-            s = text.lstrip()
-            if self.start and s.startswith(self.start):
-                s = s[len(self.start):].lstrip()
-            elif self.start and self.start.startswith(s) and not final:
-                return False
-            if not s:
-                return False if not final else self._show(events, text)
-            self.seen_text = True
-            if s.startswith(opening):
-                return self._begin(s, text[:len(text) - len(s)])
-            return self._show(events, text)
-        if not self.start:
-            return self._show(events, text)
         at = text.find(self.start)
         if at < 0:
             keep = 0 if final else _partial_suffix(text, self.start)
-            self._show(events, text[:len(text) - keep])
+            self._content(events, text[:len(text) - keep])
             self.pending = text[len(text) - keep:]
             return False
-        self._show(events, text[:at])
+        self._content(events, text[:at])
         return self._begin(text[at + len(self.start):], self.start)
 
-    def _show(self, events: list, text: str) -> bool:
-        if text:
-            events.append(Content(text))
-            self.seen_text = True
-        self.pending = ""
+    def _next_at_start(self, events: list, final: bool) -> bool:
+        """The calls open the reply (after `start`, which may be left out) and follow each other after
+        `separator`: other text ends them, and is content with all that follows. What may open a
+        call (whitespace, the marker) is set aside as it comes, each character once."""
+        if self.calls and not self.separator:
+            return self._end_calls(events)  # no separator: one value of calls, and it is over
+        lead = self.separator if self.calls else self.start
+        while True:
+            s = self.pending.lstrip()
+            self._set_aside(len(self.pending) - len(s))
+            if not s and not final:
+                return False
+            if lead and not self.led:
+                if s.startswith(lead):
+                    self._set_aside(len(lead))
+                    self.led = True
+                    continue
+                if lead.startswith(s) and not final:
+                    return False  # the start of the marker
+                if self.calls:
+                    return self._end_calls(events)  # no separator: the calls are over
+            if not s.startswith(self.opening):
+                return self._end_calls(events)
+            marker, self.aside, self.led = "".join(self.aside), [], False
+            return self._begin(s, marker)
+
+    def _set_aside(self, n: int) -> None:
+        if n:
+            self.aside.append(self.pending[:n])
+            self.pending = self.pending[n:]
+
+    def _end_calls(self, events: list) -> bool:
+        """Text where a call could be that is none: it and all that follows are content."""
+        text, self.aside, self.pending, self.text_only = "".join(self.aside) + self.pending, [], "", True
+        self._content(events, text)
         return False
 
     def _begin(self, call_text: str, marker: str) -> bool:
-        self.marker = marker
-        self.scanner = _CallScanner(self.calls, array=self.array, argument_keys=self.argument_keys)
-        self.pending = call_text
+        self.marker, self.value, self.pending = marker, _Value(self.opening), call_text
         return True
 
     def _drop_end(self, final: bool) -> bool:
-        """After a call's JSON, its end marker. False: not enough text to tell yet."""
+        """After a call's JSON, its end marker (and the whitespace before it, set aside as it comes).
+        False: not enough text to tell yet."""
         s = self.pending.lstrip()
+        self._set_aside(len(self.pending) - len(s))
         if s.startswith(self.end):
-            self.pending = s[len(self.end):]
+            self.aside, self.pending = [], s[len(self.end):]
         elif self.end.startswith(s) and not final:
             return False
+        else:
+            self.pending, self.aside = "".join(self.aside) + s, []  # no end marker: all is text
         self.awaiting_end = False
         return True
 
+    def _send(self, events: list, value: _Value) -> None:
+        """The calls of a closed value, all of them or (_NotACall) none."""
+        text, at = value.text[:value.end], value.start
+        if not self.array:
+            calls = [self._call(value, text, at)[0]]
+        else:
+            calls = []
+            at = _space(text, at + 1)
+            while True:
+                if not text.startswith("{", at):
+                    raise _NotACall  # only calls in the array, and at least one ("[]" is text)
+                call, at = self._call(value, text, at)
+                calls.append(call)
+                at = _space(text, at)
+                if text.startswith("]", at):
+                    break
+                if not text.startswith(",", at):
+                    raise _NotACall
+                at = _space(text, at + 1)
+        for name, pieces in calls:
+            events.append(CallStart(self.calls, call_id(), name))
+            events.extend(CallArguments(self.calls, piece) for piece in pieces)
+            self.calls += 1
 
-def assemble(events: list, text: str) -> Parsed:
+    def _call(self, value: _Value, text: str, at: int) -> tuple[tuple[str, list[str]], int]:
+        """The call object at text[at] as (name, its arguments in pieces), and where it ends."""
+        members, end = _members(text, at)
+        name = members.get("name", (None,))[0]
+        if not isinstance(name, str) or name not in self.functions:
+            raise _NotACall
+        given = [members[key] for key in self.argument_keys if key in members]
+        if not given:
+            return (name, ["{}"]), end  # no arguments: an empty object, as OpenAI sends
+        if len(given) > 1:
+            raise _NotACall  # both "arguments" and "parameters"
+        arguments, start, stop = given[0]
+        if isinstance(arguments, str):
+            try:
+                decoded = _DECODER.decode(arguments)
+            except (ValueError, RecursionError):
+                raise _NotACall from None
+            if not isinstance(decoded, dict):
+                raise _NotACall
+            return (name, [arguments]), end
+        if not isinstance(arguments, dict):
+            raise _NotACall
+        return (name, _pieces(text, value.cuts, start, stop)), end
+
+
+def assemble(events: list) -> Parsed:
+    """Events added up as a client adds up a stream; a reply of calls only has no content (null)."""
     content, calls = [], {}
     for e in events:
         if isinstance(e, Content):
@@ -342,15 +398,8 @@ def assemble(events: list, text: str) -> Parsed:
             calls[e.index] = ToolCall(e.id, e.name, "")
         else:
             calls[e.index].arguments += e.text
-    for call in calls.values():
-        try:
-            json.loads(call.arguments)
-        except ValueError:
-            return Parsed(text or None, [])
     joined = "".join(content)
-    if calls:  # content around the calls as written (as vLLM answers), none if only whitespace
-        return Parsed(joined if joined.strip() else None, list(calls.values()))
-    return Parsed(joined)
+    return Parsed(joined if joined or not calls else None, list(calls.values()))
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -390,27 +439,34 @@ class RequiredCallsParser(ToolParser):
 
 
 class NamedCallParser:
-    """tool_choice naming a function: the grammar makes the whole reply its arguments."""
+    """tool_choice naming a function: the grammar makes the whole reply its arguments, which are
+    held back to the end (where the grammar ends the reply): a reply that is not one JSON object,
+    cut off by max_tokens say, is content."""
 
     def __init__(self, function: str):
         self.function = function
-        self.id = call_id()
-        self.started = False
+        self.text = ""
+        self.cuts: list[int] = []
 
     def feed(self, text: str) -> list:
-        events = []
-        if not self.started:
-            self.started = True
-            events.append(CallStart(0, self.id, self.function))
-        if text:
-            events.append(CallArguments(0, text))
-        return events
+        self.text += text
+        self.cuts.append(len(self.text))
+        return []
 
     def finish(self) -> list:
-        return [] if self.started else self.feed("")
+        text = self.text
+        start, end = _space(text, 0), len(text.rstrip(" \t\r\n"))
+        try:
+            arguments, stop = _value(text, start)
+        except _NotACall:
+            arguments, stop = None, -1
+        if not isinstance(arguments, dict) or stop != end:
+            return [Content(text)] if text else []
+        return [CallStart(0, call_id(), self.function),
+                *(CallArguments(0, piece) for piece in _pieces(text, self.cuts, start, end))]
 
     def parse(self, text: str) -> Parsed:
-        return Parsed(None, [ToolCall(self.id, self.function, text)])
+        return assemble(self.feed(text) + self.finish())
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}

@@ -19,7 +19,6 @@ template that does not would drop them silently, so that too is a 400, naming --
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
@@ -37,13 +36,15 @@ class ToolPlan:
     parser: str | None = None               # --tool-call-parser, for auto
 
     def new_parser(self):
-        """A parser for one choice's text, or None when the text is only content."""
+        """A parser for one choice's text, or None when the text is only content. It knows the
+        functions offered: a call of any other is content."""
         if self.choice == "named":
             return NamedCallParser(self.function)
+        functions = [tool["function"]["name"] for tool in self.tools]
         if self.choice == "required":
-            return RequiredCallsParser()
+            return RequiredCallsParser(functions)
         if self.choice == "auto":
-            return PARSERS[self.parser]()
+            return PARSERS[self.parser](functions)
         return None
 
 
@@ -127,25 +128,3 @@ def _functions(tools) -> dict[str, dict]:
 def _parameters(function: dict) -> dict:
     # no parameters: any object (OpenAI's default)
     return function.get("parameters") or {"type": "object"}
-
-
-def message_tool_calls(index: int, tool_calls) -> list[dict]:
-    """An assistant message's tool_calls, as templates read them: arguments as an object (the API
-    sends a JSON string; HF templates write `arguments | tojson`)."""
-    if not isinstance(tool_calls, list):
-        raise InvalidRequest(f"messages[{index}].tool_calls must be a list", "messages")
-    out = []
-    for j, call in enumerate(tool_calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise InvalidRequest(f"messages[{index}].tool_calls[{j}] must have a function with a name", "messages")
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                raise InvalidRequest(f"messages[{index}].tool_calls[{j}].function.arguments is not JSON",
-                                     "messages") from None
-        out.append({"id": call.get("id"), "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})
-    return out

@@ -1,15 +1,15 @@
 """The tool-call parsers on recorded model texts (in each model family's own format), fed whole
-and in pieces of every size: the pieces must add up to what the whole text parses to, and a
-call's name must come before its arguments. And rtp/serve/tools.py's checks of tools and
-tool_choice."""
+and in pieces of every size: the pieces add up to what the whole text parses to, a call goes out
+only once it is known to be one, name first. What is no call (a function not offered, arguments
+that are not an object, JSON that never closes) stays content, as written. And
+rtp/serve/tools.py's checks of tools and tool_choice. (tests/serve/test_tool_render.py feeds
+random texts through the server's renderer, streamed and whole.)"""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from rtp.errors import InvalidRequest
 from rtp.serve.tool_parsers import (
@@ -23,7 +23,10 @@ from rtp.serve.tool_parsers import (
     RequiredCallsParser,
     assemble,
 )
-from rtp.serve.tools import message_tool_calls, plan_tools
+from rtp.serve.tools import plan_tools
+
+OFFERED = ["get_current_temperature", "get_stock", "run", "get_weather", "a", "b", "get_current_weather", "f", "g",
+           "search"]
 
 # (parser, text as a model wrote it, content expected, [(name, arguments)] expected)
 RECORDED = [
@@ -31,10 +34,14 @@ RECORDED = [
     (HermesParser, '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, '
                    'USA", "unit": "celsius"}}\n</tool_call>',
      None, [("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"})]),
-    # Hermes-2-Pro, text first and two calls
+    # Hermes-2-Pro, text first and two calls: the content as written, less the calls
     (HermesParser, 'I will look both up.\n<tool_call>\n{"arguments": {"symbol": "AAPL"}, "name": "get_stock"}\n'
                    '</tool_call>\n<tool_call>\n{"name": "get_stock", "arguments": {"symbol": "MSFT"}}\n</tool_call>',
-     "I will look both up.\n", [("get_stock", {"symbol": "AAPL"}), ("get_stock", {"symbol": "MSFT"})]),
+     "I will look both up.\n\n", [("get_stock", {"symbol": "AAPL"}), ("get_stock", {"symbol": "MSFT"})]),
+    # two calls and the newlines between them: no content
+    (HermesParser, '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", '
+                   '"arguments": {"x": 1}}\n</tool_call>\n',
+     None, [("a", {}), ("b", {"x": 1})]),
     # nested arguments with braces and escaped quotes inside strings
     (HermesParser, '<tool_call>{"name": "run", "arguments": {"code": "print(\\"}{\\")", "args": [1, {"a": []}]}}'
                    '</tool_call>',
@@ -58,7 +65,7 @@ RECORDED = [
     (MistralParser, '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", '
                     '"format": "celsius"}}]',
      None, [("get_current_weather", {"location": "Paris, France", "format": "celsius"})]),
-    # Mistral, arguments as a JSON string, no parameters in the second call
+    # Mistral, arguments as a JSON string (sent decoded), no parameters in the second call
     (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": "{\\"k\\": 2}"}, {"name": "g"}]', None,
      [("f", {"k": 2}), ("g", {})]),
     # the grammar's format for tool_choice "required"
@@ -72,11 +79,14 @@ def pieces(text: str, size: int) -> list[str]:
     return [text[i:i + size] for i in range(0, len(text), size)] or [""]
 
 
+def streamed(parser, text: str, size: int) -> list:
+    return [e for piece in pieces(text, size) for e in parser.feed(piece)] + parser.finish()
+
+
 @pytest.mark.parametrize("parser, text, content, calls", RECORDED)
 def test_whole_text(parser, text, content, calls):
-    parsed = parser().parse(text)
-    assert (parsed.content is None) == (content is None)
-    assert (parsed.content or "").strip() == (content or "").strip()
+    parsed = parser(OFFERED).parse(text)
+    assert parsed.content == content
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
     assert len({c.id for c in parsed.calls}) == len(calls)
 
@@ -84,35 +94,134 @@ def test_whole_text(parser, text, content, calls):
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
 @pytest.mark.parametrize("parser, text, content, calls", RECORDED)
 def test_pieces_add_up_and_names_come_first(parser, text, content, calls, size):
-    p = parser()
-    events = [e for piece in pieces(text, size) for e in p.feed(piece)] + p.finish()
+    events = streamed(parser(OFFERED), text, size)
     started = set()
     for e in events:
         if isinstance(e, CallStart):
             started.add(e.index)
         elif isinstance(e, CallArguments):
             assert e.index in started, "arguments before the call's name"
-    parsed = assemble(events, text)  # what a client assembling the stream gets
+    parsed = assemble(events)  # what a client assembling the stream gets
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
-    assert (parsed.content or "").strip() == (content or "").strip()
-    if not started:  # no call begun: every character shown once, nothing held back
-        assert "".join(e.text for e in events if isinstance(e, Content)) == text
+    assert parsed.content == content
 
 
-def test_streamed_arguments_arrive_in_pieces():
-    p = HermesParser()
+def test_streamed_arguments_go_out_in_the_pieces_they_came_in():
+    p = HermesParser(["f"])
     text = '<tool_call>{"name": "f", "arguments": {"a": "long value", "b": [1, 2, 3]}}</tool_call>'
-    events = [e for piece in pieces(text, 4) for e in p.feed(piece)] + p.finish()
+    events = [p.feed(piece) for piece in pieces(text, 4)]
+    close = text.index("}}") + 2
+    assert not any(events[:(close - 1) // 4]), "sent before its JSON closed"
+    events = [e for batch in events for e in batch] + p.finish()
     args = [e.text for e in events if isinstance(e, CallArguments)]
+    assert isinstance(events[0], CallStart) and events[0].name == "f"
     assert len(args) > 3 and "".join(args) == '{"a": "long value", "b": [1, 2, 3]}'
 
 
-def test_named_call_is_the_whole_reply():
+# -- what is no call stays content, exactly as written ----------------------------------------------
+
+NOT_CALLS = [
+    # a function that was not offered
+    (HermesParser, '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),
+    (Llama3JsonParser, '{"name": "rm_rf", "parameters": {}}'),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]'),
+    (RequiredCallsParser, '[{"name": "rm_rf", "parameters": {}}]'),
+    # arguments that are not an object
+    (HermesParser, '<tool_call>{"name": "f", "arguments": null}</tool_call>'),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>'),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": 3}</tool_call>'),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>'),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>'),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    (Llama3JsonParser, '{"name": "f", "parameters": null}'),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": true}]'),
+    (RequiredCallsParser, '[{"name": "f", "parameters": "null"}]'),
+    # a name that is not a string, no name, the name twice, both argument keys
+    (HermesParser, '<tool_call>{"name": 1, "arguments": {}}</tool_call>'),
+    (HermesParser, '<tool_call>{"arguments": {}}</tool_call>'),
+    (HermesParser, '<tool_call>{"name": "f", "name": "g", "arguments": {}}</tool_call>'),
+    (Llama3JsonParser, '{"name": "f", "arguments": {}, "parameters": {}}'),
+    # JSON that never closes
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": {}}'),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": {}},'),
+    (MistralParser, "[TOOL_CALLS]"),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": {}'),
+    (HermesParser, '<tool_call>\n'),
+    (Llama3JsonParser, '<|python_tag|>{"name": "f", "parameters": {"s": "}"}'),
+    (RequiredCallsParser, '[{"name": "f", "parameters": {}}'),
+    # JSON that is not a call, or broken
+    (MistralParser, "[TOOL_CALLS][]"),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": {}}, 1]'),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": {}},]'),
+    (HermesParser, '<tool_call>{"name": "f" "arguments": {}}</tool_call>'),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": {}]</tool_call>'),
+    (HermesParser, '<tool_call>["f"]</tool_call>'),
+    (Llama3JsonParser, '{"city": "Paris"}'),
+]
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize("parser, text", NOT_CALLS)
+def test_what_is_no_call_stays_content(parser, text, size):
+    for events in (streamed(parser(["f", "g"]), text, len(text) + 1), streamed(parser(["f", "g"]), text, size)):
+        assert not any(isinstance(e, (CallStart, CallArguments)) for e in events)
+        assert "".join(e.text for e in events) == text
+    assert parser(["f", "g"]).parse("Hello. " + text).content == "Hello. " + text
+
+
+def test_after_a_call_that_is_none_the_rest_is_content():
+    text = ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "h", "arguments": {}}'
+            '</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    parsed = HermesParser(["f", "g"]).parse(text)
+    assert [c.name for c in parsed.calls] == ["f"]
+    assert parsed.content == text[text.index("</tool_call>") + len("</tool_call>"):]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_llama3_calls_open_the_reply_or_there_are_none(size):
+    call = '{"name": "f", "parameters": {}}'
+    for text in ["Hi " + call, "Hi <|python_tag|>" + call, call + " Hi; " + call, call + call,
+                 "\n<|python_tag|> x" + call]:
+        parsed, whole = assemble(streamed(Llama3JsonParser(["f"]), text, size)), Llama3JsonParser(["f"]).parse(text)
+        assert parsed.content == whole.content and len(parsed.calls) == len(whole.calls)
+        assert len(parsed.calls) == (text.startswith("{") or text.startswith("\n<|python_tag|>{")), text
+    parsed = Llama3JsonParser(["f"]).parse("\n\n" + call + " ;\n" + call + "\n")
+    assert parsed.content is None and len(parsed.calls) == 2
+
+
+@pytest.mark.parametrize("parser, text, arguments", [
+    (HermesParser, '<tool_call>{"name": "f", "arguments": "{\\"k\\": [1]}"}</tool_call>', '{"k": [1]}'),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": " {} "}]', " {} "),
+    (Llama3JsonParser, '{"name": "f", "type": "function", "parameters": {"a":1}}', '{"a":1}'),
+    (HermesParser, '<tool_call>{"name": "f"}</tool_call>', "{}"),
+])
+def test_arguments_as_written_or_decoded_from_a_string(parser, text, arguments):
+    parsed = parser(["f"]).parse(text)
+    assert parsed.content is None and [(c.name, c.arguments) for c in parsed.calls] == [("f", arguments)]
+
+
+def test_whitespace_alone_is_content_when_there_is_no_call():
+    assert HermesParser(["f"]).parse("\n \n").content == "\n \n"
+    assert HermesParser(["f"]).parse("").content == ""
+    p = HermesParser(["f"])
+    assert p.feed("\n") == [] and p.feed("Hi") == [Content("\nHi")]
+
+
+@pytest.mark.parametrize("text, arguments", [('{"a": 1}', '{"a": 1}'), (' {"a": {"b": []}}\n', '{"a": {"b": []}}'),
+                                             ('{"a": 1', None), ('[1]', None), ('{"a": 1} {', None), ("", None)])
+def test_named_call_is_the_whole_reply(text, arguments):
     p = NamedCallParser("f")
-    events = p.feed('{"a"') + p.feed(": 1}") + p.finish()
-    assert isinstance(events[0], CallStart) and events[0].name == "f"
-    assert "".join(e.text for e in events[1:]) == '{"a": 1}'
-    assert p.parse('{"a": 1}').calls[0].arguments == '{"a": 1}'
+    events = [e for piece in pieces(text, 2) for e in p.feed(piece)]
+    assert events == []  # held back to the end
+    events += p.finish()
+    parsed = NamedCallParser("f").parse(text)
+    assert assemble(events).content == parsed.content and [c.arguments for c in parsed.calls] == (
+        [arguments] if arguments else [])
+    if arguments is None:
+        assert parsed.content == text
+    else:
+        assert isinstance(events[0], CallStart) and events[0].name == "f"
+        assert len(events) > 2 or len(text) <= 2  # the arguments in the pieces they came in
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -150,34 +259,3 @@ def test_plans():
 def test_bad_tool_requests(kwargs, says):
     with pytest.raises(InvalidRequest, match=says.replace("[", r"\[")):
         plan(**kwargs)
-
-
-def test_assistant_calls_render_with_object_arguments():
-    calls = message_tool_calls(1, [{"id": "c", "type": "function",
-                                    "function": {"name": "f", "arguments": '{"a": 1}'}}])
-    assert calls == [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
-    with pytest.raises(InvalidRequest, match="not JSON"):
-        message_tool_calls(1, [{"function": {"name": "f", "arguments": "{oops"}}])
-
-
-# -- any text, any pieces: the parsers never raise, and streaming agrees with the whole --------------
-
-_FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "<|python_tag|>", '{"name": "f"', ', "arguments": ',
-              '"parameters": ', "{", "}", "[", "]", '"', "\\", ":", ",", ";", " ", "\n", "x", "é", "{}", '"a"', "1"]
-
-
-@given(parts=st.lists(st.sampled_from(_FRAGMENTS), max_size=30), cuts=st.lists(st.integers(1, 7), max_size=40),
-       parser=st.sampled_from([HermesParser, Llama3JsonParser, MistralParser, RequiredCallsParser]))
-def test_any_text_in_any_pieces(parts, cuts, parser):
-    text = "".join(parts)
-    whole = parser().parse(text)
-    p, events, at = parser(), [], 0
-    for cut in cuts:
-        events += p.feed(text[at:at + cut])
-        at += cut
-    events += p.feed(text[at:]) + p.finish()
-    streamed = assemble(events, text)
-    if whole.calls:  # what the whole text parses to, a client assembling the stream gets too
-        assert [(c.name, c.arguments) for c in streamed.calls] == [(c.name, c.arguments) for c in whole.calls]
-    if not any(isinstance(e, CallStart) for e in events):
-        assert "".join(e.text for e in events if isinstance(e, Content)) == text
