@@ -121,10 +121,10 @@ def _follows_rank_0(engine: dict) -> bool:
     import torch
 
     from rtp.config import EngineConfig
-    from rtp.engine.engine import LLMEngine
+    from rtp.engine.builder import follow
 
     torch.set_num_threads(threads_per_rank(world_size()))
-    LLMEngine(EngineConfig.from_flat(**engine)).follow()
+    follow(EngineConfig.from_flat(**engine))
     return True
 
 

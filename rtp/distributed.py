@@ -76,11 +76,6 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", _WORLD_RANK))
 
 
-def local_world_size() -> int:
-    """The ranks sharing this host (its cores and GPUs): torchrun's LOCAL_WORLD_SIZE, else all."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", _WORLD_SIZE))
-
-
 def check_sizes(tp: int, ep: int) -> int:
     """The world size of tp x ep (max of the two); raises unless each is 1 or that size."""
     world = max(tp, ep)

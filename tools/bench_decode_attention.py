@@ -25,15 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from rtp.kernels import cpu_kernels  # noqa: E402
+import _common  # noqa: F401 - this checkout's rtp first on sys.path
+from rtp.kernels import cpu_kernels
 
 MEMORY_MIB = 128  # the caches a shape's default layers add up to: four times the L3 of the VMs this ran on
 

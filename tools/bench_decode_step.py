@@ -44,17 +44,13 @@ import json
 import statistics
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_offline import CpuWatch, bench_matmul, bench_onednn_linears, count_params, linear_layers, note  # noqa: E402
-
-from rtp.kernels import cpu_kernels  # noqa: E402
+from _common import CpuWatch, bench_matmul, bench_onednn_linears, count_params, linear_layers, note
+from rtp.kernels import cpu_kernels
 
 # bytes a linear kernel reads per weight: GGUF blocks as rtp keeps them (fp32 scales)
 _BYTES_PER_WEIGHT = {"q4_1": 24 / 32, "q8_0": 36 / 32, "q8_1": 40 / 32, "q8_16": 40 / 32, "q4_k": 152 / 256,

@@ -42,15 +42,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from rtp.engine.eplb import (  # noqa: E402
+import _common  # noqa: F401 - this checkout's rtp first on sys.path
+from rtp.engine.eplb import (
     eplb_placement,
     imbalance,
     naive_placement,

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from rtp.engine.expert_balancer import lendable_kv_blocks  # noqa: E402
-from rtp.engine.kv_cache import bytes_per_block  # noqa: E402
-from rtp.models.attention import KVCacheSpec  # noqa: E402
-from rtp.models.moe import FusedMoE  # noqa: E402
+import _common  # noqa: F401 - this checkout's rtp first on sys.path
+from rtp.engine.expert_balancer import lendable_kv_blocks
+from rtp.engine.kv_cache import bytes_per_block
+from rtp.models.attention import KVCacheSpec
+from rtp.models.moe import FusedMoE
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

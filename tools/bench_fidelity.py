@@ -35,6 +35,8 @@ import time
 
 import torch
 
+import _common  # noqa: F401 - this checkout's rtp first on sys.path
+
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
     "What is 12 times 7?", "Translate 'good morning' into Spanish.", "Give me one tip for learning to code.",

@@ -30,6 +30,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+import _common  # noqa: F401 - this checkout's rtp first on sys.path
 from rtp import LLM, SamplingParams
 
 

@@ -76,15 +76,9 @@ import subprocess
 import sys
 import time
 
-try:
-    import rtp  # noqa: F401
-except ImportError:
-    # Not installed: running this file puts tools/ on sys.path, not the repository root.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import numpy as np
-from bench_offline import CpuWatch, cpu_description, error_text, note
 
+from _common import CpuWatch, cpu_description, error_text, note
 from rtp.checkpoint.default_model import default_model_path
 from rtp.checkpoint.tokenizer import Tokenizer
 

@@ -47,19 +47,12 @@ import gc
 import json
 import mmap
 import os
-import sys
 import time
 from pathlib import Path
 
-try:
-    import rtp  # noqa: F401
-except ImportError:
-    # Not installed: running this file puts tools/ on sys.path, not the repository root.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
-from bench_offline import CpuWatch, cpu_description, error_text, note
 
+from _common import CpuWatch, cpu_description, error_text, note
 from rtp.cli_options import byte_size
 
 TARGET_VS_BASELINE = 2.0

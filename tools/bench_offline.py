@@ -65,7 +65,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -76,16 +75,10 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-
-try:
-    import rtp  # noqa: F401
-except ImportError:
-    # Not installed: running this file puts tools/ on sys.path, not the repository root.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
-from tqdm import tqdm
 
+from _common import (START, CpuWatch, Workload, allowed_token_ids, bench_matmul, bench_onednn_linears,
+                     count_params, cpu_description, error_text, make_workload, note, parser_from_doc)
 from rtp.checkpoint.default_model import default_model_path, rtp_home
 
 TARGET_VS_TRANSFORMERS = 3.0     # rtp bf16 generated tok/s / transformers generate (best B, useful tok/s)
@@ -98,95 +91,10 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 VLLM_NOT_RUN = "not run (see docs/benchmarks.md for the last measured figure)"
 RESULT_MARKER = "BENCH_OFFLINE_RESULT "
 
-_T0 = time.perf_counter()
-
-
-def note(msg: str) -> None:
-    """A progress line on stderr, stamped with the seconds since start."""
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
 
 # ---------------------------------------------------------------------------------------
-# Machine load: how much CPU did other processes take while we measured?
+# The workload's figures (the workload itself: tools/_common.py, shared with bench_roofline)
 # ---------------------------------------------------------------------------------------
-
-def _busy_cpu_seconds() -> float | None:
-    """All processes' busy CPU time since boot (from /proc/stat), or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    # cpu user nice system idle iowait irq softirq steal ...
-    values = [int(v) for v in fields[1:]]
-    busy = values[0] + values[1] + values[2] + values[5] + values[6] + (values[7] if len(values) > 7 else 0)
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_seconds() -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-class CpuWatch:
-    """Measures other processes' CPU seconds over a section (None where /proc is missing)."""
-
-    def __enter__(self) -> "CpuWatch":
-        self.busy0, self.own0 = _busy_cpu_seconds(), _own_cpu_seconds()
-        self.other_cpu_s = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        busy1 = _busy_cpu_seconds()
-        if self.busy0 is not None and busy1 is not None:
-            other = (busy1 - self.busy0) - (_own_cpu_seconds() - self.own0)
-            self.other_cpu_s = round(max(0.0, other), 2)
-
-
-# ---------------------------------------------------------------------------------------
-# The workload
-# ---------------------------------------------------------------------------------------
-
-class Workload:
-    """Prompts (token id lists) and their output lengths; the same for every system."""
-
-    def __init__(self, prompts: list[list[int]], output_lens: list[int]):
-        self.prompts = prompts
-        self.output_lens = output_lens
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-
-def allowed_token_ids(model_path: Path) -> np.ndarray:
-    """The vocabulary's ids without special (control) tokens and eos ids, from rtp's tokenizer."""
-    from rtp.checkpoint.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_pretrained(model_path)
-    special = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
-    special |= set(tok.eos_token_ids)
-    ids = np.array([i for i in range(tok.vocab_size) if i not in special], dtype=np.int64)
-    return ids
-
-
-def make_workload(ids: np.ndarray, n: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],
-                  seed: int, stream: int = 0) -> Workload:
-    """n requests: lengths uniform (inclusive) in the ranges, token ids uniform over ids."""
-    rng = np.random.default_rng([seed, stream])
-    plens = rng.integers(prompt_lens[0], prompt_lens[1] + 1, size=n)
-    olens = rng.integers(output_lens[0], output_lens[1] + 1, size=n)
-    prompts = [ids[rng.integers(0, len(ids), size=int(k))].tolist() for k in plens]
-    return Workload(prompts, [int(k) for k in olens])
-
 
 def throughput(work: Workload, wall_s: float) -> dict:
     return {"wall_s": round(wall_s, 3),
@@ -215,79 +123,6 @@ def free_memory() -> None:
     gc.collect()
 
 
-def count_params(model: torch.nn.Module) -> int:
-    """Parameters counted once per storage (a tied embedding / lm_head counts once). A layer whose weights
-    live in quantized blocks keeps its weight on the meta device (data_ptr 0 for all of them): each such
-    one counts on its own, or the whole model would count one layer's worth of them."""
-    seen: dict[tuple[int, int], int] = {}
-    for i, p in enumerate(model.parameters()):
-        seen[(p.data_ptr(), p.numel()) if not p.is_meta else (-1, i)] = p.numel()
-    return sum(seen.values())
-
-
-def bench_matmul(n: int = 2048, dtype: torch.dtype = torch.bfloat16, repeats: int = 8) -> float:
-    """This machine's matmul GFLOP/s at n x n x n (best of repeats), with the current thread count."""
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(dtype)
-    b = torch.randn(n, n, generator=gen).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    for _ in range(2):
-        torch.matmul(a, b, out=out)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
-
-
-def linear_layers(config) -> dict[str, tuple[int, int]]:
-    """(N, K) of each linear of a Llama-family layer (fused qkv and gate_up, as rtp runs them),
-    then of the LM head."""
-    h, i = config.hidden_size, config.intermediate_size
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    return {"qkv_proj": ((config.num_attention_heads + 2 * config.num_key_value_heads) * d, h),
-            "o_proj": (config.num_attention_heads * d, h), "gate_up_proj": (2 * i, h), "down_proj": (h, i),
-            "lm_head": (config.vocab_size, h)}
-
-
-def linear_shapes(config) -> list[tuple[int, int]] | None:
-    """(N, K) of every linear a dense Llama-family decode step runs, in model order: each layer's
-    four, then the LM head. None for MoE configs."""
-    if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        return None
-    *layer, head = linear_layers(config).values()
-    return layer * config.num_hidden_layers + [head]
-
-
-def bench_onednn_linears(config, rows: int, peak_gflops: float, repeats: int = 8) -> dict | None:
-    """The linear layers of one decode step over `rows` rows through oneDNN with bf16 weights
-    prepacked for it (as Inductor's freezing does; no dequantisation, no attention, no norms):
-    what a tuned vendor GEMM reaches at this model's shapes on this machine, run in model order
-    over distinct weights so they stream from memory as a real step's do. Median ms of a pass,
-    and the share of peak_gflops (this run's bf16 matmul rate) that makes."""
-    shapes = linear_shapes(config)
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if shapes is None or reorder is None or not torch.backends.mkldnn.is_available():
-        return None
-    gen = torch.Generator().manual_seed(0)
-    layers = []
-    for n, k in tqdm(shapes, desc="oneDNN reference: packing weights", unit="matrix", file=sys.stderr, leave=False):
-        w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
-        layers.append((torch.randn(rows, k, generator=gen).to(torch.bfloat16), reorder(w, rows)))
-    linear = torch.ops.mkldnn._linear_pointwise
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        for x, w in layers:
-            linear(x, w, None, "none", [], "")
-        times.append(time.perf_counter() - t)
-    ms = statistics.median(times[1:]) * 1e3
-    gflops = sum(2.0 * rows * n * k for n, k in shapes) / ms / 1e6
-    return {"rows": rows, "ms": round(ms, 3), "gflops": round(gflops, 1), "utilisation": round(gflops / peak_gflops, 4),
-            "matrices": len(shapes)}
-
-
 def inductor_cache_dir() -> Path:
     """Where Inductor will look for compiled graphs: as rtp sets it (engine._use_rtp_compile_cache)."""
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or rtp_home() / "inductor")
@@ -297,24 +132,6 @@ def count_files(path: Path) -> int:
     if not path.is_dir():
         return 0
     return sum(len(files) for _, _, files in os.walk(path))
-
-
-def cpu_description() -> str | None:
-    """The CPU model and the matmul extensions that decide bf16 speed (AMX, AVX512_BF16)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    extras = [f for f in ("amx_bf16", "avx512_bf16", "avx512f") if f in flags]
-    return f"{name} ({', '.join(extras) or 'no AVX-512'})"
-
-
-def error_text(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    text = " ".join(text.split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 # ---------------------------------------------------------------------------------------
@@ -984,9 +801,7 @@ def _dtype_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description, _, examples = __doc__.partition("Examples:")
-    p = argparse.ArgumentParser(description=description.strip(), epilog="Examples:" + examples,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser_from_doc(__doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run (a few minutes): 16 requests, prompts 32-128, outputs 16-64, batch sizes 8,16, "
                         "shorter decode runs; figures are not comparable with a full run")
@@ -1153,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
                      "transformers_continuous": _get(results, "transformers_continuous", "other_cpu_s"),
                      "vllm": _get(results, "vllm", "other_cpu_s")})
     results["other_cpu_by_section"] = {k: v for k, v in sections.items() if v is not None}
-    results["total_s"] = round(time.perf_counter() - _T0, 1)
+    results["total_s"] = round(time.perf_counter() - START, 1)
     note(f"done in {results['total_s']:.0f} s")
 
     print_report(results, args)

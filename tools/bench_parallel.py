@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -37,8 +36,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+import _common  # noqa: F401 - this checkout's rtp first on sys.path
 import rtp.distributed as dist
 from rtp.engine.eplb import eplb_placement, naive_placement
 from rtp.models.moe import FusedMoE, TopKRouter

@@ -45,19 +45,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+from _common import REPO, free_port
 from rtp.sampling_params import SamplingParams
 from rtp.serve.pd import rpc
 
 TOKEN = "bench-pd"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Node:
@@ -67,7 +59,7 @@ class Node:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-pd-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "rtp", "serve", "--port", str(self.port),
                                       "--rpc-token", TOKEN, "--log-level", "warning", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
 
     def wait(self, timeout: float = 600) -> Node:
         deadline = time.monotonic() + timeout

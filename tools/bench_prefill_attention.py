@@ -25,33 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from rtp.kernels import cpu_kernels  # noqa: E402
-from rtp.models.attention import AttentionMetadata, PrefillRow, prefill_attention  # noqa: E402
-
-
-def busy_seconds() -> float:
-    """CPU seconds all processes have spent, from /proc/stat (0 where there is none)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def own_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
+from _common import CpuWatch
+from rtp.kernels import cpu_kernels
+from rtp.models.attention import AttentionMetadata, PrefillRow, prefill_attention
 
 
 def make_step(tokens: int, chunk: int, heads: int, kv_heads: int, dim: int, block_size: int, seed: int):
@@ -128,13 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         cases.append((tokens, tokens))
         if 0 < args.chunk < tokens:
             cases.append((tokens, args.chunk))
-    busy0, own0, wall0 = busy_seconds(), own_seconds(), time.perf_counter()
+    wall0 = time.perf_counter()
     results = []
-    for tokens, chunk in cases:
-        print(f"{tokens} tokens as prompts of {chunk} ...", file=sys.stderr)
-        results.append(run_case(tokens, chunk, args))
+    with CpuWatch() as cpu:
+        for tokens, chunk in cases:
+            print(f"{tokens} tokens as prompts of {chunk} ...", file=sys.stderr)
+            results.append(run_case(tokens, chunk, args))
     wall = time.perf_counter() - wall0
-    others = max(0.0, busy_seconds() - busy0 - (own_seconds() - own0))
+    others = cpu.other_s or 0.0
     amx = args.amx and cpu_kernels.amx_available()
     print(f"Prefill attention, bf16, {args.heads} heads / {args.kv_heads} kv heads, head_dim {args.head_dim}, "
           f"{torch.get_num_threads()} threads, kernel on {'AMX tiles' if amx else 'AVX-512 BF16'}; "

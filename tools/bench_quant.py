@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _common  # noqa: F401 - this checkout's rtp first on sys.path
 
 # bytes per block, weights per block, offsets of the fp16 scale fields in a block
 BLOCKS = {"Q4_0": (18, 32, (0,)), "Q4_1": (20, 32, (0, 2)), "Q5_0": (22, 32, (0,)), "Q5_1": (24, 32, (0, 2)),

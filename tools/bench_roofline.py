@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,11 +56,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_offline import CpuWatch, bench_matmul, note  # noqa: E402
-
-from rtp.kernels import cpu_kernels  # noqa: E402
+from _common import CpuWatch, allowed_token_ids, bench_matmul, make_workload, note
+from rtp.kernels import cpu_kernels
 
 STREAM_MIB = (32, 128, 512, 2048)   # streaming-read buffer sizes; 2 GiB is past any L3 seen here
 
@@ -302,8 +298,6 @@ class StepRecorder:
 def run_workload(llm, spec: tuple[int, tuple[int, int], tuple[int, int]], seed: int, model_path: Path,
                  cost: ModelCost) -> dict:
     """tools/bench_offline.py's workload for this spec and seed through LLM.generate, every step recorded."""
-    from bench_offline import allowed_token_ids, make_workload
-
     from rtp import SamplingParams
 
     n, prompt_lens, output_lens = spec

@@ -37,12 +37,8 @@ import time
 
 import numpy as np
 
-try:
-    from rtp.runtime import BlockAllocator, RadixCache, Scheduler, StepPlan
-except ImportError:
-    # Not installed: running this file puts tools/ on sys.path, not the repository root.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from rtp.runtime import BlockAllocator, RadixCache, Scheduler, StepPlan
+from _common import parser_from_doc
+from rtp.runtime import BlockAllocator, RadixCache, Scheduler, StepPlan
 
 BLOCK_SIZE = 16
 VOCAB = 32000
@@ -601,9 +597,7 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description, _, examples = __doc__.partition("Examples:")
-    parser = argparse.ArgumentParser(description=description.strip(), epilog="Examples:" + examples,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run (about a second): fewer steps, prompts and iterations; "
                              "figures are noisier and not comparable with a full run")

@@ -27,14 +27,10 @@ import argparse
 import json
 import re
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_offline import CpuWatch, note  # noqa: E402
+from _common import CpuWatch, note
 
 TEXTS = [
     "The Amazon rainforest covers much of the Amazon basin of South America. This basin encompasses seven "

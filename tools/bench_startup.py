@@ -19,7 +19,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,14 +27,10 @@ import time
 import urllib.error
 import urllib.request
 
+from _common import free_port
+
 PHASES = (("loaded", "rtp.loader: loaded"), ("engine ready", "rtp.engine: engine ready"),
           ("serving", "rtp.serve: serving"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_round(args: argparse.Namespace) -> dict:

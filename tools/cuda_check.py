@@ -35,6 +35,8 @@ import traceback
 
 import torch
 
+import _common  # noqa: F401 - this checkout's rtp first on sys.path
+
 RESULTS: dict = {}
 MODES = [("rtp_graphs", True), ("rtp_eager", False)]
 DEVICE = "cuda"  # --device cpu: a dry run of the script itself, where no GPU is

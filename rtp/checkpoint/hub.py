@@ -45,10 +45,6 @@ class ModelNotFound(FileNotFoundError):
     pass
 
 
-def is_hub_reference(ref: str) -> bool:
-    return _ID.match(ref) is not None and not Path(ref).expanduser().exists()
-
-
 def resolve_model(ref: str | os.PathLike, revision: str | None = None) -> Path:
     """A local path for a model reference (see the module's docstring)."""
     path = Path(ref).expanduser()

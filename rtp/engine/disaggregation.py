@@ -10,8 +10,9 @@ Decode node: `reserve` holds blocks for a prompt another node prefills, `write` 
 layer's KV into them (from another thread, while steps run: no step touches a reserved
 request's blocks), and `resume` continues the request from the first token sampled there.
 
-The engine calls these at named points of a request's life and of its step; the wire
-protocol (RPC, the KV port, relaying) lives in rtp/serve/pd/.
+An engine component (rtp/engine/component.py): it arms the KV taps around the forward and hands
+off the prefill-only requests a step finished; the wire protocol (RPC, the KV port, relaying)
+lives in the server.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rtp.engine.component import Component
 from rtp.engine.kv_transfer import KVLayout, KVSink, LayerTaps, layout_of, scatter, token_slots
 
 
-class KVHandoff:
+class KVHandoff(Component):
     def __init__(self, scheduler, runner):
         self.scheduler = scheduler
         self.runner = runner
         self.sinks: dict[int, KVSink] = {}     # runtime id -> where a prefill-only request's KV goes
-        self.reserved: dict[str, int] = {}     # request id -> runtime id, KV on its way from a prefill node
+        self.reserved: set[int] = set()        # runtime ids whose KV is on its way from a prefill node
         self._taps: LayerTaps | None = None    # installed with the first prefill-only request
 
     def layout(self) -> KVLayout:
@@ -41,6 +43,34 @@ class KVHandoff:
             self._taps = LayerTaps(self.runner.model.attention_layers(), self.runner.kv_caches)
             self.runner.taps = self._taps  # the runner hands them every layer, whichever path runs the step
         self.sinks[rid] = sink
+
+    def before_forward(self, step) -> None:
+        self.arm(step.rids)
+
+    def after_forward(self, step) -> None:
+        self.disarm()
+
+    def after_emit(self, step) -> None:
+        """The step's prefill-only requests that sampled their first token go to their sinks; a
+        hand-off that fails fails its request alone."""
+        if not self.sinks:
+            return
+        core = step.core
+        for delta in step.deltas.values():
+            for choice in delta.choices:
+                if choice.finish_reason != "remote" or delta.error is not None:
+                    continue
+                request = core.requests.get(delta.request_id)
+                try:
+                    self.hand_off(request.rids[choice.index], choice.token_ids[0],
+                                  choice.logprobs[0] if choice.logprobs else None, delta.num_cached_tokens)
+                except Exception as e:
+                    failed = core.outputs.fail(request, e)
+                    delta.choices, delta.error, delta.finished = failed.choices, e, True
+
+    def finished(self, rid: int) -> None:
+        self.sinks.pop(rid, None)
+        self.reserved.discard(rid)
 
     def arm(self, rids: list[int]) -> None:
         """Before a forward: the prefill-only requests sampling in it have all their earlier
@@ -66,19 +96,16 @@ class KVHandoff:
         self.scheduler.release(rid)
         sink.finish(token, logprobs, num_cached_tokens)
 
-    def forget(self, rid: int) -> None:
-        self.sinks.pop(rid, None)
-
     # -- decode node ---------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, rid: int, prompt: np.ndarray, *, max_tokens: int, min_tokens: int,
+    def reserve(self, rid: int, prompt: np.ndarray, *, max_tokens: int, min_tokens: int,
                 stop_token_ids, ignore_eos: bool, speculate: bool = False) -> np.ndarray:
         """Blocks for a prompt whose KV another node computes (MemoryError when too few are free
         now); their ids, in token order."""
         self._refuse_int8()
         blocks = self.scheduler.reserve(rid, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
                                         stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, speculate=speculate)
-        self.reserved[request_id] = rid
+        self.reserved.add(rid)
         return blocks
 
     def write(self, layer: int, blocks: np.ndarray, num_tokens: int, kv: torch.Tensor | bytes) -> None:
@@ -91,12 +118,10 @@ class KVHandoff:
             raise ValueError("prefill/decode KV transfer with --kv-cache-dtype int8 is not supported yet "
                              "(the transfer moves blocks without their scales)")
 
-    def resume(self, request_id: str, first_token: int) -> int:
+    def resume(self, rid: int, first_token: int) -> None:
         """The reserved request joins the batch from its first token (KeyError: not reserved here;
-        ValueError, nothing changed: the token would end it). Its runtime id."""
-        rid = self.reserved.get(request_id)
-        if rid is None:
-            raise KeyError(f"request {request_id!r} is not reserved here")
+        ValueError, nothing changed: the token would end it)."""
+        if rid not in self.reserved:
+            raise KeyError(f"runtime request {rid} is not reserved here")
         self.scheduler.resume(rid, first_token)
-        del self.reserved[request_id]
-        return rid
+        self.reserved.discard(rid)

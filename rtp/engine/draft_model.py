@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from rtp.checkpoint.tokenizer import Tokenizer
+from rtp.engine.component import Component
 from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import greedy_tokens
 from rtp.runtime import StepPlan
@@ -54,8 +55,11 @@ _SAMPLE_ARRAYS = ("sample_slots", "sample_req_ids")
 _PROBE_TEXT = "The quick brown fox, 42 times: def f(x): return x ** 2  # café naïve 東京\n"
 
 
-class DraftModel:
-    """The draft model's runner and the buffers of its per-step sub-plans (see the module's doc)."""
+class DraftModel(Component):
+    """The draft model's runner and the buffers of its per-step sub-plans (see the module's doc); an
+    engine component: it drafts between the plan and the target's forward."""
+
+    name = "draft_model"
 
     def __init__(self, model: torch.nn.Module, target: ModelRunner, *, num_blocks: int, committed_blocks: int,
                  max_model_len: int, max_draft_tokens: int, kv_dtype: torch.dtype, device: torch.device,
@@ -139,6 +143,14 @@ class DraftModel:
             drafts[active] = greedy_tokens(logits).cpu().numpy()
             self.tokens[rows + 1] = drafts[active]
         return True
+
+    def before_forward(self, step) -> None:
+        scheduler = step.core.scheduler
+        if self.propose(scheduler):
+            scheduler.set_drafts(self.tokens)  # the draft's tokens into the step's draft rows
+
+    def reserved(self, request, blocks: np.ndarray) -> None:
+        self.forget(blocks)  # KV computed elsewhere: the draft catches up on it when the request drafts
 
     def forget(self, blocks: np.ndarray) -> None:
         """Blocks whose KV the target got without computing it (a prompt prefilled on another node):

@@ -1,4 +1,4 @@
-"""EPLB: expert-load statistics and the placement of experts (and their replicas) on ranks.
+"""EPLB: the placement of experts (and their replicas) on ranks.
 
 With expert parallelism the rank that holds a hot expert is every MoE layer's
 straggler: the layer waits for its slowest rank. EPLB, as DeepSeek and RTP-LLM run
@@ -13,7 +13,9 @@ it, answers with two moves computed from the measured load of each logical exper
 
 `naive_placement` (contiguous blocks of E / N experts) and `static_placement`
 (load-aware packing, no replicas) are the baselines the benchmark compares with.
-Everything here is numpy over [layers, experts] loads: no torch, no model.
+Everything here is numpy over [layers, experts] loads: no torch, no model. The loads
+come from the MoE layers' counters over a window of steps (ExpertBalancer.window_load,
+rtp/engine/expert_balancer.py).
 """
 
 from __future__ import annotations
@@ -21,27 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-
-class ExpertLoadWindow:
-    """Tokens routed to each logical expert, summed over the last `window` steps."""
-
-    def __init__(self, num_layers: int, num_experts: int, window: int = 1000):
-        if window < 1:
-            raise ValueError(f"window must be positive, got {window}")
-        self.steps = np.zeros((window, num_layers, num_experts), dtype=np.int64)
-        self.next = 0
-        self.filled = 0
-
-    def record(self, counts: np.ndarray) -> None:
-        """One step's counts [layers, experts] (e.g. the MoE layers' expert_load deltas)."""
-        self.steps[self.next] = counts
-        self.next = (self.next + 1) % len(self.steps)
-        self.filled = min(self.filled + 1, len(self.steps))
-
-    def load(self) -> np.ndarray:
-        """[layers, experts] int64: the window's sum."""
-        return self.steps.sum(axis=0)
 
 
 @dataclass

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from rtp.distributed import world_size
+from rtp.engine.component import Component
 from rtp.engine.eplb import Placement, eplb_placement, imbalance, replica_slots
 from rtp.engine.kv_cache import release_blocks
 
@@ -118,11 +119,16 @@ class Rebalance:
     reason: str         # "interval" | "kv pressure"
 
 
-class ExpertBalancer:
-    """The EPLB loop over the MoE layers (FusedMoE) of one model; see the module docstring."""
+class ExpertBalancer(Component):
+    """The EPLB loop over the MoE layers (FusedMoE) of one model; see the module docstring. An engine
+    component: it rebalances after a step (channel: the tensor-parallel plan channel, set by the
+    builder when ranks follow)."""
+
+    name = "eplb"
 
     def __init__(self, layers, *, num_ranks: int, window: int, interval: int, kv_pressure: float,
                  kv_block_bytes: int = 0, kv_base: int = 0, kv_capacity: int = 0):
+        self.channel = None
         if not layers:
             raise ValueError("EPLB needs a model with MoE layers")
         self.layers = list(layers)
@@ -171,6 +177,10 @@ class ExpertBalancer:
 
     # -- the engine's hooks: after a step (rank 0), on a rebalance rank 0 sent (the others) ---------
 
+    def after_step(self, step) -> None:
+        core = step.core
+        self.between_steps(core.scheduler.allocator, core.runner.kv_tensors, self.channel)
+
     def between_steps(self, allocator, kv_caches, channel=None) -> None:
         """Rank 0, after each step: a due plan, made here and applied on every rank before the
         next step (channel: the tensor-parallel plan channel, or None alone).
@@ -180,7 +190,7 @@ class ExpertBalancer:
         whose shrink is refused (lent blocks still hold KV) is not applied. Pressure is judged
         against the pool as built, the one the replicas leave: a pool grown into their memory
         would otherwise look relieved and call them back at once."""
-        decision = self.after_step(allocator.num_used / max(1, allocator.base - 1))
+        decision = self.count_step(allocator.num_used / max(1, allocator.base - 1))
         if decision is None:
             return
         old, limit = allocator.num_blocks, self.kv_limit_after(decision.slots)
@@ -212,7 +222,7 @@ class ExpertBalancer:
 
     # -- rank 0 ------------------------------------------------------------------------------
 
-    def after_step(self, kv_usage: float) -> Rebalance | None:
+    def count_step(self, kv_usage: float) -> Rebalance | None:
         """Count a step that ran; a new placement when one is due (None otherwise)."""
         self.steps += 1
         s = self.steps

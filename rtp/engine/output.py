@@ -124,6 +124,16 @@ class Logprobs:
     def __init__(self, chosen: np.ndarray, top_values: np.ndarray | None, top_ids: np.ndarray | None):
         self.chosen, self.top_values, self.top_ids = chosen, top_values, top_ids
 
+    @classmethod
+    def of(cls, sampled) -> Logprobs | None:
+        """A step's logprobs (rtp/engine/sampler.py SamplerOutput) copied to the host once, when any
+        row asked for them."""
+        if sampled is None or sampled.logprobs is None:
+            return None
+        top = sampled.top_logprobs
+        return cls(sampled.logprobs.cpu().numpy(), None if top is None else top[0].cpu().numpy(),
+                   None if top is None else top[1].cpu().numpy())
+
     def entry(self, row: int, token: int, k: int) -> dict[int, float]:
         entry = {token: float(self.chosen[row])}
         if k and self.top_ids is not None:
@@ -133,6 +143,8 @@ class Logprobs:
 
 
 class _Request:
+    """A request's progress toward its answer (the request itself: rtp/engine/requests.py)."""
+
     __slots__ = ("choices", "num_cached_tokens", "params", "request_id", "unfinished")
 
     def __init__(self, request_id: str, params: SamplingParams):
@@ -153,51 +165,33 @@ class _Choice:
 
 
 class OutputProcessor:
-    """Per choice: its detokenizer, stop strings and held-back text; deltas out, once per step."""
+    """Per choice (by runtime id): its detokenizer, stop strings and held-back text; deltas out,
+    once per step. Which request a runtime id belongs to is the registry's to say
+    (rtp/engine/requests.py); here only each choice's way to its text."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._requests: dict[str, _Request] = {}
         self._choices: dict[int, _Choice] = {}  # runtime id -> choice
         self.stopped: list[int] = []  # runtime ids a stop string ended in the last emit (still in the runtime)
 
-    def add(self, request_id: str, prompt_ids, params: SamplingParams, rids: list[int]) -> None:
-        request = _Request(request_id, params)
-        for index, rid in enumerate(rids):
-            choice = _Choice(request, index, rid, IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens))
-            request.choices.append(choice)
+    def add(self, request) -> None:
+        """Start the answer of an admitted request (rtp/engine/requests.py Request)."""
+        params = request.params
+        progress = _Request(request.request_id, params)
+        for index, rid in enumerate(request.rids):
+            choice = _Choice(progress, index, rid, IncrementalDetokenizer(
+                self.tokenizer, request.prompt_ids, skip_special_tokens=params.skip_special_tokens))
+            progress.choices.append(choice)
             self._choices[rid] = choice
-        self._requests[request_id] = request
 
-    def remove(self, request_id: str) -> list[int]:
-        """Forget a request (finished, aborted or failed); its runtime ids."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return []
-        for choice in request.choices:
-            self._choices.pop(choice.rid, None)
-        return [choice.rid for choice in request.choices]
+    def __len__(self) -> int:
+        """Choices whose answer is under way."""
+        return len(self._choices)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def rids_of(self, request_id: str) -> list[int]:
-        """Its choices' runtime ids, in choice order."""
-        return [choice.rid for choice in self._requests[request_id].choices]
-
-    def has(self, rid: int) -> bool:
-        return rid in self._choices
-
-    def request_of(self, rid: int) -> str | None:
-        choice = self._choices.get(rid)
-        return None if choice is None else choice.request.request_id
-
-    def params_of(self, rid: int) -> SamplingParams:
-        return self._choices[rid].request.params
-
-    def index_of(self, rid: int) -> int:
-        return self._choices[rid].index
+    def remove(self, request) -> None:
+        """Forget a request (finished, aborted or failed)."""
+        for rid in request.rids:
+            self._choices.pop(rid, None)
 
     def set_cached(self, rid: int, num_cached_tokens: int) -> None:
         """The prompt tokens the prefix cache served (read before the first token's update)."""
@@ -240,7 +234,7 @@ class OutputProcessor:
                 else:
                     delta.choices.append(step)
             except Exception as e:
-                deltas[request.request_id] = self.fail(request.request_id, e)
+                deltas[request.request_id] = self._fail(request.request_id, request, e)
                 continue
             delta.finished = request.unfinished == 0
         return deltas
@@ -256,17 +250,22 @@ class OutputProcessor:
         delta = self._advance(choice, token, entry, None)
         return RequestDelta(choice.request.request_id, [delta], num_cached_tokens)
 
-    def fail(self, request_id: str, error: Exception) -> RequestDelta:
-        """End a request with an error: every choice not finished finishes with "error"."""
-        request = self._requests.get(request_id)
+    def fail(self, request, error: Exception) -> RequestDelta:
+        """End a request (rtp/engine/requests.py Request) with an error: every choice not finished
+        finishes with "error"."""
+        choice = self._choices.get(request.rids[0]) if request.rids else None
+        return self._fail(request.request_id, None if choice is None else choice.request, error)
+
+    @staticmethod
+    def _fail(request_id: str, progress: _Request | None, error: Exception) -> RequestDelta:
         choices = []
-        if request is not None:
-            for choice in request.choices:
+        if progress is not None:
+            for choice in progress.choices:
                 if not choice.finished:
                     choice.finished = True
                     choices.append(ChoiceDelta(choice.index, "", 0, None, "error"))
-            request.unfinished = 0
-        return RequestDelta(request_id, choices, 0 if request is None else request.num_cached_tokens,
+            progress.unfinished = 0
+        return RequestDelta(request_id, choices, 0 if progress is None else progress.num_cached_tokens,
                             finished=True, error=error)
 
     def _advance(self, choice: _Choice, token: int, entry: dict[int, float] | None, reason: str | None) -> ChoiceDelta:

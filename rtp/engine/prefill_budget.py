@@ -16,18 +16,23 @@ this picks it per step from what the steps measurably cost on this machine:
 
 The result is clamped to [one KV block, `cap`] (cap: the step's token budget, or a fixed
 --max-prefill-tokens-with-decodes); until a step of each kind was measured, the cap holds.
-Called once per step from the engine: O(1), no allocation.
+An engine component (rtp/engine/component.py): it sets the scheduler's budget before each plan
+and learns from each step's time after it. O(1) a step, no allocation.
 """
 
 from __future__ import annotations
 
 import time
 
+from rtp.engine.component import Component
+
 _SMOOTHING = 0.2   # weight of the newest step in the running averages
 _RING = 4096       # steps whose start times are kept (to age the waiting queue)
 
 
-class PrefillBudget:
+class PrefillBudget(Component):
+    name = "prefill_budget"
+
     def __init__(self, target_step_s: float, cap: int, floor: int):
         self.target = target_step_s
         self.cap = cap
@@ -37,6 +42,17 @@ class PrefillBudget:
         self._step_start = [0.0] * _RING     # monotonic time each step count began at
         self._oldest_ring_step = 0
         self.last = cap                      # the latest budget (for /metrics and tests)
+
+    def before_schedule(self, core) -> None:
+        s = core.scheduler
+        s.max_prefill_tokens_with_decodes = self.budget(s.step_count, s.oldest_waiting_step)
+
+    def after_step(self, step) -> None:
+        plan = step.plan
+        self.observe(step.seconds, plan.num_tokens - plan.num_decode_rows, plan.num_decode_rows)
+
+    def stats(self) -> int:
+        return self.last
 
     def budget(self, step: int, oldest_waiting_step: int, now: float | None = None) -> int:
         """The prompt tokens step number `step` may take beside its decodes."""

@@ -197,10 +197,10 @@ class SamplingBatch:
     @classmethod
     def gather(cls, settings: SlotSettings, slots: np.ndarray, tokens: TokenSource, *,
                eos_token_ids: Sequence[int] = (), device: torch.device | str = "cpu",
-               grammars=None, offsets: np.ndarray | None = None) -> SamplingBatch:
+               masks=None, offsets: np.ndarray | None = None) -> SamplingBatch:
         """The batch of the rows sampling at `slots` (one per logits row): settings gathered by slot
         with numpy; tokens read (from `tokens`) only for rows whose settings need them; the token
-        bitmask of the rows under a grammar filled by `grammars` (rtp/engine/grammar/slots.py); offsets:
+        bitmask of the constrained rows filled by `masks` (a grammar's: rtp/engine/grammar/slots.py); offsets:
         each row's token's place past its request's generated tokens (Sampler.sample)."""
         n = len(slots)
         device = torch.device(device)
@@ -216,10 +216,10 @@ class SamplingBatch:
             b.bias_rows = _tensor(np.concatenate(rows), device)
             b.bias_cols = _tensor(np.concatenate(cols), device)
             b.bias_values = _tensor(np.concatenate(values), device)
-        if grammars is not None:
-            constrained = grammars.fill(slots)
+        if masks is not None:
+            constrained = masks.fill(slots)
             if constrained.size:
-                b.bitmask = grammars.bitmask[: constrained.size].to(device, non_blocking=True)
+                b.bitmask = masks.bitmask[: constrained.size].to(device, non_blocking=True)
                 b.bitmask_rows = _tensor(constrained.astype(np.int64), device)
         greedy = settings.greedy[slots]
         min_tokens = settings.min_tokens[slots]
@@ -238,7 +238,7 @@ class SamplingBatch:
             mask_cols: list[int] = []
             for i in masking.tolist():
                 slot = int(slots[i])
-                ids = list(settings.stop_ids[slot])
+                ids = list(settings.stop_ids(slot))
                 if not settings.ignore_eos[slot]:
                     ids.extend(eos_token_ids)
                 mask_rows.extend([i] * len(ids))
@@ -332,9 +332,11 @@ class SlotSettings:
     Scheduler from admission to its end): written once when it is admitted (`set`), gathered
     for each step by the plan's sample slots, with numpy -- nothing per row is rebuilt from
     SamplingParams or Python lists per step. Floats are stored as float32 sees them: a value
-    float32 cannot hold is taken as its limit (_f32)."""
+    float32 cannot hold is taken as its limit (_f32). With a `runtime` (the engine's Scheduler), the
+    stop settings -- min_tokens, ignore_eos, stop ids -- are read from it, where they live once;
+    alone (tests, tools) they are kept here."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, runtime=None):
         n = num_slots
         self.greedy = np.ones(n, dtype=bool)
         self.temperature = np.ones(n, dtype=np.float32)
@@ -347,12 +349,20 @@ class SlotSettings:
         self.presence = np.zeros(n, dtype=np.float32)
         self.seeded = np.zeros(n, dtype=bool)
         self.seed = np.zeros(n, dtype=np.uint64)
-        self.min_tokens = np.zeros(n, dtype=np.int64)
-        self.ignore_eos = np.zeros(n, dtype=bool)
+        self.runtime = runtime
+        if runtime is not None:
+            self.min_tokens, self.ignore_eos = runtime.stop_settings()
+        else:
+            self.min_tokens = np.zeros(n, dtype=np.int32)
+            self.ignore_eos = np.zeros(n, dtype=np.uint8)
+            self._stop_ids: list[tuple[int, ...]] = [()] * n
         self.logprobs = np.full(n, -1, dtype=np.int64)    # -1: none
-        self.stop_ids: list[tuple[int, ...]] = [()] * n   # read only for rows still under min_tokens
         self.biased = np.zeros(n, dtype=bool)
         self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n  # (token ids, biases)
+
+    def stop_ids(self, slot: int) -> tuple[int, ...]:
+        """The stop token ids of the request at `slot` (read only for rows still under min_tokens)."""
+        return self.runtime.stop_ids(slot) if self.runtime is not None else self._stop_ids[slot]
 
     def set(self, slot: int, p: SamplingParams, seed: int | None) -> None:
         """The settings of the request admitted at `slot`; `seed`: its own (p.seed + its choice index)."""
@@ -367,11 +377,13 @@ class SlotSettings:
         self.presence[slot] = p.presence_penalty
         self.seeded[slot] = seed is not None
         self.seed[slot] = 0 if seed is None else seed & _MASK64
-        self.min_tokens[slot] = p.min_tokens
-        self.ignore_eos[slot] = p.ignore_eos
+        if self.runtime is None:
+            self.min_tokens[slot] = p.min_tokens
+            self.ignore_eos[slot] = p.ignore_eos
+            self._stop_ids[slot] = tuple(p.stop_token_ids)
         self.logprobs[slot] = -1 if p.logprobs is None else p.logprobs
-        self.stop_ids[slot] = tuple(p.stop_token_ids)
         self.biased[slot] = bool(p.logit_bias)
+        # (the runtime, when there is one, took min_tokens, ignore_eos and the stop ids at admission)
         self.bias[slot] = None if not p.logit_bias else (
             np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)),
             np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)))
@@ -422,7 +434,7 @@ class Sampler:
         return g
 
     def sample(self, logits: torch.Tensor, settings: SlotSettings, slots: np.ndarray, tokens: TokenSource, *,
-               eos_token_ids: Sequence[int], vocab_size: int, grammars=None,
+               eos_token_ids: Sequence[int], vocab_size: int, masks=None,
                offsets: np.ndarray | None = None) -> Sampled:
         """A step's sampling, rows faulting alone: one token per logits row (the request at
         slots[k]), on the host, and the rows whose request faulted with why (a placeholder
@@ -438,7 +450,7 @@ class Sampler:
 
         def run(rows: np.ndarray) -> SamplerOutput:
             batch = SamplingBatch.gather(settings, slots[rows], tokens, eos_token_ids=eos_token_ids, device=device,
-                                         grammars=grammars, offsets=None if offsets is None else offsets[rows])
+                                         masks=masks, offsets=None if offsets is None else offsets[rows])
             return self(logits if len(rows) == n else logits[torch.from_numpy(rows).to(device)], batch)
 
         failed: dict[int, Exception] = {}

@@ -21,6 +21,10 @@ exactly, and seeded sampling draws the same numbers either way. O(1) a step, no 
 
 from __future__ import annotations
 
+import numpy as np
+
+from rtp.engine.component import Component
+
 _SMOOTHING = 0.05  # weight of the newest step in a running average, once it has _TRIES steps
 _TRIES = 8         # steps measured each way (their plain mean) before the averages decide
 _EXPLORE = 256     # every this many steps, a bucket runs _RUN steps of the choice it did not make
@@ -33,7 +37,12 @@ def _bucket(requests: int) -> int:
     return max(0, requests - 1).bit_length()
 
 
-class SpeculationGovernor:
+class SpeculationGovernor(Component):
+    """An engine component (rtp/engine/component.py): sets the scheduler's drafting cap before each
+    plan, and measures each decode step after it."""
+
+    name = "speculation"
+
     def __init__(self, max_running: int):
         self.max_running = max_running
         self._cost: dict[tuple[int, bool], list[float]] = {}  # (bucket, drafted) -> [s a token, steps]
@@ -41,6 +50,20 @@ class SpeculationGovernor:
         self.drafting = True  # the latest choice
         self._exploring = False  # whether it was the one it did not prefer
         self._switched_on = False  # whether it drafts after a step that did not
+        self._before = (0, 0)  # the scheduler's verification counters when the step began
+
+    def before_schedule(self, core) -> None:
+        s = core.scheduler
+        s.spec_max_running = self.cap(s.num_running)
+        self._before = (s.spec_verifications, s.spec_emitted_tokens)
+
+    def after_step(self, step) -> None:
+        s, plan = step.core.scheduler, step.plan
+        drafts = int(np.count_nonzero(plan.sample_offsets[:plan.num_samples]))
+        requests = plan.num_samples - drafts
+        # a request that verified emitted its kept drafts and one more; the others one token each
+        emitted = requests - (s.spec_verifications - self._before[0]) + (s.spec_emitted_tokens - self._before[1])
+        self.observe(step.seconds, requests, emitted, drafts > 0, plan.num_tokens - plan.num_decode_rows)
 
     def cap(self, running: int) -> int:
         """The scheduler's spec_max_running for the next step, `running` requests running now: the

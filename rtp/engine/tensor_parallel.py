@@ -19,6 +19,7 @@ import socket
 import torch
 
 from rtp.distributed import destroy_parallel, init_parallel
+from rtp.engine.component import Component
 from rtp.runtime import PLAN_ARRAYS
 
 log = logging.getLogger("rtp.tp")
@@ -26,8 +27,12 @@ log = logging.getLogger("rtp.tp")
 _STOP, _STEP, _REBALANCE = 0, 1, 2
 
 
-class PlanChannel:
-    """Rank 0's plan, broadcast to the other ranks through the StepPlan's own buffers."""
+class PlanChannel(Component):
+    """Rank 0's plan, broadcast to the other ranks through the StepPlan's own buffers; on rank 0 an
+    engine component, the first: each step's plan goes out before anything runs on it."""
+
+    def before_forward(self, step) -> None:
+        self.send_step()
 
     def __init__(self, plan):
         self.plan = plan

@@ -846,6 +846,22 @@ cdef class Scheduler:
         cdef int s = self._slot(req_id)
         return self.r_num_tokens[s] == self.r_prompt_len[s]
 
+    # -- a request's stop settings, by slot: the sampler masks stop tokens under min_tokens from them,
+    # so they live here once (rtp/engine/sampler.py SlotSettings) --------------------------------------
+
+    def stop_settings(self):
+        """(min_tokens int32, ignore_eos uint8): numpy views of the runtime's own per-slot arrays,
+        valid while this Scheduler lives (the caller keeps it)."""
+        cdef int32_t[::1] min_tokens = <int32_t[:self.max_requests]> self.r_min_tokens
+        cdef uint8_t[::1] ignore_eos = <uint8_t[:self.max_requests]> self.r_ignore_eos
+        return np.asarray(min_tokens), np.asarray(ignore_eos)
+
+    def stop_ids(self, int slot):
+        """The stop token ids of the request at `slot` (eos not included)."""
+        if slot < 0 or slot >= self.max_requests or self.r_state[slot] == _FREE:
+            raise IndexError(f"slot {slot} holds no request")
+        return tuple(self.r_stop_ids[slot][i] for i in range(self.r_nstop[slot]))
+
     # -- a request's tokens, by slot (the sampler reads them: rtp/engine/sampler.py TokenSource) -------
 
     def output_lengths(self, slots):

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from rtp.engine.eplb import (
-    ExpertLoadWindow,
     eplb_placement,
     imbalance,
     naive_placement,
@@ -18,13 +17,6 @@ def zipf_load(layers: int, experts: int, tokens: int, seed: int = 0) -> np.ndarr
     p = 1.0 / np.arange(1, experts + 1) ** 0.6
     out = np.stack([rng.multinomial(tokens, rng.permutation(p / p.sum())) for _ in range(layers)])
     return out.astype(np.int64)
-
-
-def test_window_sums_the_last_steps():
-    w = ExpertLoadWindow(2, 4, window=3)
-    for step in range(5):
-        w.record(np.full((2, 4), step))
-    assert (w.load() == 2 + 3 + 4).all() and w.filled == 3
 
 
 def test_naive_and_static_hold_every_expert_once():

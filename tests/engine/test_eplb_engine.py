@@ -272,7 +272,7 @@ def test_window_load_is_the_last_window_of_steps():
             for m in layers:
                 m(x, w, ids)
             per_step.append(np.bincount(ids.flatten().numpy(), minlength=8))
-            decision = b.after_step(0.0)
+            decision = b.count_step(0.0)
             assert (decision is not None) == ((step + 1) % 6 == 0)
             if decision is not None:
                 for layer in range(2):

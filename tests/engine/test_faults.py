@@ -37,7 +37,7 @@ def greedy(**kw) -> SamplingParams:
 
 def assert_idle(llm):
     engine = llm.engine
-    assert not engine.has_unfinished_requests() and not engine.outputs._requests
+    assert not engine.has_unfinished_requests() and not len(engine.requests) and not len(engine.outputs)
     engine.scheduler.check_integrity()
     assert engine.allocator.num_used == 0
 
@@ -167,7 +167,7 @@ def test_an_integrity_failure_after_a_request_fault_is_fatal(doomed, monkeypatch
         raise RuntimeError("injected")
 
     monkeypatch.setattr(sampler_module.Sampler, "__call__", raising)
-    engine.scheduler = _CorruptScheduler(engine.scheduler)
+    engine.core.scheduler = _CorruptScheduler(engine.scheduler)  # the runtime the step runs on
     engine.add_request("r", [1, 2, 3], greedy())
     with pytest.raises(EngineFatal, match="integrity check failed.*refcount"):
         engine.step()

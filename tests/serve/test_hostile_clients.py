@@ -37,7 +37,7 @@ MARK = 1.25  # the presence_penalty of the request whose fault is followed by th
 # The engine's integrity check fails after the marked request's sampling faults: a fatal fault.
 DOOMED_SERVE = f"""
 import sys
-from rtp.engine import engine, sampler
+from rtp.engine import core, sampler
 
 gather = sampler.SamplingBatch.gather.__func__
 
@@ -47,10 +47,10 @@ def faulty_gather(cls, settings, slots, *args, **kw):
     return gather(cls, settings, slots, *args, **kw)
 
 def corrupt(self):
-    raise engine.EngineFatal("the runtime's integrity check failed after a request fault: injected")
+    raise core.EngineFatal("the runtime's integrity check failed after a request fault: injected")
 
 sampler.SamplingBatch.gather = classmethod(faulty_gather)
-engine.LLMEngine._check_integrity = corrupt
+core.EngineCore.check_integrity = corrupt
 from rtp.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """
