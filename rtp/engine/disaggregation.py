@@ -29,7 +29,7 @@ class KVHandoff(Component):
         self.scheduler = scheduler
         self.runner = runner
         self.sinks: dict[int, KVSink] = {}     # runtime id -> where a prefill-only request's KV goes
-        self.reserved: set[int] = set()        # runtime ids whose KV is on its way from a prefill node
+        self.awaiting_kv: set[int] = set()        # runtime ids whose KV is on its way from a prefill node
         self._taps: LayerTaps | None = None    # installed with the first prefill-only request
 
     def layout(self) -> KVLayout:
@@ -70,7 +70,7 @@ class KVHandoff(Component):
 
     def finished(self, rid: int) -> None:
         self.sinks.pop(rid, None)
-        self.reserved.discard(rid)
+        self.awaiting_kv.discard(rid)
 
     def arm(self, rids: list[int]) -> None:
         """Before a forward: the prefill-only requests sampling in it have all their earlier
@@ -105,7 +105,7 @@ class KVHandoff(Component):
         self._refuse_int8()
         blocks = self.scheduler.reserve(rid, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
                                         stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, speculate=speculate)
-        self.reserved.add(rid)
+        self.awaiting_kv.add(rid)
         return blocks
 
     def write(self, layer: int, blocks: np.ndarray, num_tokens: int, kv: torch.Tensor | bytes) -> None:
@@ -121,7 +121,7 @@ class KVHandoff(Component):
     def resume(self, rid: int, first_token: int) -> None:
         """The reserved request joins the batch from its first token (KeyError: not reserved here;
         ValueError, nothing changed: the token would end it)."""
-        if rid not in self.reserved:
+        if rid not in self.awaiting_kv:
             raise KeyError(f"runtime request {rid} is not reserved here")
         self.scheduler.resume(rid, first_token)
-        self.reserved.discard(rid)
+        self.awaiting_kv.discard(rid)

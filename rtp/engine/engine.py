@@ -150,7 +150,7 @@ class LLMEngine:
         joins the batch at the next step; the delta of that first token. KeyError for a request
         not reserved here; ValueError (nothing changed) for a token that would end it."""
         request = self.requests.get(request_id)
-        if request is None or request.rids[0] not in self.handoff.reserved:
+        if request is None or request.rids[0] not in self.handoff.awaiting_kv:
             raise KeyError(f"request {request_id!r} is not reserved here")
         for c in self.components:
             c.resume(request, first_token)
