@@ -1,6 +1,5 @@
 """Builds the compiled parts: the runtime (rtp/runtime/*.pyx) and the CPU decode
-kernels (rtp/kernels/_cpu_kernels.pyx over rtp/kernels/csrc/: cpu_kernels.c, decode_attention.c,
-amx_linear.c, amx_gemm.c, prefill_attention.c, row_kernels.c and kernel_calls.c).
+kernels (rtp/kernels/_cpu_kernels.pyx over the C files in rtp/kernels/csrc/).
 
 Everything else about the package lives in pyproject.toml. Set RTP_ANNOTATE=1 to
 write Cython's annotated HTML (rtp/runtime/*.html) and check that the hot paths
@@ -45,13 +44,10 @@ runtime = [
 # -fopenmp links libgomp.so.1, which resolves to the copy torch has already loaded.
 cpu_kernels = Extension(
     "rtp.kernels._cpu_kernels",
-    sources=["rtp/kernels/_cpu_kernels.pyx", "rtp/kernels/csrc/cpu_kernels.c",
-             "rtp/kernels/csrc/decode_attention.c", "rtp/kernels/csrc/amx_linear.c",
-             "rtp/kernels/csrc/amx_gemm.c", "rtp/kernels/csrc/avx_gemm.c", "rtp/kernels/csrc/vnni_gemm.c",
-             "rtp/kernels/csrc/prefill_attention.c", "rtp/kernels/csrc/kernel_calls.c",
-             "rtp/kernels/csrc/row_kernels.c"],
+    # every C file under csrc/ (by concept: linear/, attention/, norm.c, ...): a new kernel file needs no edit here
+    sources=["rtp/kernels/_cpu_kernels.pyx"] + sorted(glob.glob("rtp/kernels/csrc/**/*.c", recursive=True)),
     include_dirs=["rtp/kernels/csrc"],
-    depends=sorted(glob.glob("rtp/kernels/csrc/*.h")),
+    depends=sorted(glob.glob("rtp/kernels/csrc/**/*.h", recursive=True)),
     extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"] + SANITIZE_COMPILE,
     extra_link_args=["-fopenmp"] + SANITIZE_LINK,
 )

@@ -36,7 +36,7 @@ int rtp_amx_supported(void);
 int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, const uint8_t *weights,
                    const float *bias, void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N, int64_t K,
                    int glu);
-/* vnni_gemm.c: Q4_1 or Q8_0 records times x's rows quantized to int8 (AVX-512 VNNI); rtp_gemm_avx's contract.
+/* linear/vnni_gemm.c: Q4_1 or Q8_0 records times x's rows quantized to int8 (AVX-512 VNNI); rtp_gemm_avx's contract.
  * The linear kernels take them as record kinds RTP_KIND_Q4_1_INT8_ROWS and RTP_KIND_Q8_0_INT8_ROWS: the
  * records of kinds 0 and 1, whose rows go to rtp_gemm_vnni where the CPU has VNNI and no AMX, and are
  * multiplied in bf16 as kinds 0 and 1 elsewhere (--activation-dtype int8). */
@@ -68,7 +68,7 @@ int rtp_prefill_attention_bf16(const uint16_t *q, const void *k_cache, const voi
                                const float *k_scales, const float *v_scales, float softcap);
 void rtp_gather_rows(const void *src, int64_t src_stride, const int32_t *idx, int64_t n, void *out,
                      int64_t out_stride, int64_t row_bytes);
-/* row_kernels.c */
+/* norm.c, activation.c: beyond the Llama topology */
 void rtp_rms_norm(const void *x, int64_t ldx, int x_bf16, const void *weight, int weight_bf16, float eps,
                   void *out, int64_t ldo, int out_bf16, int64_t T, int64_t H);
 void rtp_qk_rms_norm(uint16_t *qkv, int64_t ldq, const void *q_weight, const void *k_weight, int weight_bf16,
