@@ -13,6 +13,7 @@ the tree (never over the checkout's own extensions) and runs the kernel tests un
 import glob
 import os
 import platform
+import sys
 
 import numpy as np
 from Cython.Build import cythonize
@@ -38,6 +39,14 @@ runtime = [
     )
     for name in RUNTIME_MODULES
 ]
+
+# The kernel ops' enum, call structs, replay table and Python entry points are generated from the op
+# table (rtp/kernels/ops.py) before anything is compiled: a plain-Python step, so a build needs nothing
+# beyond Cython. rtp/__init__.py and rtp/kernels/__init__.py import nothing, so this loads no torch.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rtp.kernels import ops_codegen  # noqa: E402
+
+ops_codegen.write()
 
 # The kernels carry their own target attributes (AVX-512 BF16) and are only called
 # when the CPU reports the feature, so the module builds and imports anywhere x86.
