@@ -210,15 +210,18 @@ OPS = _ops(
          c="""int rtp_linear_u8(const void *x, int64_t ldx, bool x_fp32, const int8_t *qs, const float *d,
               const float *mn, int group, int offset, const float *bias, void *out, int64_t ldo, bool out_bf16,
               int64_t rows, int64_t n, int64_t k)""",
-         doc="out = x @ W.T (+ bias) for small int8 blocks (q8_1: offset 0, group 32, mn; q8_16: offset 32, group 16)."),
+         doc="out = x @ W.T (+ bias) for small int8 blocks (q8_1: offset 0, group 32, mn; q8_16: offset 32, "
+             "group 16)."),
     dict(name="rms_norm", rows="t",
          c="""void rtp_rms_norm(const void *x, int64_t ldx, bool x_bf16, const void *weight, bool weight_bf16,
               float eps, void *out, int64_t ldo, bool out_bf16, int64_t t, int64_t h)""",
-         doc="out [t, h] = rmsnorm(x [t, h]) * weight; x, weight and out each bf16 or fp32 (strides in their elements)."),
+         doc="out [t, h] = rmsnorm(x [t, h]) * weight; x, weight and out each bf16 or fp32 (strides in their "
+             "elements)."),
     dict(name="qk_rms_norm", rows="t",
          c="""void rtp_qk_rms_norm(uint16_t *qkv, int64_t ldq, const void *q_weight, const void *k_weight,
               bool weight_bf16, float eps, int64_t t, int64_t h, int64_t hkv, int64_t d)""",
-         doc="In place: each q head (h of them) and k head (hkv) of qkv bf16 [t, (h + 2 hkv) d] normed with its weight."),
+         doc="In place: each q head (h of them) and k head (hkv) of qkv bf16 [t, (h + 2 hkv) d] normed with its "
+             "weight."),
     dict(name="gelu_tanh_mul", rows="t",
          c="void rtp_gelu_tanh_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t t, int64_t i)",
          doc="out bf16 [t, i] = gelu_tanh(x[:, :i]) * x[:, i:] for x bf16 [t, 2i]."),

@@ -55,9 +55,11 @@ def header() -> str:
         out.append("    int64_t op;")
         for f in op.fields:
             t = _KINDS[f.kind][0]
-            out.append(f"    {t}{'' if t.endswith('*') else ' '}{f.name};{'' if f.passed else ' /* for the replay only */'}")
+            note = "" if f.passed else " /* for the replay only */"
+            out.append(f"    {t}{'' if t.endswith('*') else ' '}{f.name};{note}")
         out.append(f"}} rtp_{op.name}_call;")
-        out.append(f"_Static_assert(sizeof(rtp_{op.name}_call) == {op.words} * 8, \"rtp_{op.name}_call: one word a field\");")
+        out.append(f"_Static_assert(sizeof(rtp_{op.name}_call) == {op.words} * 8, "
+                   f"\"rtp_{op.name}_call: one word a field\");")
     out += ["", "/* A call's words, readable as any op's struct (copy the words in; never cast a word pointer). */",
             "typedef union {", "    int64_t words[RTP_CALL_WORDS];"]
     out += [f"    rtp_{op.name}_call {op.name};" for op in OPS]
