@@ -1,6 +1,5 @@
 """Builds the compiled parts: the runtime (rtp/runtime/*.pyx) and the CPU decode
-kernels (rtp/kernels/_cpu_kernels.pyx over rtp/kernels/csrc/: cpu_kernels.c, decode_attention.c,
-amx_linear.c, amx_gemm.c, prefill_attention.c, row_kernels.c and kernel_calls.c).
+kernels (rtp/kernels/_cpu_kernels.pyx over the C files in rtp/kernels/csrc/).
 
 Everything else about the package lives in pyproject.toml. Set RTP_ANNOTATE=1 to
 write Cython's annotated HTML (rtp/runtime/*.html) and check that the hot paths
@@ -14,6 +13,7 @@ the tree (never over the checkout's own extensions) and runs the kernel tests un
 import glob
 import os
 import platform
+import sys
 
 import numpy as np
 from Cython.Build import cythonize
@@ -40,18 +40,23 @@ runtime = [
     for name in RUNTIME_MODULES
 ]
 
+# The kernel ops' enum, call structs, replay table and Python entry points are generated from the op
+# table (rtp/kernels/ops.py) before anything is compiled: a plain-Python step, so a build needs nothing
+# beyond Cython. rtp/__init__.py and rtp/kernels/__init__.py import nothing, so this loads no torch.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rtp.kernels import ops_codegen  # noqa: E402
+
+ops_codegen.write()
+
 # The kernels carry their own target attributes (AVX-512 BF16) and are only called
 # when the CPU reports the feature, so the module builds and imports anywhere x86.
 # -fopenmp links libgomp.so.1, which resolves to the copy torch has already loaded.
 cpu_kernels = Extension(
     "rtp.kernels._cpu_kernels",
-    sources=["rtp/kernels/_cpu_kernels.pyx", "rtp/kernels/csrc/cpu_kernels.c",
-             "rtp/kernels/csrc/decode_attention.c", "rtp/kernels/csrc/amx_linear.c",
-             "rtp/kernels/csrc/amx_gemm.c", "rtp/kernels/csrc/avx_gemm.c", "rtp/kernels/csrc/vnni_gemm.c",
-             "rtp/kernels/csrc/prefill_attention.c", "rtp/kernels/csrc/kernel_calls.c",
-             "rtp/kernels/csrc/row_kernels.c"],
+    # every C file under csrc/ (by concept: linear/, attention/, norm.c, ...): a new kernel file needs no edit here
+    sources=["rtp/kernels/_cpu_kernels.pyx"] + sorted(glob.glob("rtp/kernels/csrc/**/*.c", recursive=True)),
     include_dirs=["rtp/kernels/csrc"],
-    depends=sorted(glob.glob("rtp/kernels/csrc/*.h")),
+    depends=sorted(glob.glob("rtp/kernels/csrc/**/*.h", recursive=True)),
     extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"] + SANITIZE_COMPILE,
     extra_link_args=["-fopenmp"] + SANITIZE_LINK,
 )

@@ -50,14 +50,13 @@ import torch
 from tqdm import tqdm
 
 from _common import CpuWatch, bench_matmul, bench_onednn_linears, count_params, linear_layers, note
-from rtp.kernels import cpu_kernels
+from rtp.kernels import cpu_kernels, ops
 
 # bytes a linear kernel reads per weight: GGUF blocks as rtp keeps them (fp32 scales)
 _BYTES_PER_WEIGHT = {"q4_1": 24 / 32, "q8_0": 36 / 32, "q8_1": 40 / 32, "q8_16": 40 / 32, "q4_k": 152 / 256,
                      "bf16": 2.0, "q4_1 x int8": 24 / 32, "q8_0 x int8": 36 / 32}
-# call words (rtp/kernels/csrc/kernel_calls.c): (rows, N, K) and, for AMX, the block kind (0 Q4_1)
-_LINEAR_WORDS = {"linear_q4_1": (10, 11, 12), "linear_q8": (11, 12, 13), "linear_tiles": (10, 11, 12),
-                 "linear_q4_k": (10, 11, 12), "linear_bf16": (10, 11, 12)}
+# the tile-order records' kinds (linear_tiles' field `kind`); linear_u8's offsets (q8_0 splits its q)
+_U8_KINDS = {0: "q8_1", 32: "q8_16"}
 _AMX_KINDS = {0: "q4_1", 1: "q8_0", 2: "q8_1", 3: "q8_16", 4: "bf16", 5: "q4_1 x int8", 6: "q8_0 x int8"}
 
 
@@ -69,18 +68,24 @@ def linear_names(config) -> dict[tuple[int, int], str]:
 def label(call: np.ndarray, names: dict[tuple[int, int], str]) -> tuple[str, str, int, int, str]:
     """(group label, kernel, N, K, block kind) of one recorded call."""
     kernel = cpu_kernels.op_name(int(call[0]))
-    if kernel not in _LINEAR_WORDS:
+    op = ops.BY_NAME.get(kernel)
+    if op is None or not kernel.startswith("linear_"):
         return kernel, kernel, 0, 0, ""
-    _, nw, kw = _LINEAR_WORDS[kernel]
-    n, k = int(call[nw]), int(call[kw])
+
+    def word(field: str) -> int:  # the call's field, by its name in the op table
+        return int(call[op.field(field).word])
+
+    n, k = word("n"), word("k")
     if kernel == "linear_tiles":
-        kind = _AMX_KINDS[int(call[4])]
+        kind = _AMX_KINDS[word("kind")]
     elif kernel == "linear_q8":
-        kind = "q8_16" if int(call[6]) == 16 else ("q8_1" if int(call[5]) else "q8_0")
+        kind = "q8_16" if word("group") == 16 else ("q8_1" if word("mn") else "q8_0")
+    elif kernel == "linear_u8":
+        kind = _U8_KINDS.get(word("offset"), "q8_0")
     else:
         kind = {"linear_q4_k": "q4_k", "linear_bf16": "bf16"}.get(kernel, "q4_1")
     name = names.get((n, k), f"{n}x{k}")
-    if kernel == "linear_tiles" and int(call[13]):
+    if kernel == "linear_tiles" and word("glu"):
         name += " + silu_mul"  # the fused MLP epilogue (glu)
     # o_proj and qkv_proj coincide under MHA: the name map keeps the last; fine for a label
     return f"{name} ({kernel.removeprefix('linear_')}, {kind})", kernel, n, k, kind

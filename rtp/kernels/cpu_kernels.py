@@ -1,4 +1,4 @@
-"""Torch-facing wrappers of rtp's CPU kernels (rtp/kernels/csrc/: cpu_kernels.c, decode_attention.c and the rest).
+"""Torch-facing wrappers of rtp's CPU kernels (rtp/kernels/csrc/; each op defined once in rtp/kernels/ops.py).
 
 Each kernel is registered as a torch custom op, so a `torch.compile`d decode
 graph calls it as one opaque node; eager code calls the implementation
@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 import torch
+
+from rtp.kernels import ops
 
 
 def _probe() -> bool:
@@ -72,7 +74,7 @@ def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
 def linear_u8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int, offset: int,
               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] bf16 or fp32 (rounded to bf16) @ small int8 blocks [N, K].T: w = d (q) + m for q8_1 (group 32,
-    offset 0, m), w = d_g q for q8_16 (group 16, offset 32) -- q + 128 + offset is a bf16 exactly (cpu_kernels.c)."""
+    offset 0, m), w = d_g q for q8_16 (group 16, offset 32) -- q + 128 + offset is a bf16 exactly (csrc/linear/u8.c)."""
     return linear_u8_into(x, qs, d, m, group, offset, bias, torch.empty(x.shape[0], qs.shape[0], dtype=out_dtype))
 
 
@@ -289,7 +291,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# -- beyond the Llama topology (rtp/kernels/csrc/row_kernels.c): Gemma's norms, GeGLU, softcapping --
+# -- beyond the Llama topology (csrc/norm.c, csrc/activation.c): Gemma's norms, GeGLU, softcapping --
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
@@ -463,7 +465,7 @@ def _rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     return q
 
 
-# -- decode attention over the paged cache (rtp/kernels/csrc/decode_attention.c) ---------------------
+# -- decode attention over the paged cache (rtp/kernels/csrc/attention/decode_attention.c) -----------
 
 def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention (bf16 cache) or paged_decode_attention_int8 (int8 cache, bf16 q)
@@ -527,7 +529,7 @@ def paged_decode_attention_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     lens = seq_lens.contiguous()
     if not out.is_contiguous() or out.shape != q.shape or out.dtype != torch.bfloat16:
         raise ValueError("paged_decode_attention_into writes a contiguous bf16 tensor of q's shape")
-    _k.paged_decode_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    _k.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                    k_cache.stride(1), tables.data_ptr(), tables.stride(0),
                                    lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size,
                                    scale, window, *_scale_ptrs(k_cache, k_scales, v_scales), softcap)
@@ -536,7 +538,7 @@ def paged_decode_attention_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 # -- kernel calls as data (rtp/kernels/cpu_graph.py) ------------------------------------------------
 
-CALL_WORDS = _k.CALL_WORDS if _AVAILABLE else 16
+CALL_WORDS = ops.CALL_WORDS
 
 
 def record_start(dry: bool = False) -> None:
@@ -556,19 +558,10 @@ def record_stop():
     return _k.record_stop()
 
 
-def address_words(op: int) -> int:
-    """Bitmask of the words of an `op` call that hold addresses."""
-    return _k.address_words(op)
-
-
-def op_name(op: int) -> str:
-    """The name of the kernel a call with word 0 `op` runs."""
-    return _k.OP_NAMES.get(op, f"op {op}")
-
-
-def rows_word(op: int) -> int:
-    """The word of an `op` call that holds its row count."""
-    return _k.rows_word(op)
+# what a call's words mean, from the op table (the compiled kernel_calls.c reads the same table)
+address_words = ops.address_words
+op_name = ops.op_name
+rows_word = ops.rows_word
 
 
 # what a step graph's call counts its rows in; the last two: its sampling calls captured both ways, the
@@ -611,7 +604,7 @@ def run_calls(calls, rows: int, times=None) -> None:
     _k.run_calls(calls.ctypes.data, calls.shape[0], rows, 0 if times is None else times.ctypes.data)
 
 
-# -- prefill attention over the paged cache (rtp/kernels/csrc/prefill_attention.c) -------------------------
+# -- prefill attention over the paged cache (rtp/kernels/csrc/attention/prefill_attention.c) ---------------
 
 # RTP_PREFILL_ATTENTION=0 keeps prefill on torch's SDPA (to compare the two); decided at import.
 _PREFILL = _AVAILABLE and os.environ.get("RTP_PREFILL_ATTENTION", "1") != "0"
@@ -651,7 +644,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if not (0 <= first_row and first_row + rows <= seq_lens.shape[0] and query_start_loc.shape[0] > first_row + rows
             and block_tables.shape[0] >= first_row + rows):
         raise ValueError(f"rows [{first_row}, {first_row + rows}) lie outside the plan's arrays")
-    _k.prefill_attention_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1),
+    _k.prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1),
                               query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
                               block_tables.stride(0), first_row, rows, out.data_ptr(), h, hkv, d, block_size, scale,
                               window, _AMX if amx is None else amx and _AMX, *_scale_ptrs(k_cache, k_scales, v_scales),

@@ -6,7 +6,7 @@ multiply: Q4_K and Q4_0 into q4_1, Q5_0, Q5_1 and Q5_K into q8_1, Q6_K into q8_1
 and the others below). A decode step is bound by reading the
 weights, so the linear layers keep the packed blocks (a third to a half of bf16's bytes) and
 multiply them directly with rtp's CPU kernels:
-  - one row: the AVX-512 kernel over the blocks, exact fp32 weights (cpu_kernels.c);
+  - one row: the AVX-512 kernel over the blocks, exact fp32 weights (csrc/linear/q4_1.c and its siblings);
   - every larger batch: the blocks in tile order (tile_layout), dequantized to the model's bf16
     weights in L1 and multiplied, from 2 rows on (TILE_MIN_ROWS) -- on CPUs with AMX on the tile
     unit: decode batches (amx_linear.c) and prompt-sized ones, prefill chunks and mixed steps, as a
@@ -45,7 +45,7 @@ TILE_KIND_INT8_ROWS = {"q4_1": 5, "q8_0": 6}
 GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
 # the small-int8 kinds the one-row u8 kernel takes, and the offset that makes q + 128 + offset a bf16
 _U8_OFFSET = {"q8_1": 0, "q8_16": 32}
-# q8_0 with bf16 x takes rtp_linear_u8 too, q split into two nibble halves (U8_SPLIT in cpu_kernels.c);
+# q8_0 with bf16 x takes rtp_linear_u8 too, q split into two nibble halves (U8_SPLIT in csrc/linear/u8.c);
 # fp32 x (the LM head's input) keeps rtp_linear_q8, which multiplies it unrounded
 U8_SPLIT = 2176
 

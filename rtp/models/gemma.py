@@ -32,7 +32,7 @@ the Llama family's are: the embedding scale inside the embedding kernel (the pro
 table's dtype, as transformers rounds it), the (Gemma 3) q/k norm of each head in place inside the fused qkv output
 and then the same RoPE + KV-write kernel as Llama's, the post-attention and post-feedforward
 RMSNorms over the bf16 block outputs, GELU(tanh)-and-mul, and the final logit softcapping in
-place on the fp32 logits (rtp/kernels/csrc/row_kernels.c), and Gemma 2's attn_logit_softcapping
+place on the fp32 logits (rtp/kernels/csrc/activation.c), and Gemma 2's attn_logit_softcapping
 inside the attention kernels, on each scaled score before the online softmax (a word of their
 recorded calls, as the scale; 0 for Gemma 3, which then runs the kernels' uncapped loops). fp32
 models are refused capture and run eagerly (torch's linears), as Llama's are. One

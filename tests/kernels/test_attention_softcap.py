@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from rtp.kernels import cpu_kernels
+from rtp.kernels import cpu_kernels, ops
 from rtp.models.attention import (AttentionMetadata, PrefillRow, causal_attention, decode_attention, dequantize_kv,
                                   quantize_kv)
 
@@ -84,7 +84,8 @@ def test_decode_attention_softcap_is_recorded_in_the_call():
         calls = cpu_kernels.record_stop()
     words = torch.tensor(list(calls), dtype=torch.int64).view(-1, cpu_kernels.CALL_WORDS)
     assert words.shape[0] == 1 and cpu_kernels.op_name(int(words[0, 0])) == "decode_attention"
-    assert struct.unpack("<d", struct.pack("<q", int(words[0, 18])))[0] == CAP
+    cap = ops.BY_NAME["decode_attention"].field("softcap").word  # a double's bits, as the scale's
+    assert struct.unpack("<d", struct.pack("<q", int(words[0, cap])))[0] == CAP
     first = out.clone()
     out.zero_()
     cpu_kernels.run_calls(words.numpy(), 0)  # as recorded

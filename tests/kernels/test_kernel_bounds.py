@@ -378,7 +378,7 @@ def test_decode_attention_writes_only_its_output(heads, kv_heads, dim, batch):
     lens_list = [width * block_size, 0, 17, 256, 513][:batch]  # all keys (in parts), a padding row, span edges
     lens = a.place("seq_lens", torch.tensor(lens_list, dtype=torch.int32))
     out = a.place("out", torch.zeros(batch, heads, dim, dtype=torch.bfloat16), writes=first_rows)
-    run_and_replay(a, lambda: cpu_kernels._k.paged_decode_attention_bf16(
+    run_and_replay(a, lambda: cpu_kernels._k.decode_attention(
         q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), kv.stride(2), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block_size, dim**-0.5, 0),
         batch, (1,) if batch == 1 else (1, 3))
@@ -418,10 +418,10 @@ def test_prefill_attention_writes_only_its_chunks_rows(heads, kv_heads, dim, blo
 
     out = a.place("out", torch.zeros(total, heads, dim, dtype=torch.bfloat16), writes=chunk_rows)
     a.allow(total)
-    cpu_kernels._k.prefill_attention_bf16(q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), kv.stride(2),
-                                          qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.stride(0), first,
-                                          nseq, out.data_ptr(), heads, kv_heads, dim, block_size, dim**-0.5, window,
-                                          amx)
+    cpu_kernels._k.prefill_attention(q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), kv.stride(2),
+                                     qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.stride(0), first,
+                                     nseq, out.data_ptr(), heads, kv_heads, dim, block_size, dim**-0.5, window,
+                                     amx)
     a.check("prefill attention")
 
 

@@ -25,6 +25,7 @@ from tiny_models import hf_reference, run_model, run_rtp, write_word_tokenizer
 from rtp.checkpoint.loader import load_model
 from rtp.config import ModelConfig
 from rtp.kernels import cpu_kernels
+from rtp.kernels import ops as op_table
 
 VOCAB = 160
 S, F = "sliding_attention", "full_attention"
@@ -217,8 +218,9 @@ def test_gemma_bf16_steps_replay_cpu_graphs(tmp_path, caplog, case):
     calls = runner.exact_graph.calls
     ops = {cpu_kernels.op_name(int(c[0])) for c in calls}
     assert kernels <= ops, ops
-    # every decode attention call carries the layer's cap (word 18: a double's bits, as its scale), or none
-    caps = {float(np.array([c[18]], dtype=np.int64).view(np.float64)[0]) for c in calls
+    # every decode attention call carries the layer's cap (its softcap field: a double's bits, as its scale), or none
+    cap = op_table.BY_NAME["decode_attention"].field("softcap").word
+    caps = {float(np.array([c[cap]], dtype=np.int64).view(np.float64)[0]) for c in calls
             if cpu_kernels.op_name(int(c[0])) == "decode_attention"}
     assert caps == {getattr(hf.config, "attn_logit_softcapping", None) or 0.0}, caps
     prompts = prompts_of((3, 12, 30), seed=8)

@@ -1,11 +1,13 @@
-/* Vector math rtp's kernels share (AVX-512, fp32): the exponentials of softmax arguments,
- * SiLU-and-mul, tanh and GELU(tanh)-and-mul. One definition, so that the fused MLP epilogue of
- * the AMX linear (amx_linear.c) and the separate SiLU-and-mul kernel (cpu_kernels.c) agree bit
- * for bit. */
+/* Vector math rtp's kernels share (AVX-512, fp32): bf16 conversions, masked row access, the
+ * exponentials of softmax arguments, SiLU-and-mul, tanh and GELU(tanh)-and-mul. One definition, so
+ * that the fused MLP epilogue of the AMX linear (linear/amx_linear.c) and the separate SiLU-and-mul
+ * kernel (activation.c) agree bit for bit. */
 #ifndef RTP_VEC_MATH_H
 #define RTP_VEC_MATH_H
 
 #include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
 
 #define RTP_VEC_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
@@ -27,6 +29,34 @@ static inline void rtp_restore_denormals(unsigned old) { _mm_setcsr(old); }
 RTP_VEC_TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Round-to-nearest-even fp32 -> bf16, as torch does. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* The lanes of a vector that lie within the `left` values still to go. */
+RTP_VEC_TARGET static inline __mmask16 lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* Values at..at+15 of a bf16 or fp32 array as fp32 (lanes outside k: 0, nothing read there). */
+RTP_VEC_TARGET static inline __m512 load16(const void *p, int bf16, int64_t at, __mmask16 k) {
+    if (bf16) {
+        __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)p + at);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(k, (const float *)p + at);
+}
+
+RTP_VEC_TARGET static inline void store16(void *p, int bf16, int64_t at, __mmask16 k, __m512 v) {
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + at, k, (__m256i)_mm512_cvtneps_pbh(v));
+    else _mm512_mask_storeu_ps((float *)p + at, k, v);
 }
 
 /* exp(x) for x <= 0 (softmax arguments), max rel. error about 2e-7. */

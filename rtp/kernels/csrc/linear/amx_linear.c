@@ -1,7 +1,7 @@
 /* Linear layers over GGUF blocks (Q4_1, Q8_0) with Intel AMX, for batches of decode rows.
  *
  * Decode on this machine is bound by the bytes of weights read per step: bf16 weights are
- * 2.4x the bytes of Q4_1 blocks. The AVX-512 kernels in cpu_kernels.c read the blocks but
+ * 2.4x the bytes of Q4_1 blocks. The AVX-512 kernels in q4_1.c (and beside it) read the blocks but
  * their multiply work grows with the rows, so past a few rows oneDNN's bf16 GEMM wins. Here
  * the blocks are dequantized once per step into 16 x 32 bf16 tiles in L1 and every row of
  * the batch is multiplied on the AMX unit. At 64 rows the kernel does about 1.07 TFLOP/s
