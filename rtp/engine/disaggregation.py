@@ -118,10 +118,12 @@ class KVHandoff(Component):
             raise ValueError("prefill/decode KV transfer with --kv-cache-dtype int8 is not supported yet "
                              "(the transfer moves blocks without their scales)")
 
-    def resume(self, rid: int, first_token: int) -> None:
-        """The reserved request joins the batch from its first token (KeyError: not reserved here;
-        ValueError, nothing changed: the token would end it)."""
+    def resume(self, request, first_token: int) -> None:
+        """The reserved request joins the batch from its first token (the hook runs after the other
+        components', which may refuse the token; KeyError: not reserved here; ValueError, nothing
+        changed: the token would end it)."""
+        rid = request.rids[0]
         if rid not in self.awaiting_kv:
-            raise KeyError(f"runtime request {rid} is not reserved here")
+            raise KeyError(f"request {request.request_id!r} is not reserved here")
         self.scheduler.resume(rid, first_token)
         self.awaiting_kv.discard(rid)

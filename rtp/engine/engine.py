@@ -152,9 +152,8 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.rids[0] not in self.handoff.awaiting_kv:
             raise KeyError(f"request {request_id!r} is not reserved here")
-        for c in self.components:
+        for c in self.components:  # a grammar advances by it (or refuses it), then the hand-off resumes it
             c.resume(request, first_token)
-        self.handoff.resume(request.rids[0], first_token)
         try:
             return self.outputs.resume(request.rids[0], first_token, logprobs, num_cached_tokens)
         except Exception as e:

@@ -111,3 +111,14 @@ def test_a_component_added_beside_the_core_runs_its_hooks_and_ends_requests(llm)
     assert not engine.has_unfinished_requests() and not len(engine.requests) and not len(engine.outputs)
     engine.scheduler.check_integrity()
     assert engine.allocator.num_used == 0
+
+
+HOOKS = ("admit", "before_schedule", "before_forward", "after_forward", "after_sample", "after_emit", "after_step",
+         "finished", "reserved", "resume", "stats")
+
+
+def test_every_component_answers_every_hook(llm):
+    """No component hides a hook under an attribute of the same name (a set called `reserved` did)."""
+    for component in llm.engine.components:
+        for hook in HOOKS:
+            assert callable(getattr(component, hook)), (type(component).__name__, hook)
