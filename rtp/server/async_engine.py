@@ -124,7 +124,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, metrics=None, _thread: threading.Thread | None = None,
                  _go: threading.Event | None = None):
-        self.engine = engine  # the engine thread's alone once start() ran: the loop uses the commands
+        self._engine = engine  # the engine thread's alone once start() ran: the loop gives commands
         # facts fixed at load, read here once, before the thread steps: the loop reads these, never the engine
         self.tokenizer = engine.tokenizer  # read-only: the loop tokenizes with it
         self.model_path = engine.model_path
@@ -354,20 +354,20 @@ class AsyncEngine:
             self._die(e)
         finally:
             if self.dead is None:
-                self.engine.shutdown()  # stops tensor-parallel followers; nothing without them
+                self._engine.shutdown()  # stops tensor-parallel followers; nothing without them
 
     def _once(self) -> bool:
         """Take the waiting commands, then run one step; False once told to stop."""
         # block only when nothing can run: a running batch must not wait for commands
-        idle = self.dead is not None or not self.engine.has_unfinished_requests()
+        idle = self.dead is not None or not self._engine.has_unfinished_requests()
         for command in self._take_commands(block=idle):
             if not self._command(command):
                 return False
-        if self.dead is None and self.engine.has_unfinished_requests():
+        if self.dead is None and self._engine.has_unfinished_requests():
             self._step()
         if self._watch_followers and self.dead is None:
             self._check_followers()
-        self.stats = {**self.engine.stats(), "prefill_tokens_per_ms": self.prefill_tokens_per_ms,
+        self.stats = {**self._engine.stats(), "prefill_tokens_per_ms": self.prefill_tokens_per_ms,
                       "decode_step_ms": self.decode_step_ms}
         return True
 
@@ -380,7 +380,7 @@ class AsyncEngine:
         elif kind == "abort":
             for engine_id in args[0]:
                 if self._live.pop(engine_id, None) is not None:
-                    self.engine.abort_request(engine_id)
+                    self._engine.abort_request(engine_id)
                 else:
                     self._cancel_pending(engine_id)
         elif kind == "reserve":
@@ -392,10 +392,10 @@ class AsyncEngine:
         elif kind == "drop":
             self._live.pop(args[0], None)
             self._cancel_pending(args[0])
-            self.engine.abort_request(args[0])
+            self._engine.abort_request(args[0])
         else:  # stop
             for engine_id in list(self._live):
-                self.engine.abort_request(engine_id)
+                self._engine.abort_request(engine_id)
             self._live.clear()
             self._refuse_pending(EngineDead("the server is stopping"))
             return False
@@ -419,7 +419,7 @@ class AsyncEngine:
         if now - self._followers_checked < _FOLLOWERS_CHECKED:
             return
         self._followers_checked = now
-        if not self.engine.followers_alive():
+        if not self._engine.followers_alive():
             self._die(RuntimeError("a tensor-parallel follower process exited"))
 
     # admission: a grammar compiles off this thread, then the request goes in
@@ -433,7 +433,7 @@ class AsyncEngine:
             return
         try:  # before its grammar: a request refused anyway costs no compile
             for ids in prompts:
-                self.engine.check_request(ids, params, prompt_param)
+                self._engine.check_request(ids, params, prompt_param)
         except Exception as e:  # InvalidRequest naming the field; anything else is ours, this request's alone
             refuse(e)
             return
@@ -445,7 +445,7 @@ class AsyncEngine:
             # a Future: the limits are checked here (bounded by --grammar-max-bytes), the compile runs on
             # the compiler's own workers and sandboxes, cached by content (LLMEngine.add_request then
             # finds it done)
-            future = self.engine.compile_grammar(spec, client)
+            future = self._engine.compile_grammar(spec, client)
         except Exception as e:
             refuse(e)
             return
@@ -500,13 +500,13 @@ class AsyncEngine:
             try:
                 for engine_id, ids in zip(stream.engine_ids(), prompts):
                     if kv_sink is None:
-                        self.engine.add_request(engine_id, ids, params)
+                        self._engine.add_request(engine_id, ids, params)
                     else:
-                        self.engine.add_request(engine_id, ids, params, kv_sink=kv_sink)
+                        self._engine.add_request(engine_id, ids, params, kv_sink=kv_sink)
                     added.append(engine_id)
             except Exception as e:  # EngineFull, InvalidRequest, or ours: this request alone, all its prompts
                 for engine_id in added:
-                    self.engine.abort_request(engine_id)
+                    self._engine.abort_request(engine_id)
                 refuse(e)
                 return
             for prompt, engine_id in enumerate(added):
@@ -522,7 +522,7 @@ class AsyncEngine:
 
         def reserve() -> None:
             try:
-                blocks = self.engine.reserve_request(request_id, prompt, params)
+                blocks = self._engine.reserve_request(request_id, prompt, params)
             except Exception as e:  # MemoryError (full now) and ValueError (never) alike: this request alone
                 refuse(e)
                 return
@@ -532,9 +532,9 @@ class AsyncEngine:
 
     def _write_kv(self, done: asyncio.Future, engine_id: str, layer: int, blocks, num_tokens: int, kv) -> None:
         try:
-            self.engine.write_kv(layer, blocks, num_tokens, kv)
+            self._engine.write_kv(layer, blocks, num_tokens, kv)
         except Exception as e:  # this reservation's alone: its KV is incomplete, so it goes
-            self.engine.abort_request(engine_id)
+            self._engine.abort_request(engine_id)
             self._settle(done, error=e)
             return
         self._settle(done)
@@ -542,9 +542,9 @@ class AsyncEngine:
     def _resume(self, stream: Stream, request_id: str, first_token: int, logprobs, num_cached_tokens: int,
                 params: SamplingParams) -> None:
         try:
-            out = self.engine.resume_request(request_id, first_token, logprobs, num_cached_tokens)
+            out = self._engine.resume_request(request_id, first_token, logprobs, num_cached_tokens)
         except Exception as e:  # unknown, expired or a token that cannot continue it
-            self.engine.abort_request(request_id)  # a reservation it left behind goes back to the pool
+            self._engine.abort_request(request_id)  # a reservation it left behind goes back to the pool
             self._post([(stream, Update(0, [], finished=True, error=e))], time.monotonic())
             return
         live = _Live(stream, 0)
@@ -556,7 +556,7 @@ class AsyncEngine:
     def _step(self) -> None:
         started = time.monotonic()
         try:
-            outputs = self.engine.step()
+            outputs = self._engine.step()
             self._measure(time.monotonic() - started)
         except Exception as e:
             # not attributable to one request (the engine fails those alone and steps on), so
@@ -579,7 +579,7 @@ class AsyncEngine:
         """Prefill speed (prompt tokens per ms over recent steps with at least 128 of them) and
         decode step time (decode-only steps), as moving averages: what the master divides
         queues by."""
-        scheduler = getattr(self.engine, "scheduler", None)
+        scheduler = getattr(self._engine, "scheduler", None)
         plan = getattr(scheduler, "plan", None)
         if plan is None:  # an engine without rtp's runtime (a test's stub) reports no speeds
             return
