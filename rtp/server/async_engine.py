@@ -67,6 +67,10 @@ class EngineDead(RuntimeError):
     """A step failed outside any one request (EngineFatal); nothing more can be trusted to run."""
 
 
+class Withdrawn(Exception):
+    """The request was aborted (drop, abort) while it waited for its grammar: it never ran."""
+
+
 class Stream:
     """One HTTP request's view of its engine requests (one per prompt), in the loop thread.
 
@@ -474,7 +478,7 @@ class AsyncEngine:
 
     def _cancel_pending(self, engine_id: str) -> None:
         """Withdraw an admission waiting for its grammar: the compile nobody waits for is dropped, or
-        killed if it runs (rtp/engine/grammar/compiler.py)."""
+        killed if it runs (rtp/engine/grammar/compiler.py), and a caller still waiting hears so."""
         pending = self._pending.pop(engine_id, None)
         if pending is None:
             return
@@ -482,6 +486,7 @@ class AsyncEngine:
             self._pending.pop(other, None)
         pending.withdrawn = True
         pending.future.cancel()
+        pending.refuse(Withdrawn(f"request {engine_id} was aborted while its grammar compiled"))
 
     def _refuse_pending(self, error: BaseException) -> None:
         for pending in {id(p): p for p in self._pending.values()}.values():

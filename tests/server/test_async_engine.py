@@ -18,7 +18,7 @@ import pytest
 
 from rtp.errors import EngineFull, InvalidRequest
 from rtp.sampling_params import SamplingParams, StructuredOutputs
-from rtp.server.async_engine import AsyncEngine, EngineDead
+from rtp.server.async_engine import AsyncEngine, EngineDead, Withdrawn
 
 SPEC = StructuredOutputs(choice=["yes", "no"])
 
@@ -281,3 +281,19 @@ def test_reserve_and_write_kv_run_on_the_engine_thread():
     run(stub, body)
     # a failed write drops the request: its KV is incomplete
     assert stub.calls[-3:] == ["write 0", "write 13", "abort pd-r"]
+
+
+def test_a_reserve_dropped_while_its_grammar_compiles_is_refused_and_its_compile_cancelled():
+    """The prefill node's abort reaches a decode node whose reserve still waits for its grammar."""
+    stub = StubEngine()
+
+    async def body(engine):
+        reserving = asyncio.ensure_future(engine.reserve("pd-r", [1, 2], SamplingParams(structured_outputs=SPEC)))
+        await until(lambda: stub.compiles)
+        engine.drop("pd-r")
+        with pytest.raises(Withdrawn):
+            await reserving
+        assert stub.compiles[0][0].cancelled()
+
+    run(stub, body)
+    assert "reserve pd-r" not in stub.calls

@@ -29,7 +29,7 @@ from rtp.wire.kv_layout import KVLayout
 if TYPE_CHECKING:
     from rtp.server.metrics import ServerMetrics
 
-log = logging.getLogger("rtp.server.pd")
+log = logging.getLogger("rtp.serve.pd")
 
 
 class PeerError(Exception):

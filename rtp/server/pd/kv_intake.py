@@ -24,7 +24,7 @@ import time
 from rtp.server.pd.context import PDContext, Reservation
 from rtp.wire import rpc
 
-log = logging.getLogger("rtp.server.pd")
+log = logging.getLogger("rtp.serve.pd")
 
 
 class Refused(Exception):

@@ -54,14 +54,14 @@ from starlette.routing import Route
 
 from rtp.http import ClosingStream
 from rtp.sampling_params import SamplingParams
-from rtp.server.async_engine import AsyncEngine, EngineDead, Stream, Update
+from rtp.server.async_engine import AsyncEngine, EngineDead, Stream, Update, Withdrawn
 from rtp.server.pd.context import PDContext, PeerError, Reservation
 from rtp.server.pd.kv_intake import Intake, KVPort, Refused
 from rtp.server.pd.relay import Relay, Sink
 from rtp.wire import rpc
 from rtp.wire.kv_layout import KVLayout
 
-log = logging.getLogger("rtp.server.pd")
+log = logging.getLogger("rtp.serve.pd")
 
 ROLES = ("collocated", "prefill", "decode")
 _ABORTS_REMEMBERED = 65536  # request ids whose abort a decode node keeps (for at least _ABORT_MEMORY seconds)
@@ -197,6 +197,8 @@ class PDNode:
         found = False
         if self.role == "decode":
             self._remember_abort(body.request_id)
+            # a reserve still waiting for its grammar: the compile is cancelled and the reserve refused
+            self.engine.drop(_engine_id(body.request_id))
         r = self._reservations.pop(body.request_id, None)
         if r is not None:
             found = True
@@ -242,6 +244,8 @@ class PDNode:
             return _error(400, str(e))
         except EngineDead as e:
             return _error(503, str(e))
+        except Withdrawn:  # the abort came while its grammar compiled (rpc_abort)
+            return _error(409, f"request {body.request_id} was aborted by the prefill node")
         if body.request_id in self._aborted:  # the abort overtook this reserve while it waited for the blocks
             self.engine.drop(engine_id)
             return _error(409, f"request {body.request_id} was aborted by the prefill node")

@@ -28,7 +28,7 @@ from rtp.server.async_engine import ChoiceDelta, Stream, Update
 from rtp.server.pd.context import PDContext, PeerError
 from rtp.wire import rpc
 
-log = logging.getLogger("rtp.server.pd")
+log = logging.getLogger("rtp.serve.pd")
 _MAX_REPLY_BYTES = 1 << 20  # the KV port's reply: a PushResponse or an RPCError
 
 
