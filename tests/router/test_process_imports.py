@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -103,14 +104,15 @@ def start_route(worker: str, model) -> tuple[float, float, list[str]]:
     """Start `rtp route` before the worker; (seconds from the start to its first /health 200, CPU seconds
     it had used by then, the modules it imported)."""
     port = free_port()
+    log = tempfile.TemporaryFile("w+")  # not a pipe: the import lines alone would fill one, and block the router
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "rtp", "route", "--collocated", worker,
                              "--port", str(port), "--model", str(model)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                            stdout=subprocess.DEVNULL, stderr=log, text=True, cwd=ROOT)
     try:
         with httpx.Client(timeout=2.0) as client:
             while True:
-                assert proc.poll() is None, proc.stderr.read()[-2000:]
+                assert proc.poll() is None, f"rtp route exited with {proc.returncode}"
                 try:
                     if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                         break
@@ -121,7 +123,10 @@ def start_route(worker: str, model) -> tuple[float, float, list[str]]:
         seconds, cpu = time.perf_counter() - started, _cpu_seconds(proc.pid)
     finally:
         proc.terminate()
-        err = proc.communicate(timeout=30)[1]
+        proc.wait(timeout=30)
+        log.seek(0)
+        err = log.read()
+        log.close()
     assert proc.returncode == 0, err[-2000:]
     modules = [line.rsplit("|", 1)[1].strip() for line in err.splitlines() if line.startswith("import time:")]
     return seconds, cpu, modules
