@@ -17,9 +17,10 @@ ASK = "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, g
 
 @pytest.fixture(scope="module")
 def server():
-    # one request at a time here: 4 sequences and a 512-token step (one whole context) are CPU graphs enough
+    # one request at a time here: 5 sequences (a step verifies at most max-num-seqs - 1 drafts: 4) and a
+    # 512-token step (one whole context) are CPU graphs enough
     s = Server("--speculative", "ngram", "--num-speculative-tokens", "4", "--max-model-len", "512",
-               "--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--max-num-batched-tokens", "512")
+               "--kv-cache-memory", "64MiB", "--max-num-seqs", "5", "--max-num-batched-tokens", "512")
     yield s.wait_ready()
     s.stop()
 
