@@ -12,7 +12,15 @@ import json
 import sys
 
 # msgspec only underneath: `rtp --help` stays fast
-from rtp.cli_options import add_engine_options, add_serve_options, byte_size, engine_config, serve_config
+from rtp.cli_options import (
+    add_engine_options,
+    add_route_options,
+    add_serve_options,
+    byte_size,
+    engine_config,
+    route_config,
+    serve_config,
+)
 from rtp.config import flat_names
 
 
@@ -134,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rtp.serve.server import serve
+    from rtp.server.server import serve
 
     if args.model_ref is not None:
         if args.model is not None and args.model != args.model_ref:
@@ -155,42 +163,41 @@ def _route(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from rtp.serve.flexlb import RouteOptions, route
-
-    beta = args.beta
-    if beta != "auto":
-        try:
-            beta = float(beta)
-        except ValueError:
-            print(f"rtp route: --beta must be a number in [0, 1] or 'auto', got {beta!r}", file=sys.stderr)
-            return 2
-    options = RouteOptions(prefill=args.prefill, decode=args.decode, collocated=args.collocated,
-                           policy=args.policy, beta=beta, gamma=args.gamma, rpc_token=args.rpc_token,
-                           poll_interval=args.poll_interval, request_timeout=args.request_timeout,
-                           retries=args.retries, host=args.host, port=args.port)
     try:
-        options.validate()
-        from rtp.serve.routing import Router
+        options = route_config(args)
+        from rtp.http import check_bindable
+        from rtp.router.flexlb import route
+        from rtp.router.routing import Router
 
-        Router(options.policy, beta=options.beta)  # a bad policy or beta fails here, before loading
-        tokenizer = _route_tokenizer(args.model)
+        Router(options.policy, beta=options.beta)  # a bad policy or beta fails here, before the tokenizer loads
+        check_bindable(options.host, options.port)
+        source = _route_tokenizer_source(options.model)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"rtp route: {e}", file=sys.stderr)
         return 2
-    return route(options, tokenizer)
+
+    def load_tokenizer():
+        from rtp.checkpoint.tokenizer import Tokenizer
+
+        return Tokenizer.from_pretrained(source)
+
+    # read once the master serves (a GGUF's vocabulary takes longer than the rest of the start)
+    return route(options, load_tokenizer)
 
 
-def _route_tokenizer(model: str | None):
-    """The tokenizer the workers use, so the master's prefix view is in their tokens."""
+def _route_tokenizer_source(model: str | None):
+    """Where the workers' tokenizer is, so the master's prefix view is in their tokens (FileNotFoundError
+    now, not once serving, when it is nowhere)."""
     from pathlib import Path
-
-    from rtp.checkpoint.tokenizer import Tokenizer
 
     if model is None:
         from rtp.checkpoint.default_model import default_model_path
 
-        return Tokenizer.from_pretrained(default_model_path())
-    return Tokenizer.from_pretrained(Path(model).expanduser())
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer source not found: {path}")
+    return path
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -288,31 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
         "or answered 503 with Retry-After); a 4xx or a 500 goes to the client as the worker sent it.",
         epilog="example: rtp route --prefill http://p1:8000 http://p2:8000 --decode http://d1:8000 "
         "--rpc-token $TOKEN --beta auto")
-    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers (rtp serve --role prefill)")
-    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers (rtp serve --role decode)")
-    p.add_argument("--collocated", nargs="+", default=[], metavar="URL",
-                   help="collocated workers (plain rtp serve), used when no prefill/decode pair is given")
-    p.add_argument("--policy", default="flexlb", choices=["flexlb", "round-robin", "least-loaded", "cache-aware"],
-                   help="routing policy (default flexlb; the others are for comparison)")
-    p.add_argument("--beta", default="0.65",
-                   help="FlexLB's weight of prefix affinity against queue time, in [0, 1], or 'auto' to tune "
-                   "it online from the observed prefix sharing and queue imbalance (default 0.65)")
-    p.add_argument("--gamma", type=float, default=1.0,
-                   help="decode choice: weight of the tokens running requests are still expected to generate "
-                   "against free KV tokens (default 1.0)")
-    p.add_argument("--model", default=None,
-                   help="the workers' model (its tokenizer and chat template; default: the default model)")
-    p.add_argument("--rpc-token", default=None, help="the workers' --rpc-token (stats RPC and P/D hand-off)")
-    p.add_argument("--poll-interval", type=float, default=0.5, metavar="SECONDS",
-                   help="seconds between stats polls of every worker (default 0.5)")
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="longest a proxied request may take (default 600)")
-    p.add_argument("--retries", type=int, default=1,
-                   help="times a request no engine saw (worker unreachable, or its queue full) is retried on "
-                   "another worker (default 1)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="default info: one line per worker event")
+    add_route_options(p)
     p.set_defaults(func=_route)
 
     p = sub.add_parser(

@@ -3,12 +3,14 @@
 Each config field becomes one flag: its flat name in kebab case (or the `flag` its Meta
 names), its type, default and help text from the field itself. `rtp generate` and
 `rtp serve` add the same engine options this way, differing only in the defaults a
-command overrides, so the commands and the offline API `LLM(**flat)` cannot drift.
+command overrides, so the commands and the offline API `LLM(**flat)` cannot drift;
+`rtp serve`'s own options (ServeConfig) and `rtp route`'s (RouteConfig) come the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import types
 import typing
 from collections.abc import Iterable
@@ -16,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from rtp.config import SUB_CONFIGS, EngineConfig, ServeConfig, field_meta, flat_names
+from rtp.config import SUB_CONFIGS, EngineConfig, RouteConfig, ServeConfig, field_meta, flat_names, struct_fields
 
 
 def byte_size(text: str) -> int:
@@ -45,10 +47,20 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
             _add(group, cls, field, names[part, field], defaults or {})
 
 
+def number_or_word(text: str) -> float | str:
+    """A number, or a word the option knows (beta: auto); the config's validate() says which words."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server options", _first_line(ServeConfig.__doc__))
-    for field in ServeConfig.__struct_fields__:
-        _add(group, ServeConfig, field, field, {})
+    _add_struct(parser, "server options", ServeConfig)
+
+
+def add_route_options(parser: argparse.ArgumentParser) -> None:
+    _add_struct(parser, "router options", RouteConfig)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -56,16 +68,34 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    config = ServeConfig(**{name: getattr(args, name) for name in ServeConfig.__struct_fields__})
+    return _struct(ServeConfig, args)
+
+
+def route_config(args: argparse.Namespace) -> RouteConfig:
+    return _struct(RouteConfig, args)
+
+
+def _add_struct(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
+    """One flag per field of a command's own options struct, named as the field."""
+    group = parser.add_argument_group(title, _first_line(cls.__doc__))
+    for field in cls.__struct_fields__:
+        _add(group, cls, field, field, {})
+
+
+def _struct(cls: type, args: argparse.Namespace):
+    config = cls(**{name: getattr(args, name) for name in cls.__struct_fields__})
     config.validate()
     return config
+
+
+_PARSERS = {"bytes": byte_size, "number_or_word": number_or_word}
 
 
 def _add(group, cls: type, field: str, flat: str, defaults: dict[str, Any]) -> None:
     meta = field_meta(cls, field)
     extra = dict((meta.extra or {}) if meta is not None else {})
     default = defaults.get(flat, _default(cls, field))
-    kind = _base_type(typing.get_type_hints(cls)[field])
+    kind = _base_type(_type_hints(cls)[field])
     flags = [extra.get("flag") or "--" + flat.replace("_", "-"), *extra.get("aliases", ())]
     text = (meta.description if meta is not None and meta.description else "").replace("%", "%%")
     kw: dict[str, Any] = {"dest": flat, "default": default}
@@ -74,18 +104,23 @@ def _add(group, cls: type, field: str, flat: str, defaults: dict[str, Any]) -> N
         if extra.get("negatable") and default is not None:
             text += f" (default {'on' if default else 'off'})"
     else:
-        kw["type"] = byte_size if extra.get("parse") == "bytes" else kind
+        kw["type"] = _PARSERS[extra["parse"]] if "parse" in extra else kind
         for key in ("choices", "nargs", "metavar"):
             if key in extra:
                 kw[key] = extra[key]
-        if default is not None:
+        if default is not None and default != []:
             text += f" (default {default})"
     group.add_argument(*flags, help=text, **kw)
 
 
 def _default(cls: type, field: str):
-    info = next(f for f in msgspec.structs.fields(cls) if f.name == field)
+    info = struct_fields(cls)[field]
     return info.default_factory() if info.default is msgspec.NODEFAULT else info.default
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
 
 
 def _base_type(hint) -> type:

@@ -10,6 +10,7 @@ module imports nothing of rtp: everything else builds on it.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -547,7 +548,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """`rtp serve`'s own options: the HTTP server, admission, and its role in prefill/decode
-    disaggregation (rtp/serve/pd/)."""
+    disaggregation (rtp/server/pd/)."""
 
     host: _field(str, "address to listen on (0.0.0.0 for all)") = "127.0.0.1"
     port: _field(int, "port to listen on") = 8000
@@ -588,14 +589,71 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         _positive(self, "max_body_bytes", "max_queue")
 
 
+class RouteConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """`rtp route`'s options: the workers, the routing policy, and the master's own HTTP server
+    (rtp/router/flexlb.py)."""
+
+    prefill: _field(list[str], "prefill workers (rtp serve --role prefill)", nargs="+",
+                    metavar="URL") = msgspec.field(default_factory=list)
+    decode: _field(list[str], "decode workers (rtp serve --role decode)", nargs="+",
+                   metavar="URL") = msgspec.field(default_factory=list)
+    collocated: _field(list[str], "collocated workers (plain rtp serve), used when no prefill/decode pair is "
+                                  "given", nargs="+", metavar="URL") = msgspec.field(default_factory=list)
+    policy: _field(str, "routing policy (the others are for comparison)",
+                   choices=["flexlb", "round-robin", "least-loaded", "cache-aware"]) = "flexlb"
+    beta: _field(float | str, "FlexLB's weight of prefix affinity against queue time, in [0, 1], or 'auto' to "
+                              "tune it online from the observed prefix sharing and queue imbalance",
+                 parse="number_or_word", metavar="BETA") = 0.65
+    gamma: _field(float, "decode choice: weight of the tokens running requests are still expected to generate "
+                         "against free KV tokens") = 1.0
+    model: _field(str | None, "the workers' model (its tokenizer and chat template; default: the default "
+                              "model)") = None
+    rpc_token: _field(str | None, "the workers' --rpc-token (stats RPC and P/D hand-off)", metavar="SECRET") = None
+    poll_interval: _field(float, "seconds between stats polls of every worker", metavar="SECONDS") = 0.5
+    request_timeout: _field(float, "longest a proxied request may take", metavar="SECONDS") = 600.0
+    retries: _field(int, "times a request no engine saw (worker unreachable, or its queue full) is retried on "
+                         "another worker") = 1
+    host: _field(str, "address to listen on (0.0.0.0 for all)") = "127.0.0.1"
+    port: _field(int, "port to listen on") = 8080
+    grace_period: _field(float, "on SIGTERM, how long proxied requests may take to finish",
+                         metavar="SECONDS") = 30.0
+
+    def validate(self) -> None:
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("prefill/decode routing needs both --prefill and --decode workers")
+        if not (self.prefill or self.collocated):
+            raise ValueError("no workers: give --prefill and --decode URLs, or --collocated URLs")
+        urls = self.prefill + self.decode + self.collocated
+        if len(set(urls)) != len(urls):
+            raise ValueError("a worker URL appears twice")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        if self.beta != "auto" and (isinstance(self.beta, str) or not 0.0 <= self.beta <= 1.0):
+            raise ValueError(f"--beta must be a number in [0, 1] or 'auto', got {self.beta!r}")
+        if not self.poll_interval > 0:
+            raise ValueError("--poll-interval must be positive")
+        if not self.request_timeout > 0:
+            raise ValueError("--request-timeout must be positive")
+        if self.retries < 0:
+            raise ValueError(f"--retries must be 0 or more, got {self.retries}")
+
+
 SUB_CONFIGS: dict[str, type] = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                 "parallel": ParallelConfig, "eplb": EPLBConfig, "speculative": SpeculativeConfig,
                                 "structured": StructuredOutputConfig}
 
 
+@functools.cache
+def struct_fields(cls: type) -> dict[str, msgspec.structs.FieldInfo]:
+    """A config struct's fields by name, resolved once: msgspec resolves every annotation of the
+    class on each call, and the command line asks for each field (a quarter of a second a start)."""
+    return {f.name: f for f in msgspec.structs.fields(cls)}
+
+
 def field_meta(cls: type, field: str) -> msgspec.Meta | None:
     """The Meta (help text, flag) a config field was declared with."""
-    info = next(f for f in msgspec.structs.fields(cls) if f.name == field)
+    info = struct_fields(cls)[field]
     return next((m for m in getattr(info.type, "__metadata__", ()) if isinstance(m, msgspec.Meta)), None)
 
 

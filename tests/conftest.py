@@ -6,7 +6,7 @@ import pytest
 from hypothesis import settings
 
 # Tests live in a folder per part of rtp (runtime/, kernels/, checkpoint/, models/, engine/,
-# serve/, tools/), without __init__.py: each test module is imported by its basename (so basenames
+# server/, router/, tools/), without __init__.py: each test module is imported by its basename (so basenames
 # stay unique) with its own folder on sys.path, which serves helpers kept beside their tests
 # (runtime/runtime_sim.py). Helpers shared across folders (servers.py, tiny_models.py, ranks.py)
 # sit here: pytest's default import mode puts this conftest's folder on sys.path too, said

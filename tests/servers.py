@@ -1,4 +1,4 @@
-"""`rtp serve` (and `rtp route`) in subprocesses on loopback, for the server tests (tests/serve/)
+"""`rtp serve` (and `rtp route`) in subprocesses on loopback, for the server tests (tests/server/)
 and the tensor-parallel server tests (tests/engine/test_parallel.py).
 
 Server starts one on a free port (readiness is waited for separately, so that several load

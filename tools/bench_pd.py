@@ -47,7 +47,7 @@ import numpy as np
 
 from _common import REPO, free_port
 from rtp.sampling_params import SamplingParams
-from rtp.serve.pd import rpc
+from rtp.wire import rpc
 
 TOKEN = "bench-pd"
 
@@ -132,7 +132,7 @@ async def push_once(url: str, layout, ctx: int, request_id: str, payloads: list[
 
         if tcp:
             reader, writer = await asyncio.open_connection("127.0.0.1", reservation.kv_port)
-            # as the prefill node sets its end (rtp/serve/pd/relay.py, Relay._push_tcp)
+            # as the prefill node sets its end (rtp/server/pd/relay.py, Relay._push_tcp)
             writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             writer.transport.set_write_buffer_limits(high=8 << 20)
             start = time.perf_counter()

@@ -17,8 +17,18 @@ a model, conversion, and the default model.
                           template, and the incremental detokenizer
 """
 
-from rtp.checkpoint.formats import Checkpoint, open_checkpoint
-from rtp.checkpoint.reader import stream_tensors
-from rtp.checkpoint.records import CheckpointError, TensorRecord
+
+import importlib
+
+# imported when first used: the formats, the reader and the records import torch, and a process
+# that needs only the tokenizer (`rtp route`) must not pay for it (tests/router/test_process_imports.py)
+_LAZY = {"Checkpoint": "formats", "open_checkpoint": "formats", "stream_tensors": "reader",
+         "CheckpointError": "records", "TensorRecord": "records"}
 
 __all__ = ["Checkpoint", "CheckpointError", "TensorRecord", "open_checkpoint", "stream_tensors"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'rtp.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rtp.checkpoint.{_LAZY[name]}"), name)

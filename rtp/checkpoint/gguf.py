@@ -20,24 +20,24 @@ Three things llama.cpp's converter did are undone here:
   q/k rows for llama-arch models the converter permuted q_proj/k_proj rows from HF's
            rotate-half layout to interleaved pairs (llama.cpp's "normal" rope); see `_unpermute_qk`
 
-`GGUFFile` is the architecture-agnostic part (metadata, tokenizer fields) that the
-tokenizer uses; `GGUFCheckpoint` adds the architecture check, the config and tensors.
+`GGUFFile` (rtp/checkpoint/gguf_header.py, no torch) is the architecture-agnostic part (metadata,
+tokenizer fields) that the tokenizer uses; `GGUFCheckpoint` adds the architecture check, the
+config and tensors.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from collections.abc import Iterator
-from functools import cached_property, partial
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from rtp.checkpoint.gguf_header import GGUFHeader, GGUFTensor
+from rtp.checkpoint.gguf_header import GGUFError, GGUFFile
 from rtp.checkpoint.records import CheckpointError, TensorRecord
 from rtp.config import ModelConfig, size_limit
 
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
     from rtp.kernels.quant import BlockQuantized
 
 log = logging.getLogger("rtp.gguf")
-
-_MAGIC = b"GGUF"
 
 # GGUF general.architecture -> (HF model_type, HF architectures[0])
 _ARCHITECTURES = {
@@ -109,10 +107,6 @@ _SKIPPED = {"rope_freqs.weight"}
 _ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 
 
-class GGUFError(ValueError):
-    """A file that is not a readable GGUF checkpoint of a supported model."""
-
-
 def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str:
     """The HF parameter name of a llama.cpp tensor name (in a GGUF of architecture `arch`);
     GGUFError if it has none."""
@@ -135,85 +129,6 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-@functools.lru_cache(maxsize=8)
-def _read(path: str, size: int, mtime_ns: int) -> GGUFHeader:
-    """The header of one file version (size and mtime in the key): a start opens the file twice (the
-    loader, then the tokenizer), and the last files read (a split GGUF's parts) stay memory-mapped."""
-    return GGUFHeader(path)
-
-
-_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-def _open(path: Path):
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != _MAGIC:
-        raise GGUFError(f"{path} is not a GGUF file (starts with {magic!r}, not {_MAGIC!r})")
-    stat = path.stat()
-    try:
-        return _read(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    except Exception as e:  # the header's reading raises ValueError/struct.error/KeyError on damage
-        raise GGUFError(f"{path}: cannot parse GGUF: {e}") from e
-
-
-class GGUFFile:
-    """A GGUF file's metadata, for any architecture (the tokenizer only needs this)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        if not self.path.exists():
-            raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        if not self.path.is_file():
-            raise GGUFError(f"{self.path} is not a file (expected a .gguf checkpoint)")
-        self.header = _open(self.path)
-        # a split GGUF (llama.cpp's gguf-split: NAME-00001-of-0000N.gguf): the metadata is the first
-        # part's, the tensors are spread over all N, each part a file of its own
-        self.parts: list[tuple[Path, GGUFHeader]] = [(self.path, self.header)]
-        count = int(self.get("split.count", 1) or 1)
-        if count > 1:
-            split = _SPLIT_NAME.match(self.path.name)
-            if split is None or int(split["part"]) != 1:
-                raise GGUFError(f"{self.path} is part of a split GGUF of {count} files: load its first part "
-                                "(NAME-00001-of-0000N.gguf)")
-            for k in range(2, count + 1):
-                part = self.path.with_name(f"{split['stem']}-{k:05d}-of-{split['count']}.gguf")
-                if not part.is_file():
-                    raise GGUFError(f"{self.path}: part {k} of {count} of this split GGUF is missing ({part})")
-                self.parts.append((part, _open(part)))
-
-    def all_tensors(self) -> list[tuple[Path, GGUFTensor]]:
-        """(file, tensor) of every tensor, part by part, each part's in data-offset order."""
-        return [(path, t) for path, header in self.parts for t in sorted(header.tensors, key=lambda t: t.data_offset)]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """One metadata value by its GGUF key (e.g. 'llama.block_count')."""
-        return self.header.fields.get(key, default)
-
-    def keys(self) -> list[str]:
-        return list(self.header.fields)
-
-    @cached_property
-    def architecture(self) -> str:
-        arch = self.get("general.architecture")
-        if arch is None:
-            raise GGUFError(f"{self.path} has no general.architecture in its metadata")
-        return arch
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.get("tokenizer.chat_template")
-
-    @cached_property
-    def tokenizer_metadata(self) -> dict[str, Any]:
-        """The `tokenizer.ggml.*` fields, without the prefix (tokens, merges, token_type, pre, ...),
-        plus `chat_template`. Ids absent from the file are absent here."""
-        prefix = "tokenizer.ggml."
-        meta = {k[len(prefix):]: v for k, v in self.header.fields.items() if k.startswith(prefix)}
-        meta["chat_template"] = self.chat_template
-        return meta
 
 
 class GGUFCheckpoint(GGUFFile):

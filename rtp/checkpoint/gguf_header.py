@@ -15,13 +15,20 @@ for every part of every field: 2.6-3.2 s for the default model's 49,152 tokens a
 paid by every process that opens the file (`rtp serve`, each worker, each test server). The same
 header read with struct here takes about 0.1 s (tests/checkpoint/test_gguf.py compares the two).
 gguf's enums still name the tensor types, and its tables give their block sizes.
+
+`GGUFFile` is a file's metadata (a split file's parts found and opened), for any architecture: what
+the tokenizer reads. Like the rest of this module it imports no torch, so a process that needs
+only a GGUF's tokenizer (`rtp route`) loads none (rtp/checkpoint/gguf.py builds models from it).
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
+import re
 import struct
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +174,86 @@ class GGUFHeader:
         n_dims = self._unpack("<I")
         dims = np.frombuffer(self._read(8 * n_dims), np.dtype("<u8")).copy()
         return name, dims, self._unpack("<I"), self._unpack("<Q")
+
+
+class GGUFError(ValueError):
+    """A file that is not a readable GGUF checkpoint of a supported model."""
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str, size: int, mtime_ns: int) -> GGUFHeader:
+    """The header of one file version (size and mtime in the key): a start opens the file twice (the
+    loader, then the tokenizer), and the last files read (a split GGUF's parts) stay memory-mapped."""
+    return GGUFHeader(path)
+
+
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def _open(path: Path):
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (starts with {magic!r}, not {MAGIC!r})")
+    stat = path.stat()
+    try:
+        return _read(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    except Exception as e:  # the header's reading raises ValueError/struct.error/KeyError on damage
+        raise GGUFError(f"{path}: cannot parse GGUF: {e}") from e
+
+
+class GGUFFile:
+    """A GGUF file's metadata, for any architecture (the tokenizer only needs this)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        if not self.path.is_file():
+            raise GGUFError(f"{self.path} is not a file (expected a .gguf checkpoint)")
+        self.header = _open(self.path)
+        # a split GGUF (llama.cpp's gguf-split: NAME-00001-of-0000N.gguf): the metadata is the first
+        # part's, the tensors are spread over all N, each part a file of its own
+        self.parts: list[tuple[Path, GGUFHeader]] = [(self.path, self.header)]
+        count = int(self.get("split.count", 1) or 1)
+        if count > 1:
+            split = _SPLIT_NAME.match(self.path.name)
+            if split is None or int(split["part"]) != 1:
+                raise GGUFError(f"{self.path} is part of a split GGUF of {count} files: load its first part "
+                                "(NAME-00001-of-0000N.gguf)")
+            for k in range(2, count + 1):
+                part = self.path.with_name(f"{split['stem']}-{k:05d}-of-{split['count']}.gguf")
+                if not part.is_file():
+                    raise GGUFError(f"{self.path}: part {k} of {count} of this split GGUF is missing ({part})")
+                self.parts.append((part, _open(part)))
+
+    def all_tensors(self) -> list[tuple[Path, GGUFTensor]]:
+        """(file, tensor) of every tensor, part by part, each part's in data-offset order."""
+        return [(path, t) for path, header in self.parts for t in sorted(header.tensors, key=lambda t: t.data_offset)]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """One metadata value by its GGUF key (e.g. 'llama.block_count')."""
+        return self.header.fields.get(key, default)
+
+    def keys(self) -> list[str]:
+        return list(self.header.fields)
+
+    @cached_property
+    def architecture(self) -> str:
+        arch = self.get("general.architecture")
+        if arch is None:
+            raise GGUFError(f"{self.path} has no general.architecture in its metadata")
+        return arch
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.get("tokenizer.chat_template")
+
+    @cached_property
+    def tokenizer_metadata(self) -> dict[str, Any]:
+        """The `tokenizer.ggml.*` fields, without the prefix (tokens, merges, token_type, pre, ...),
+        plus `chat_template`. Ids absent from the file are absent here."""
+        prefix = "tokenizer.ggml."
+        meta = {k[len(prefix):]: v for k, v in self.header.fields.items() if k.startswith(prefix)}
+        meta["chat_template"] = self.chat_template
+        return meta

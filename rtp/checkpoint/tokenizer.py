@@ -151,7 +151,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
-        from rtp.checkpoint.gguf import GGUFFile
+        from rtp.checkpoint.gguf_header import GGUFFile  # no torch: `rtp route` loads a GGUF's tokenizer
 
         gguf = GGUFFile(path)
         meta = dict(gguf.tokenizer_metadata)

@@ -12,7 +12,7 @@ request's blocks), and `resume` continues the request from the first token sampl
 
 An engine component (rtp/engine/component.py): it arms the KV taps around the forward and hands
 off the prefill-only requests a step finished; the wire protocol (RPC, the KV port, relaying)
-lives in the server.
+lives in the server (rtp/server/pd/).
 """
 
 from __future__ import annotations

@@ -30,23 +30,11 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloa
 
 
 class KVLayout(msgspec.Struct, frozen=True):
-    """What a node's KV cache looks like, block size aside: both ends of a transfer must agree."""
+    """What this engine's KV cache looks like, block size aside. The server turns it into the
+    wire's KVLayout (rtp/wire/kv_layout.py), which both ends of a transfer compare."""
 
     dtype: str
     layers: list[list[int]]  # per layer: [lead, *trail] (the cache's shape without blocks and block size)
-
-    def token_bytes(self, layer: int) -> int:
-        """Bytes one token of this layer takes on the wire."""
-        return int(np.prod(self.layers[layer])) * torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
-
-    def mismatch(self, other: KVLayout) -> str | None:
-        """Why KV in layout `other` cannot go into this one (None: it can)."""
-        if other.dtype != self.dtype:
-            return f"KV dtype {other.dtype} cannot go into a {self.dtype} cache (start both nodes with the same --dtype)"
-        if other.layers != self.layers:
-            return (f"KV of {len(other.layers)} layers shaped {other.layers[:1]} cannot go into a cache of "
-                    f"{len(self.layers)} layers shaped {self.layers[:1]} (not the same model)")
-        return None
 
 
 def layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
@@ -83,9 +71,9 @@ def scatter(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor | bytes |
     """Write token-major KV [lead, len(slots), *trail] (a tensor, or its raw bytes as they came
     off the wire) into the cache at `slots`.
 
-    On a CPU this runs on the event loop's thread, so it copies with numpy: a torch op there
-    could open an OpenMP region, and a second thread's OpenMP pool slows every engine step
-    (rtp/serve/async_engine.py, AsyncEngine.load)."""
+    On a CPU it copies with numpy: a torch op could open an OpenMP region, and an OpenMP pool
+    of a thread other than the engine's slows every engine step (rtp/server/async_engine.py,
+    AsyncEngine.load)."""
     shape = (cache.shape[0], len(slots), *cache.shape[3:])
     raw = isinstance(kv, (bytes, bytearray, memoryview))
     if cache.device.type == "cpu":

@@ -3,7 +3,7 @@
 Every worker is the real runtime -- a BlockAllocator, a RadixCache (prefill and
 collocated workers) and the continuous-batching Scheduler -- fed with real token
 ids; only the model is replaced, by the step-time cost model. The master is the
-real Router (rtp/serve/routing.py). So prefix hits, chunked prefill,
+real Router (rtp/router/routing.py). So prefix hits, chunked prefill,
 preemption, KV reservation on decode workers and the routing decisions are
 the code that serves, and only time is simulated.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rtp.runtime import FINISH_REMOTE, BlockAllocator, RadixCache, Scheduler, StepPlan
-from rtp.serve.routing import Router, WorkerReport, WorkerView
+from rtp.router.routing import Router, WorkerReport, WorkerView
 from rtp.sim.cost_model import StepCost
 from rtp.sim.traces import Trace
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from rtp.runtime import BlockAllocator, RadixCache
-from rtp.serve.routing import Router
+from rtp.router.routing import Router
 from rtp.sim import traces
 from rtp.sim.cluster import Cluster, WorkerConfig
 from rtp.sim.cost_model import DEVICES, MODELS, DeviceProfile, StepCost

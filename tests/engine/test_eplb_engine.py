@@ -285,7 +285,7 @@ def test_window_load_is_the_last_window_of_steps():
 def test_metrics_show_ratio_replicas_and_moves(mixtral):
     from prometheus_client import generate_latest
 
-    from rtp.serve.metrics import ServerMetrics
+    from rtp.server.metrics import ServerMetrics
 
     llm, _ = run(mixtral, prompts_of((12, 30), seed=3), max_tokens=10, enable_eplb=True, eplb_step_interval=3)
     metrics = ServerMetrics("m")

@@ -124,7 +124,7 @@ def test_bad_grammars_are_refused_before_queueing(llm):
 def test_offline_chat_takes_tools_and_a_required_call_is_a_json_array(default_gguf):
     """LLM.chat(tools=...) renders them through --chat-template's template; the grammar the server
     uses for tool_choice "required" works offline too."""
-    from rtp.serve.tools import plan_tools
+    from rtp.server.tools import plan_tools
 
     llm = LLM(model=str(default_gguf), dtype="float32", compile=False, max_model_len=512,
               chat_template="chatml-tools")

@@ -138,7 +138,7 @@ def test_what_int8_cannot_do_yet_is_refused_at_startup():
     with pytest.raises(ValueError, match="--kv-cache-dtype int8 is not supported by this model's MLAAttention"):
         resolve_kv_dtype("int8", torch.bfloat16, torch.device("cpu"), mla)
     from rtp.config import ServeConfig
-    from rtp.serve.server import serve
+    from rtp.server.server import serve
 
     with pytest.raises(ValueError, match="--kv-cache-dtype int8 with --role prefill/decode"):
         serve(EngineConfig.from_flat(kv_cache_dtype="int8"), ServeConfig(role="prefill"))

@@ -3,7 +3,7 @@
 The fake streams `max_tokens` chunks per request, 2 ms apart, so each run takes a
 second or two and every figure the bench reports can be checked against what the
 fake saw: how many requests, how many at once, when they arrived, what prompts.
-(tests/serve/test_serve.py runs the bench against the real `rtp serve`.)
+(tests/server/test_serve.py runs the bench against the real `rtp serve`.)
 """
 
 from __future__ import annotations
