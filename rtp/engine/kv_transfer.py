@@ -24,11 +24,6 @@ import msgspec
 import numpy as np
 import torch
 
-# the name a dtype has on the wire (torch's own, without the "torch." prefix)
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16,
-                                                        torch.float8_e4m3fn, torch.float8_e5m2)}
-
-
 class KVLayout(msgspec.Struct, frozen=True):
     """What this engine's KV cache looks like, block size aside. The server turns it into the
     wire's KVLayout (rtp/wire/kv_layout.py), which both ends of a transfer compare."""
@@ -41,10 +36,6 @@ def layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
     """Each cache is [lead, num_blocks, block_size, *trail] (rtp/engine/kv_cache.py)."""
     return KVLayout(str(kv_caches[0].dtype).removeprefix("torch."),
                     [[c.shape[0], *c.shape[3:]] for c in kv_caches])
-
-
-def dtype_of(name: str) -> torch.dtype:
-    return _DTYPES[name]
 
 
 def token_slots(blocks: np.ndarray, block_size: int, num_tokens: int) -> torch.Tensor:
