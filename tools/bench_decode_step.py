@@ -255,6 +255,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20, help="timed replays (default 20)")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-deterministic", dest="deterministic", action="store_false",
+                    help="one row on the exact one-row kernels (rtp serve --no-deterministic)")
     ap.add_argument("--activation-dtype", default="auto", choices=["auto", "int8", "int8-prefill"],
                     help="rtp's --activation-dtype (int8: Q4_1 layers take int8 rows on a CPU with VNNI and no AMX; "
                          "int8-prefill: their prompt rows only, so a decode step runs as in auto)")
@@ -275,7 +277,8 @@ def main() -> None:
     # with a prompt: a sequence more, and at least two (an engine of one sequence captures no step graph)
     seqs = max(args.rows + 1, 2) if args.prompt else args.rows
     llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=seqs,
-              kv_cache_dtype=args.kv_cache_dtype, activation_dtype=args.activation_dtype, **budget)
+              kv_cache_dtype=args.kv_cache_dtype, activation_dtype=args.activation_dtype,
+              deterministic=args.deterministic, **budget)
     graph = None if args.prompt else llm.engine.runner.cpu_graph(args.rows)
     if graph is None and not args.prompt:
         raise SystemExit(f"no CPU graph serves {args.rows} rows with this model (see the engine's start-up log)")

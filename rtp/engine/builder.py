@@ -43,6 +43,7 @@ from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SlotSettings
 from rtp.engine.speculation_governor import SpeculationGovernor
 from rtp.engine.tensor_parallel import PlanChannel, follow as follow_steps, start_ranks
+from rtp.kernels import quant
 from rtp.kernels.quant import BlockQuantized
 from rtp.models import model_class
 from rtp.models.moe import FusedMoE
@@ -97,6 +98,7 @@ def build_model(config: EngineConfig, rank0: bool = False) -> Model:
                          if eplb.enable else (0, 0))
     model, mc = load_model(path, dtype, device, redundant_experts=spare, checkpoint=checkpoint)
     use_activation_dtype(model, load.activation_dtype)
+    quant.set_deterministic(load.deterministic)
     max_model_len = min(sched.max_model_len or min(mc.max_position_embeddings, 8192), mc.max_position_embeddings)
     tokenizer = draft_model = None
     if rank0:

@@ -23,8 +23,8 @@ as one forward, so the weights are read once.
 
 On a node that prefills for others, `taps` (kv_transfer.LayerTaps, armed by the engine
 for the step that computes a prefill-only request's last chunk) must see the step
-whatever path runs it: a one-token last chunk is a decode row and may be replayed from
-a graph. forward() hands the taps every layer: layer by layer during its eager forward,
+whatever path runs it: a one-token last chunk is a prompt row of one token, and its step
+may be replayed from the step graph. forward() hands the taps every layer: layer by layer during its eager forward,
 the rest (all of them after a replay) once the forward is done.
 """
 

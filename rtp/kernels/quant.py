@@ -61,11 +61,47 @@ AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 ti
 # it), but it multiplies the exact fp32 weights, and mixing the two by row count broke that test.
 TILE_MIN_ROWS = AMX_MIN_ROWS
 
+# Deterministic (the default): one row takes the tile-order kernels too, so every batch, one row
+# included, multiplies the same bf16 weights in the same order per row, and a request's bits never
+# depend on how many rows share its step (docs/determinism.md). Off (--no-deterministic): one row
+# multiplies the exact fp32 weights on the AVX-512 kernels, and so do the rows of a step that are all
+# one request's (_exact_rows) -- a lone request's numbers then differ from the same request's beside
+# others.
+_deterministic = True
+
 # Batches of up to this many rows multiply the exact weights (the AVX-512 kernels) even where AMX
-# tiles exist: the runner sets it for a step whose rows are all one request's -- its last token and
-# the tokens it drafted (speculative decoding) -- so that they meet the numbers the request meets
-# when it decodes a token a step alone. Every kernel treats rows independently, bit for bit.
+# tiles exist, when not deterministic: the runner sets it for a step whose rows are all one request's
+# -- its last token and the tokens it drafted (speculative decoding) -- so that they meet the numbers
+# the request meets when it decodes a token a step alone. Every kernel treats rows independently.
 _exact_rows = 1
+
+
+def set_deterministic(on: bool) -> None:
+    """Whether one row takes the tile kernels (True, the default) or the exact one-row kernels."""
+    global _deterministic
+    _deterministic = bool(on)
+
+
+def deterministic() -> bool:
+    return _deterministic
+
+
+@contextlib.contextmanager
+def determinism(on: bool):
+    """Within: set_deterministic(on), the setting before restored after (tests, tools)."""
+    previous = _deterministic
+    set_deterministic(on)
+    try:
+        yield
+    finally:
+        set_deterministic(previous)
+
+
+def _tiles_take(rows: int) -> bool:
+    """Whether a batch of `rows` rows takes the tile-order kernels (where a layer has tiles)."""
+    if _deterministic:
+        return rows >= 1
+    return rows >= TILE_MIN_ROWS and rows > _exact_rows
 
 
 @contextlib.contextmanager
@@ -366,12 +402,15 @@ class BlockQuantized:
         """Whether a batch of `rows` rows is multiplied from the blocks (else from dense bf16 weights)."""
         if self.tiles is not None:
             # interleaved tiles serve silu_mul only: a plain product is the one-row kernel's
-            return rows < TILE_MIN_ROWS or rows <= _exact_rows if self.glu else True
-        return rows <= max(QUANT_MAX_ROWS, _exact_rows)
+            return not _tiles_take(rows) if self.glu else True
+        # no tiles (N not a multiple of 16): the block kernels treat rows independently, so
+        # deterministic they take every batch; else the dense weights' GEMM past a few rows
+        return _deterministic or rows <= max(QUANT_MAX_ROWS, _exact_rows)
 
     def takes_silu_mul(self, rows: int) -> bool:
-        """Whether silu_mul serves a batch of `rows` rows (tiles made with glu, TILE_MIN_ROWS rows or more)."""
-        return self.glu and rows >= TILE_MIN_ROWS and rows > _exact_rows
+        """Whether silu_mul serves a batch of `rows` rows (tiles made with glu: every batch when deterministic,
+        else TILE_MIN_ROWS rows or more)."""
+        return self.glu and _tiles_take(rows)
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """silu(gate) * up of these [gate | up] blocks (glu tiles) for x, bf16 [M, N/2], one kernel."""
@@ -383,7 +422,7 @@ class BlockQuantized:
         """x @ W.T (+ bias) in out_dtype, through the kernel this batch takes (each a torch custom op,
         so compiled graphs call it as one node)."""
         b = None if bias is None else bias.float()
-        if self.tiles is not None and x.shape[0] >= TILE_MIN_ROWS and x.shape[0] > _exact_rows:
+        if self.tiles is not None and _tiles_take(x.shape[0]):
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
             kind, bf16_rows, decode = self._tile_rows(x.shape[0])
@@ -405,7 +444,7 @@ class BlockQuantized:
     def linear_into(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """linear() written into out ([M, N] with contiguous rows: a fused layer's columns), eagerly."""
         b = None if bias is None else bias.float()
-        if self.tiles is not None and x.shape[0] >= TILE_MIN_ROWS and x.shape[0] > _exact_rows:
+        if self.tiles is not None and _tiles_take(x.shape[0]):
             kind, bf16_rows, decode = self._tile_rows(x.shape[0])
             return cpu_kernels.linear_tiles_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16),
                                                kind, self.tiles, b, out, bf16_rows=bf16_rows, bf16_rows_decode=decode)

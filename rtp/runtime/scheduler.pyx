@@ -599,10 +599,16 @@ cdef class Scheduler:
         cdef int32_t* blocks
         cdef int32_t* bt_row
         plan.p_qsl[0] = 0
-        for pass_ in range(2):  # decode rows (one token each) first, then prompt chunks
+        # decode rows (one generated token each, or a request's drafts) first, then prompt chunks. A
+        # prompt's lone last token (a prefix-cache hit up to it, or a chunk boundary before it) is a
+        # prompt chunk too: a prompt token always takes prefill attention, a generated one decode
+        # attention, so a request's bits do not depend on where its chunks fall (docs/determinism.md)
+        for pass_ in range(2):
             for k in range(self.n_sched):
                 n = self.sched_n[k]
-                if (n == 1 or self.sched_draft[k] > 0) != (pass_ == 0):
+                s = self.sched_slot[k]
+                if ((n == 1 and self.r_num_computed[s] >= self.r_prompt_len[s])
+                        or self.sched_draft[k] > 0) != (pass_ == 0):
                     continue
                 s = self.sched_slot[k]
                 c = self.r_num_computed[s]

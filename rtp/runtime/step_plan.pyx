@@ -44,8 +44,9 @@ cdef class StepPlan:
 
     The scheduler writes into them in place; the model runner aliases them as
     tensors (torch.from_numpy on CPU, pinned staging on CUDA). Tokens are packed
-    row after row; rows with one query token (decodes, and a prompt's last single
-    token) come first: rows [0, num_decode_rows) each compute exactly one token. A request
+    row after row; rows with one generated token to compute (decodes) come first: rows
+    [0, num_decode_rows) each compute exactly one token (a prompt's lone last token is a
+    prompt row, which takes prefill attention as every prompt token does). A request
     verifying drafted tokens (speculative decoding) takes one such row per token, consecutive,
     each sampling: the rows of one request are always next to each other.
 

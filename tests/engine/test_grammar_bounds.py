@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -115,6 +116,28 @@ def test_grammar_syntax_is_tried_not_guessed(compiler):
     assert compiler.compile(Spec(grammar='start: "a::=b"', grammar_syntax="lark")).result(60) is not None
     assert "not GBNF" in refusal(compiler, Spec(grammar='start: "a::=b"', grammar_syntax="gbnf"))
     assert "neither GBNF" in refusal(compiler, Spec(grammar="root ::= undefined_rule"))
+
+
+def test_a_compile_starved_of_cpu_is_refused_but_not_remembered(compiler):
+    """A timeout is remembered as the grammar's own only when its compile spent the time: one whose
+    child got no CPU (stopped here, as a loaded machine starves the niced child) gets the timeout's
+    400 and is compiled afresh when asked again -- a small grammar is never refused for good because
+    the machine was busy once."""
+    spec = Spec(choice=["starved", "fed"])
+    stopped = []
+    for sandbox in compiler._sandboxes:  # whichever worker takes the job, its child is stopped
+        sandbox.start()
+        stopped.append(sandbox._proc.pid)
+        os.kill(stopped[-1], signal.SIGSTOP)
+    try:
+        assert "longer than 1 s" in refusal(compiler, spec)
+    finally:
+        for pid in stopped:  # the child the compile did not reach goes on
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert compiler.compile(spec).result(60) is not None  # compiled afresh
 
 
 def test_a_compile_past_its_time_is_killed_and_answered(compiler):

@@ -2,10 +2,11 @@
 
 The step that computes a prefill-only request's last prompt chunk hands every layer's KV to
 the request's sink (kv_transfer.LayerTaps). A last chunk of one token -- a one-token prompt,
-or a prompt found in the prefix cache but for its last token -- is a decode row, so that
-step may be decode-only and replayed from a CPU graph, which runs no Python between layers:
-the runner then hands the layers over after the replay. One engine in the default dtype
-(bf16 here, with CPU graphs where rtp's kernels run), shared by the module.
+or a prompt found in the prefix cache but for its last token -- is a prompt chunk of one row
+(prefill attention, as every prompt token takes: docs/determinism.md), so that step may be
+replayed from the step graph, which runs no Python between layers: the runner then hands the
+layers over after the replay. One engine in the default dtype (bf16 here, with CPU graphs
+where rtp's kernels run), shared by the module.
 """
 
 from __future__ import annotations
@@ -89,13 +90,13 @@ def test_a_one_token_prompt_replayed_from_a_cpu_graph_hands_over_every_layer(eng
         pytest.skip("no CPU graphs here: rtp's CPU kernels are not available")
     before = runner.graph_steps
     sink, held, shape = _prefill(engine, "one-token-graph", [6004])
-    assert runner.graph_steps > before and shape == (1, 1)
+    assert runner.graph_steps > before and shape == (0, 1)
     _check_all_layers(engine, sink, held, 1)
     # and a prompt cached but for its last token
     _prefill(engine, "cached-first", CACHED)
     before = runner.graph_steps
     sink, held, shape = _prefill(engine, "cached-graph", CACHED)
-    assert sink.first[1] == 32 and shape == (1, 1) and runner.graph_steps > before
+    assert sink.first[1] == 32 and shape == (0, 1) and runner.graph_steps > before
     _check_all_layers(engine, sink, held, len(CACHED))
 
 
@@ -106,7 +107,7 @@ def test_the_same_steps_run_eagerly_hand_over_the_same_kv(engine):
         before = runner.graph_steps
         sink, held, shape = _prefill(engine, "one-token-eager", [6004])
         cached, cached_held, cached_shape = _prefill(engine, "cached-eager", CACHED)
-        assert runner.graph_steps == before and shape == cached_shape == (1, 1)
+        assert runner.graph_steps == before and shape == cached_shape == (0, 1)
     _check_all_layers(engine, sink, held, 1)
     _check_all_layers(engine, cached, cached_held, len(CACHED))
     if graphs:  # the replay runs the eager step's own kernels: the same bytes
@@ -118,10 +119,10 @@ def test_the_same_steps_run_eagerly_hand_over_the_same_kv(engine):
 def test_a_one_token_last_chunk_in_a_mixed_step_hands_over_every_layer(engine):
     long = list(np.arange(1000, 1100).tolist())  # a prefill chunk in the same step
     sink, held, shape = _prefill(engine, "one-token-mixed", [6004], others=[long])
-    assert shape == (1, 2)
+    assert shape == (0, 2)
     _check_all_layers(engine, sink, held, 1)
-    # and the tapped request is the prefill chunk, beside a one-token row of another request
+    # and the tapped request is the prefill chunk, beside a one-token prompt of another request
     sink, held, shape = _prefill(engine, "long-mixed", list(range(2000, 2040)), others=[[6005]])
-    assert shape == (1, 2)
+    assert shape == (0, 2)
     _check_all_layers(engine, sink, held, 40)
     assert not engine.has_unfinished_requests() and engine.allocator.num_used == 0

@@ -69,9 +69,16 @@ def test_tile_linear_equals_the_models_bf16_weights(kind, rows, amx):
     out = tiles_linear(x, kind_id, w, b, torch.float32, amx)
     assert out.shape == (rows, n) and (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     assert torch.equal(tiles_linear(x, kind_id, w, b, torch.bfloat16, amx), out.bfloat16())
-    if rows >= quant.TILE_MIN_ROWS and amx == cpu_kernels.amx_available():
-        # what the layers call: this CPU's path from TILE_MIN_ROWS rows on (fewer: the one-row kernel)
+    if amx == cpu_kernels.amx_available():
+        # what the layers call: this CPU's path for every batch, one row included (deterministic, the default)
         assert torch.equal(w.linear(x, b, torch.float32), out)
+        with quant.determinism(False):  # --no-deterministic: one row on the one-row kernel, its exact weights
+            alone = w.linear(x, b, torch.float32)
+            if rows >= quant.TILE_MIN_ROWS:
+                assert torch.equal(alone, out)
+            else:
+                exact = x.float() @ w.dequantize().float().T + b
+                assert (alone - exact).abs().max().item() <= 1e-4 * exact.abs().max().item()
 
 
 @pytest.mark.parametrize("amx", PATHS)
@@ -116,23 +123,29 @@ def test_tile_silu_mul_equals_the_projection_then_the_activation(kind, rows, bia
     assert torch.allclose(got.float(), torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
     if amx == cpu_kernels.amx_available():
         assert torch.equal(fused.silu_mul(x, b), got)
-    # the interleaved tiles serve only silu_mul, from TILE_MIN_ROWS rows on; fewer: the plain blocks
-    many = rows >= quant.TILE_MIN_ROWS
-    assert fused.takes_silu_mul(rows) == many and fused.takes(rows) != many
-    assert fused.takes(1) and not fused.takes_silu_mul(1)
+    # the interleaved tiles serve only silu_mul: deterministic (the default) every batch, one row included
+    assert fused.takes_silu_mul(rows) and not fused.takes(rows)
+    assert fused.takes_silu_mul(1) and not fused.takes(1)
     assert plain.takes(rows) and plain.takes(1) and plain.serves_every_batch
+    with quant.determinism(False):  # --no-deterministic: from TILE_MIN_ROWS rows on; fewer, the plain blocks
+        many = rows >= quant.TILE_MIN_ROWS
+        assert fused.takes_silu_mul(rows) == many and fused.takes(rows) != many
+        assert fused.takes(1) and not fused.takes_silu_mul(1)
 
 
+@pytest.mark.parametrize("amx", PATHS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("x_fp32", [False, True])
-def test_avx_tile_linear_gives_a_row_the_same_bits_whatever_the_batch(kind, glu, x_fp32):
-    """Without AMX, batches of up to 8 rows put the weights in the vector lanes and larger ones the
-    rows (avx_gemm.c), up to 32 rows a weight tile at a time and past that a dequantized column at a
-    time: each row's result is the same bits every way -- a decode step of 2 rows, the last 5 rows of
-    a 21-row group, 32 and 33 rows either side of the switch and a row of a 64-row prompt chunk give a
-    row one answer -- with a K that is not a multiple of the few-row loop's 4 or 8 blocks at a time."""
-    n, k, big = 64, 32 * 11, 64
+def test_tile_linear_gives_a_row_the_same_bits_whatever_the_batch(kind, glu, x_fp32, amx):
+    """A row's result is the same bits alone and in any batch, on either path (the root of
+    docs/determinism.md). AMX: one row tile (up to 16 rows) runs four weight columns a pass, more rows
+    one column a pass over up to four row tiles, past 64 rows the GEMM; without AMX, batches of up to 8
+    rows put the weights in the vector lanes and larger ones the rows (avx_gemm.c), up to 32 rows a
+    weight tile at a time and past that a dequantized column at a time. Five weight tiles (glu: three
+    gate/up pairs), so the four-column passes end on a partial one, and a K that is not a multiple of
+    the few-row loop's 4 or 8 blocks at a time."""
+    n, k, big = 80 if not glu else 96, 32 * 11, 300
     w = random_blocks(kind, n, k).with_tile_layout(glu=glu and kind == "q4_1")
     kind_id = 0 if kind == "q4_1" else 1
     glu = w.glu
@@ -140,10 +153,11 @@ def test_avx_tile_linear_gives_a_row_the_same_bits_whatever_the_batch(kind, glu,
     x = torch.randn(big, k)
     x = x if x_fp32 and not glu else x.bfloat16()
     dtype = torch.bfloat16 if glu else torch.float32
-    every = tiles_linear(x, kind_id, w, b, dtype, False, glu=glu)
-    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 21, 32, 33]:
-        assert torch.equal(tiles_linear(x[:rows], kind_id, w, b, dtype, False, glu=glu), every[:rows]), rows
-    assert torch.equal(tiles_linear(x[16:21], kind_id, w, b, dtype, False, glu=glu), every[16:21])
+    every = tiles_linear(x, kind_id, w, b, dtype, amx, glu=glu)
+    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 21, 32, 33, 64, 65, 100]:
+        assert torch.equal(tiles_linear(x[:rows], kind_id, w, b, dtype, amx, glu=glu), every[:rows]), rows
+    for lo, hi in [(16, 21), (299, 300), (40, 41), (100, 180)]:
+        assert torch.equal(tiles_linear(x[lo:hi], kind_id, w, b, dtype, amx, glu=glu), every[lo:hi]), (lo, hi)
 
 
 @pytest.mark.parametrize("amx", PATHS)

@@ -218,26 +218,15 @@ class GrammarCompiler:
                 self._running[me] = (job, sandbox)
             started = time.perf_counter()
             try:
-                result, cause = self._build(job, sandbox), None
-            except CompileTimeout:
-                result, cause = InvalidRequest(f"the structured output took longer than "
-                                               f"{self.limits.compile_timeout:g} s to compile "
-                                               "(--grammar-compile-timeout)", "structured_outputs"), "timeout"
-            except CompileCrashed:
-                result, cause = InvalidRequest("the structured output needs more memory to compile than rtp "
-                                               "allows", "structured_outputs"), "invalid"
-            except InvalidRequest as e:
-                result, cause = e, "invalid"
-            except CompileCancelled:
-                result, cause = None, "cancelled"
-            except Exception as e:  # a bug here or in the library: this request fails alone, the worker goes on
-                result, cause = e, "invalid"
+                result, cause, remember = self._attempt(job, sandbox)
             finally:
                 with self._lock:
                     del self._running[me]
             seconds = time.perf_counter() - started
             with self._lock:
                 job.state = "done"
+                if not remember and self._cache.get(job.key) is job:
+                    del self._cache[job.key]  # its waiters have the answer; the next request compiles afresh
                 if cause is not None:
                     self.refused[cause] += 1
                 if cause != "cancelled":
@@ -251,6 +240,33 @@ class GrammarCompiler:
             else:
                 job.future.set_result(result)
         sandbox.close()
+
+    def _attempt(self, job: _Job, sandbox: Sandbox):
+        """(result, cause, remember) of a job: the matcher template or the InvalidRequest it gets, its
+        refusal cause (None when built), and whether the cache keeps it. Only what the grammar itself
+        decides is kept: a timeout is kept when the compile spent at least a quarter of the timeout in
+        CPU time (a grammar slow to build), not when a loaded machine starved it (the child runs
+        niced); a child that died is tried once more on a fresh one first -- it may have been killed
+        for the compile before it (a cancelled job's kill can land as the next job starts)."""
+        for attempt in (0, 1):
+            try:
+                return self._build(job, sandbox), None, True
+            except CompileTimeout as e:
+                slow = e.cpu_seconds is not None and e.cpu_seconds >= 0.25 * self.limits.compile_timeout
+                return InvalidRequest(f"the structured output took longer than {self.limits.compile_timeout:g} s "
+                                      "to compile (--grammar-compile-timeout)", "structured_outputs"), "timeout", slow
+            except CompileCrashed:
+                if attempt == 0 and not job.cancelled.is_set():
+                    continue
+                return InvalidRequest("the structured output needs more memory to compile than rtp allows",
+                                      "structured_outputs"), "invalid", True
+            except InvalidRequest as e:
+                return e, "invalid", True
+            except CompileCancelled:
+                return None, "cancelled", False
+            except Exception as e:  # a bug here or in the library: this request fails alone, the worker goes on
+                return e, "invalid", False
+        raise AssertionError("unreachable")
 
     def _build(self, job: _Job, sandbox: Sandbox):
         """The matcher template of a job's spec: built in the sandbox first, then here."""

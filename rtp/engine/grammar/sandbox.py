@@ -46,7 +46,12 @@ _LAUNCH = f"import os; os.nice({_NICE}); from rtp.engine.grammar.sandbox import 
 
 
 class CompileTimeout(Exception):
-    """The compile ran past its time and was killed."""
+    """The compile ran past its time and was killed. cpu_seconds: the CPU time the child spent on it
+    (None where /proc cannot say) -- a compile starved by a loaded machine spent little of it."""
+
+    def __init__(self, cpu_seconds: float | None = None):
+        super().__init__()
+        self.cpu_seconds = cpu_seconds
 
 
 class CompileCancelled(Exception):
@@ -97,9 +102,13 @@ class Sandbox:
         proc = self._ensure()
         if cancelled.is_set():
             raise CompileCancelled()
+        cpu_before = _cpu_seconds(proc)
         try:
             _write(proc.stdin, {"grammars": grammars, "walk": walk, "seed": seed})
             reply = self._await(proc, timeout)
+        except CompileTimeout as e:
+            spent = None if e.cpu_seconds is None or cpu_before is None else e.cpu_seconds - cpu_before
+            raise CompileTimeout(spent) from None
         except OSError:
             reply = None
         if reply is None:
@@ -193,9 +202,20 @@ class Sandbox:
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
             if not sel.select(timeout):
+                cpu = _cpu_seconds(proc)
                 _stop(proc)
-                raise CompileTimeout()
+                raise CompileTimeout(cpu)
         return _read(proc.stdout)
+
+
+def _cpu_seconds(proc: subprocess.Popen) -> float | None:
+    """The CPU time (user + system) the child has used, from /proc; None where it cannot be read."""
+    try:
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -1,0 +1,125 @@
+"""Deterministic by default (docs/determinism.md): a request's tokens and logprobs are the same bits
+alone and beside any mix of other requests -- whatever arrives when, at any row position, greedy or
+seeded -- on the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) in its default dtype (bf16).
+
+Each mix is a random draw (prompt lengths, max_tokens, arrival steps, sampling) from a fixed seed, so a
+failure names a mix that reproduces; every request of it is then run alone in the same engine and
+compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rtp import LLM, SamplingParams
+from rtp.engine.output import RequestOutput
+from rtp.kernels import quant
+
+WORDS = ("the river owl tea stone lamp quiet north seven paper bridge winter song garden copper "
+         "market letter candle harbor meadow thunder violin orchard").split()
+
+
+def make_requests(rng: random.Random, count: int, prefix: list[int] | None = None):
+    """count (prompt ids, params): prompts of 3-120 tokens (some sharing `prefix`), greedy or seeded."""
+    out = []
+    for i in range(count):
+        ids = [rng.randrange(200, 40000) for _ in range(rng.randint(3, 120))]
+        if prefix is not None and rng.random() < 0.5:
+            ids = prefix + ids[:20]
+        seeded = rng.random() < 0.4
+        params = SamplingParams(max_tokens=rng.randint(4, 40), ignore_eos=True, logprobs=2,
+                                temperature=0.8 if seeded else 0.0, top_p=0.95 if seeded else 1.0,
+                                seed=rng.randrange(1 << 30) if seeded else None)
+        out.append((ids, params))
+    return out
+
+
+def run(llm: LLM, requests, arrivals: list[int]) -> list[tuple[list[int], list]]:
+    """Each request added at its arrival step (counted in engine steps); its tokens and logprobs."""
+    engine = llm.engine
+    results: dict[str, RequestOutput] = {}
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    step = added = 0
+    while added < len(order) or engine.has_unfinished_requests():
+        while added < len(order) and arrivals[order[added]] <= step:
+            i = order[added]
+            ids, params = requests[i]
+            engine.add_request(f"det-{i}", ids, params)
+            results[f"det-{i}"] = RequestOutput.start(f"det-{i}", None, ids, params)
+            added += 1
+        for delta in engine.step():
+            results[delta.request_id].add(delta)
+        step += 1
+    outs = [results[f"det-{i}"].outputs[0] for i in range(len(requests))]
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+def alone(llm: LLM, requests) -> list[tuple[list[int], list]]:
+    return [run(llm, [r], [0])[0] for r in requests]
+
+
+def assert_same(mixed, single):
+    for i, ((toks, lps), (want_toks, want_lps)) in enumerate(zip(mixed, single)):
+        assert toks == want_toks, f"request {i}: tokens differ from the same request alone"
+        assert lps == want_lps, f"request {i}: logprobs differ from the same request alone"
+
+
+@pytest.fixture(scope="module")
+def llm(default_gguf):
+    assert quant.deterministic()  # the default
+    return LLM(model=str(default_gguf), max_model_len=512, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def chunked(default_gguf):
+    """Prompts in chunks of at most 40 tokens a step (shared by every prompt of the step), no prefix cache."""
+    return LLM(model=str(default_gguf), max_model_len=512, max_num_seqs=16, max_num_batched_tokens=40,
+               enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_request_gets_the_same_bits_alone_and_in_any_mix(llm, seed):
+    """Random mixes: 12 requests arriving over 20 steps, so each decodes beside 0-11 others, in every
+    row position, beside prompt chunks and alone at its tail. Run alone afterwards, each prompt hits the
+    prefix cache up to its last whole block (the mix cached it), so a prompt whose last token is alone
+    past a block boundary (seed 2 has two) prefills that one token -- as a prompt chunk, with prefill
+    attention, as in the mix (a one-token chunk once took decode attention and other bits)."""
+    rng = random.Random(seed)
+    requests = make_requests(rng, 12)
+    arrivals = [rng.randrange(0, 20) for _ in requests]
+    assert_same(run(llm, requests, arrivals), alone(llm, requests))
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_prompt_chunk_boundaries_do_not_change_a_request(llm, chunked, seed):
+    """A mix whose prompts are cut into chunks of up to 40 tokens a step, wherever the other prompts of
+    the step leave the boundary (one-token chunks included), against each request alone in one chunk."""
+    rng = random.Random(seed)
+    requests = make_requests(rng, 12)
+    arrivals = [rng.randrange(0, 20) for _ in requests]
+    assert_same(run(chunked, requests, arrivals), alone(llm, requests))
+
+
+def test_a_prefix_cache_hit_on_a_prompt_gives_the_same_bits(llm):
+    """Prompts sharing a 64-token prefix (four whole blocks): the later ones hit the prefix cache and
+    prefill only their tails, beside the same requests run alone after a miss."""
+    rng = random.Random(7)
+    prefix = [rng.randrange(200, 40000) for _ in range(64)]
+    requests = make_requests(rng, 8, prefix=prefix)
+    arrivals = [2 * i for i in range(len(requests))]
+    # alone, every prompt is then a hit up to its last whole block (cached by the mix)
+    assert_same(run(llm, requests, arrivals), alone(llm, requests))
+
+
+def test_the_one_row_kernels_are_a_switch_away(default_gguf):
+    """--no-deterministic brings back the exact one-row kernels for a lone request (faster on one
+    stream, docs/determinism.md); the switch is the engine's, restored for the rest of the process by
+    the next engine built."""
+    with quant.determinism(True):
+        fast = LLM(model=str(default_gguf), max_model_len=256, max_num_seqs=2, deterministic=False)
+        assert not quant.deterministic()
+        out = fast.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
+        assert len(out.token_ids) == 4
+    assert quant.deterministic()
