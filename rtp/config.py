@@ -323,7 +323,8 @@ class LoadConfig(msgspec.Struct, kw_only=True, frozen=True):
                                 "(docs/determinism.md); --no-deterministic: a lone request's decode steps "
                                 "multiply the GGUF's exact fp32 weights on the one-row kernels, so its output "
                                 "can change when others join its steps; measured, a one-row decode step "
-                                "2.3x faster on AMD Zen 4, 1.3-1.5x on a Xeon with AMX, larger steps the same",
+                                "2.0x faster on AMD Zen 4 (1.3-2.3x), 1.25-1.5x on a Xeon with AMX, larger steps "
+                                "the same",
                           negatable=True) = True
 
     def validate(self) -> None:
