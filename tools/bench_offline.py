@@ -160,7 +160,7 @@ def bench_rtp(dtype_key: str, work: Workload, args: argparse.Namespace, model_pa
     t = time.perf_counter()
     llm = LLM(model=str(model_path), dtype=DTYPES[dtype_key], compile=compile_on,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              activation_dtype=activation_dtype)
+              activation_dtype=activation_dtype, deterministic=args.deterministic)
     startup = time.perf_counter() - t
     warmup = float(getattr(llm.engine, "warmup_seconds", 0.0) or 0.0)
     res: dict = {"dtype": DTYPES[dtype_key], "compile": compile_on, "startup_s": round(startup, 2),
@@ -821,6 +821,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rtp dtypes to run, comma separated from bf16,fp32 (default bf16,fp32); the decode "
                         "measurements run with bf16 only")
     g.add_argument("--no-compile", action="store_true", help="run rtp eagerly (no Inductor decode graphs)")
+    g.add_argument("--no-deterministic", dest="deterministic", action="store_false",
+                   help="rtp serve --no-deterministic: a lone request's decode steps on the one-row kernels")
     g.add_argument("--activation-dtype", choices=["auto", "int8", "int8-prefill"], nargs="+", default=["auto"],
                    help="rtp's --activation-dtype, one or more; each dtype runs once per value, side by side "
                         "(int8: Q4_1 layers take int8 rows on a CPU with VNNI and no AMX; "
@@ -897,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {
         "config": {"requests": len(work), "prompt_lens": list(args.prompt_lens), "output_lens": list(args.output_lens),
                    "prompt_tokens": work.prompt_tokens, "output_tokens": work.output_tokens, "seed": args.seed,
-                   "quick": args.quick, "compile": not args.no_compile, "activation_dtype": args.activation_dtype, "threads": torch.get_num_threads(),
+                   "quick": args.quick, "compile": not args.no_compile, "activation_dtype": args.activation_dtype,
+                   "deterministic": args.deterministic, "threads": torch.get_num_threads(),
                    "cores": ncpu, "cpu": cpu_description(), "model": str(model_path), "torch": torch.__version__, "transformers": tf_version,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "rtp": {},

@@ -9,9 +9,15 @@ compared bit for bit.
 
 from __future__ import annotations
 
+import os
+import pickle
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from rtp import LLM, SamplingParams
 from rtp.engine.output import RequestOutput
@@ -111,6 +117,34 @@ def test_a_prefix_cache_hit_on_a_prompt_gives_the_same_bits(llm):
     arrivals = [2 * i for i in range(len(requests))]
     # alone, every prompt is then a hit up to its last whole block (cached by the mix)
     assert_same(run(llm, requests, arrivals), alone(llm, requests))
+
+
+ONE_THREAD = """
+import pickle, random, sys
+sys.path.insert(0, {here!r})
+from test_determinism import make_requests, run
+from rtp import LLM
+llm = LLM(model={model!r}, max_model_len=512, max_num_seqs=16)
+rng = random.Random(5)
+requests = make_requests(rng, 12)
+arrivals = [rng.randrange(0, 20) for _ in requests]
+sys.stdout.buffer.write(pickle.dumps(run(llm, requests, arrivals)))
+"""
+
+
+def test_the_thread_count_does_not_change_a_request(llm, default_gguf):
+    """No kernel splits one row's sums over threads: the same mix on one thread (a process of its own)
+    gives every request the bits it gets on this process's threads."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("this process runs one thread already")
+    code = ONE_THREAD.format(here=str(Path(__file__).parent), model=str(default_gguf))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    rng = random.Random(5)
+    requests = make_requests(rng, 12)
+    arrivals = [rng.randrange(0, 20) for _ in requests]
+    assert_same(pickle.loads(done.stdout), run(llm, requests, arrivals))
 
 
 def test_the_one_row_kernels_are_a_switch_away(default_gguf):
