@@ -119,6 +119,20 @@ def test_a_prefix_cache_hit_on_a_prompt_gives_the_same_bits(llm):
     assert_same(run(llm, requests, arrivals), alone(llm, requests))
 
 
+def test_n_gram_speculation_does_not_change_a_request(llm, default_gguf):
+    """Requests whose prompts repeat (so that n-gram drafts are accepted), in a mix on an engine that
+    drafts 4 tokens a step, against each alone on a plain engine: the same tokens and logprobs, greedy
+    and seeded (a draft is verified on decode rows, as the token would have been decoded)."""
+    speculating = LLM(model=str(default_gguf), max_model_len=512, max_num_seqs=16, speculative="ngram",
+                      num_speculative_tokens=4, speculative_measured=False)
+    rng = random.Random(11)
+    requests = [((ids[:8] * 6)[:60], params) for ids, params in make_requests(rng, 8)]
+    arrivals = [rng.randrange(0, 10) for _ in requests]
+    mixed = run(speculating, requests, arrivals)
+    assert speculating.engine.stats()["spec_accepted_tokens"] > 20
+    assert_same(mixed, alone(llm, requests))
+
+
 ONE_THREAD = """
 import pickle, random, sys
 sys.path.insert(0, {here!r})
