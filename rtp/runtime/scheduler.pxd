@@ -121,6 +121,8 @@ cdef class Scheduler:
     cdef void _write_plan(self) noexcept
     cdef int _stop_reason(self, int s, int32_t tok) noexcept nogil
     cdef int _propose(self, int s, int kmax) noexcept nogil
+    cdef int _rows(self, int s, int c, int n) noexcept nogil
+    cdef int _fit_rows(self, int s, int c, int n, int free) noexcept nogil
     cdef int _reserve_drafts(self, int s, int kmax) noexcept nogil
     cdef int _emit(self, int s, int32_t tok, int row, int events) except -1
     cdef int _verify(self, int s, const int64_t* sampled, int k, int d, int events) except -1

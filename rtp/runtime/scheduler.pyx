@@ -501,7 +501,10 @@ cdef class Scheduler:
         # Drafted tokens take plan rows (one each) that no running or waiting request needs,
         # and only while few requests run: past that a step is bound by compute, not by reading
         # the weights, and verifying drafts stops being nearly free.
-        cdef int spare = 0, d, kmax
+        cdef int spare = 0, d, kmax, e
+        # rows beyond one per scheduled request: drafts, and a recomputed request's generated tokens
+        # (a decode row each, _fit_rows)
+        cdef int extra = 0
         if self.num_speculative_tokens > 0 and self.num_running <= self.spec_max_running:
             spare = self.max_num_seqs - self.num_running - self.num_waiting
         # 1. running requests, oldest first: a decode needs 1 token (and may verify drafted ones),
@@ -515,6 +518,10 @@ cdef class Scheduler:
                 if n == 0:
                     i += 1
                     continue  # its next chunk waits for a step with room
+                n = self._fit_rows(s, self.r_num_computed[s], n, self.max_num_seqs - self.num_running - extra)
+                e = self._rows(s, self.r_num_computed[s], n) - 1
+                extra += e
+                spare -= e
             elif spare > 0 and self.r_spec[s]:
                 if self.r_spec_pause[s] > 0:
                     self.r_spec_pause[s] -= 1
@@ -546,13 +553,14 @@ cdef class Scheduler:
             self.n_sched += 1
             budget -= n + d
             spare -= d
+            extra += d
             if n > 1:
                 prefill_budget -= n
             i += 1
         # 2. admit waiting requests while budget, rows and blocks allow (not after a preemption)
         budget = min(budget, prefill_budget)
         while (not preempted and budget > 0 and self.num_waiting > 0
-               and self.num_running < self.max_num_seqs):
+               and self.num_running + extra < self.max_num_seqs):
             idx = self._pick_waiting()
             s = self.waiting[idx]
             m = 0
@@ -564,6 +572,7 @@ cdef class Scheduler:
                 if not self.chunked_prefill:
                     break
                 n = budget
+            n = self._fit_rows(s, m * bs, n, self.max_num_seqs - self.num_running - 1 - extra)
             need = _cdiv(m * bs + n, bs) - m
             if need + alloc._evictable_in(self.r_blocks[s], m) > alloc.n_list:
                 break  # not enough blocks: keep the queue order, try next step
@@ -586,10 +595,33 @@ cdef class Scheduler:
             self.sched_draft[self.n_sched] = 0
             self.n_sched += 1
             budget -= n
+            extra += self._rows(s, m * bs, n) - 1
         self._write_plan()
         self.in_flight = True
         self.step_count += 1
         return 0
+
+    cdef int _rows(self, int s, int c, int n) noexcept nogil:
+        """Plan rows the chunk [c, c + n) of s takes: its prompt tokens one row, each generated token a
+        decode row of its own -- as it was computed when it was generated, so that a preempted request's
+        recompute writes the same KV bits (docs/determinism.md)."""
+        cdef int plen = self.r_prompt_len[s]
+        cdef int first_generated = c if c > plen else plen
+        if c + n <= first_generated:
+            return 1
+        return c + n - first_generated + (1 if c < plen else 0)
+
+    cdef int _fit_rows(self, int s, int c, int n, int free) noexcept nogil:
+        """n, or fewer tokens where the chunk's rows past its first would exceed `free`: a recompute then
+        takes its generated tokens a few rows a step (at least one token a step: its own row)."""
+        cdef int plen = self.r_prompt_len[s]
+        if self._rows(s, c, n) - 1 <= free:
+            return n
+        if free < 0:
+            free = 0
+        if c < plen:
+            return plen - c + free
+        return free + 1
 
     cdef void _write_plan(self) noexcept:
         cdef StepPlan plan = self.plan
@@ -599,19 +631,51 @@ cdef class Scheduler:
         cdef int32_t* blocks
         cdef int32_t* bt_row
         plan.p_qsl[0] = 0
-        # decode rows (one generated token each, or a request's drafts) first, then prompt chunks. A
-        # prompt's lone last token (a prefix-cache hit up to it, or a chunk boundary before it) is a
-        # prompt chunk too: a prompt token always takes prefill attention, a generated one decode
-        # attention, so a request's bits do not depend on where its chunks fall (docs/determinism.md)
+        # decode rows (a generated token each, or a request's drafts) first, then prompt chunks. A
+        # prompt token always takes prefill attention and a generated one decode attention, so a
+        # request's bits do not depend on where its chunks fall (docs/determinism.md): a prompt's lone
+        # last token (a prefix-cache hit up to it, or a chunk boundary before it) is a prompt chunk,
+        # and a preempted request's recompute gives each of its generated tokens a decode row
+        # (pass 0) and its prompt one prompt row (pass 1); its last row samples.
+        cdef int plen, g, e
         for pass_ in range(2):
             for k in range(self.n_sched):
                 n = self.sched_n[k]
                 s = self.sched_slot[k]
-                if ((n == 1 and self.r_num_computed[s] >= self.r_prompt_len[s])
-                        or self.sched_draft[k] > 0) != (pass_ == 0):
+                c = self.r_num_computed[s]  # pass 1: already past the chunk where pass 0 took it whole
+                plen = self.r_prompt_len[s]
+                e = c + n
+                g = c if c > plen else plen  # its first generated token
+                if pass_ == 0 and self.sched_draft[k] == 0 and g < e:
+                    toks = self.r_tokens[s]
+                    blocks = self.r_blocks[s]
+                    nb = self.r_nblocks[s]
+                    for pos in range(g, e):
+                        plan.p_input_ids[t] = toks[pos]
+                        plan.p_positions[t] = pos
+                        plan.p_slot_mapping[t] = <int64_t>blocks[pos // bs] * bs + pos % bs
+                        bt_row = plan.p_block_tables + <int64_t>row * width
+                        memcpy(bt_row, blocks, nb * sizeof(int32_t))
+                        if plan.row_width[row] > nb:
+                            memset(bt_row + nb, 0, (plan.row_width[row] - nb) * sizeof(int32_t))
+                        plan.row_width[row] = nb
+                        plan.p_seq_lens[row] = pos + 1
+                        t += 1
+                        plan.p_qsl[row + 1] = t
+                        if pos + 1 == self.r_num_tokens[s]:
+                            plan.p_logits_indices[samples] = t - 1
+                            plan.p_sample_slots[samples] = s
+                            plan.p_sample_req_ids[samples] = self.r_id[s]
+                            plan.p_sample_offsets[samples] = 0
+                            samples += 1
+                        row += 1
+                    if c >= plen:
+                        self.r_num_computed[s] = e
                     continue
-                s = self.sched_slot[k]
-                c = self.r_num_computed[s]
+                if (self.sched_draft[k] > 0) != (pass_ == 0) or (pass_ == 1 and c >= plen):
+                    continue
+                if pass_ == 1 and e > plen:  # the prompt part; its generated tokens went in pass 0
+                    n = plen - c
                 toks = self.r_tokens[s]
                 blocks = self.r_blocks[s]
                 nb = self.r_nblocks[s]
@@ -659,7 +723,7 @@ cdef class Scheduler:
                     plan.p_sample_req_ids[samples] = self.r_id[s]
                     plan.p_sample_offsets[samples] = 0
                     samples += 1
-                self.r_num_computed[s] = c + n
+                self.r_num_computed[s] = c + self.sched_n[k]
                 row += 1
             if pass_ == 0:
                 plan.num_decode_rows = row

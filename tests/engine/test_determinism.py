@@ -119,6 +119,19 @@ def test_a_prefix_cache_hit_on_a_prompt_gives_the_same_bits(llm):
     assert_same(run(llm, requests, arrivals), alone(llm, requests))
 
 
+def test_preemption_and_recompute_do_not_change_a_request(llm, default_gguf):
+    """A KV pool of 33 blocks for a mix that needs more: the newest requests are preempted and later
+    recomputed -- their generated tokens on decode rows, as they were first computed -- and every
+    request still gets the bits it gets alone in a pool with room."""
+    tight = LLM(model=str(default_gguf), max_model_len=512, max_num_seqs=16, kv_cache_memory=12 << 20)
+    rng = random.Random(0)
+    requests = make_requests(rng, 12)
+    arrivals = [rng.randrange(0, 20) for _ in requests]
+    mixed = run(tight, requests, arrivals)
+    assert tight.engine.stats()["num_preemptions"] > 0
+    assert_same(mixed, alone(llm, requests))
+
+
 def test_n_gram_speculation_does_not_change_a_request(llm, default_gguf):
     """Requests whose prompts repeat (so that n-gram drafts are accepted), in a mix on an engine that
     drafts 4 tokens a step, against each alone on a plain engine: the same tokens and logprobs, greedy
