@@ -146,6 +146,19 @@ def test_n_gram_speculation_does_not_change_a_request(llm, default_gguf):
     assert_same(mixed, alone(llm, requests))
 
 
+def test_a_draft_models_speculation_does_not_change_a_request(llm, default_gguf):
+    """The same with a draft model (the default GGUF drafting for itself, 4 tokens a step): its drafts are
+    verified on the target's decode rows, so every request gets the bits it gets alone on a plain engine."""
+    drafting = LLM(model=str(default_gguf), max_model_len=512, max_num_seqs=16, speculative_model=str(default_gguf),
+                   num_speculative_tokens=4, speculative_measured=False)
+    rng = random.Random(1)
+    requests = make_requests(rng, 8)
+    arrivals = [rng.randrange(0, 10) for _ in requests]
+    mixed = run(drafting, requests, arrivals)
+    assert drafting.engine.stats()["spec_accepted_tokens"] > 20
+    assert_same(mixed, alone(llm, requests))
+
+
 ONE_THREAD = """
 import pickle, random, sys
 sys.path.insert(0, {here!r})
