@@ -522,7 +522,8 @@ cdef class Scheduler:
                 e = self._rows(s, self.r_num_computed[s], n) - 1
                 extra += e
                 spare -= e
-            elif spare > 0 and self.r_spec[s]:
+            elif spare > 0 and self.r_spec[s] and self.r_num_computed[s] >= self.r_prompt_len[s]:
+                # drafts follow a generated token only: a prompt's lone last token stays a prompt row
                 if self.r_spec_pause[s] > 0:
                     self.r_spec_pause[s] -= 1
                 else:
@@ -631,13 +632,15 @@ cdef class Scheduler:
         cdef int32_t* blocks
         cdef int32_t* bt_row
         plan.p_qsl[0] = 0
-        # decode rows (a generated token each, or a request's drafts) first, then prompt chunks. A
-        # prompt token always takes prefill attention and a generated one decode attention, so a
-        # request's bits do not depend on where its chunks fall (docs/determinism.md): a prompt's lone
-        # last token (a prefix-cache hit up to it, or a chunk boundary before it) is a prompt chunk,
-        # and a preempted request's recompute gives each of its generated tokens a decode row
-        # (pass 0) and its prompt one prompt row (pass 1); its last row samples.
-        cdef int plen, g, e
+        # decode rows first, then prompt chunks. A prompt token always takes prefill attention and a
+        # generated one decode attention, so a request's bits do not depend on where its chunks fall
+        # (docs/determinism.md): a prompt's lone last token (a prefix-cache hit up to it, or a chunk
+        # boundary before it) is a prompt chunk; every generated token is a decode row of its own --
+        # a decode, a drafted token (the drafts sit in toks past num_tokens, where _propose wrote them)
+        # and each generated token of a preempted request's recompute alike. The rows from the
+        # request's last token on sample (a decode's one, each draft's; a recompute's last), each
+        # at its offset from that token; a recompute's prompt is one prompt row (pass 1).
+        cdef int plen, g, e, last
         for pass_ in range(2):
             for k in range(self.n_sched):
                 n = self.sched_n[k]
@@ -646,10 +649,11 @@ cdef class Scheduler:
                 plen = self.r_prompt_len[s]
                 e = c + n
                 g = c if c > plen else plen  # its first generated token
-                if pass_ == 0 and self.sched_draft[k] == 0 and g < e:
-                    toks = self.r_tokens[s]
-                    blocks = self.r_blocks[s]
-                    nb = self.r_nblocks[s]
+                toks = self.r_tokens[s]
+                blocks = self.r_blocks[s]
+                nb = self.r_nblocks[s]
+                if pass_ == 0 and g < e:
+                    last = self.r_num_tokens[s] - 1
                     for pos in range(g, e):
                         plan.p_input_ids[t] = toks[pos]
                         plan.p_positions[t] = pos
@@ -662,48 +666,20 @@ cdef class Scheduler:
                         plan.p_seq_lens[row] = pos + 1
                         t += 1
                         plan.p_qsl[row + 1] = t
-                        if pos + 1 == self.r_num_tokens[s]:
+                        if pos >= last:
                             plan.p_logits_indices[samples] = t - 1
                             plan.p_sample_slots[samples] = s
                             plan.p_sample_req_ids[samples] = self.r_id[s]
-                            plan.p_sample_offsets[samples] = 0
+                            plan.p_sample_offsets[samples] = pos - last
                             samples += 1
                         row += 1
                     if c >= plen:
                         self.r_num_computed[s] = e
                     continue
-                if (self.sched_draft[k] > 0) != (pass_ == 0) or (pass_ == 1 and c >= plen):
+                if pass_ == 0 or c >= plen:
                     continue
-                if pass_ == 1 and e > plen:  # the prompt part; its generated tokens went in pass 0
+                if e > plen:  # the prompt part; its generated tokens went in pass 0
                     n = plen - c
-                toks = self.r_tokens[s]
-                blocks = self.r_blocks[s]
-                nb = self.r_nblocks[s]
-                if self.sched_draft[k] > 0:
-                    # its last token and each drafted one: a decode row apiece over the same blocks,
-                    # each seeing the tokens before it, each sampling (the drafts sit in toks past
-                    # the request's num_tokens, where _propose wrote them)
-                    for j in range(n):
-                        pos = c + j
-                        plan.p_input_ids[t] = toks[pos]
-                        plan.p_positions[t] = pos
-                        plan.p_slot_mapping[t] = <int64_t>blocks[pos // bs] * bs + pos % bs
-                        bt_row = plan.p_block_tables + <int64_t>row * width
-                        memcpy(bt_row, blocks, nb * sizeof(int32_t))
-                        if plan.row_width[row] > nb:
-                            memset(bt_row + nb, 0, (plan.row_width[row] - nb) * sizeof(int32_t))
-                        plan.row_width[row] = nb
-                        plan.p_seq_lens[row] = pos + 1
-                        t += 1
-                        plan.p_qsl[row + 1] = t
-                        plan.p_logits_indices[samples] = t - 1
-                        plan.p_sample_slots[samples] = s
-                        plan.p_sample_req_ids[samples] = self.r_id[s]
-                        plan.p_sample_offsets[samples] = j
-                        samples += 1
-                        row += 1
-                    self.r_num_computed[s] = c + n
-                    continue
                 for j in range(n):
                     pos = c + j
                     plan.p_input_ids[t] = toks[pos]
