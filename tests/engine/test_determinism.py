@@ -42,6 +42,16 @@ def make_requests(rng: random.Random, count: int, prefix: list[int] | None = Non
     return out
 
 
+def mix(seed: int, count: int = 12, span: int = 20, repeat: bool = False):
+    """(requests, arrival steps) of a random mix from `seed`: count requests (make_requests) arriving over
+    `span` steps; repeat: each prompt its first 8 tokens over again (so that n-gram drafts match)."""
+    rng = random.Random(seed)
+    requests = make_requests(rng, count)
+    if repeat:
+        requests = [((ids[:8] * 6)[:60], params) for ids, params in requests]
+    return requests, [rng.randrange(0, span) for _ in requests]
+
+
 def run(llm: LLM, requests, arrivals: list[int]) -> list[tuple[list[int], list]]:
     """Each request added at its arrival step (counted in engine steps); its tokens and logprobs."""
     engine = llm.engine
@@ -72,6 +82,15 @@ def assert_same(mixed, single):
         assert lps == want_lps, f"request {i}: logprobs differ from the same request alone"
 
 
+def assert_same_as_alone(engine: LLM, llm: LLM, requests, arrivals, stat: tuple[str, int]) -> None:
+    """The mix on `engine`, whose stats()[name] must pass `least` (what it is there to exercise
+    happened), each request against itself alone on the plain engine llm."""
+    mixed = run(engine, requests, arrivals)
+    name, least = stat
+    assert engine.engine.stats()[name] > least, engine.engine.stats()
+    assert_same(mixed, alone(llm, requests))
+
+
 @pytest.fixture(scope="module")
 def llm(default_gguf):
     assert quant.deterministic()  # the default
@@ -92,9 +111,7 @@ def test_a_request_gets_the_same_bits_alone_and_in_any_mix(llm, seed):
     prefix cache up to its last whole block (the mix cached it), so a prompt whose last token is alone
     past a block boundary (seed 2 has two) prefills that one token -- as a prompt chunk, with prefill
     attention, as in the mix (a one-token chunk once took decode attention and other bits)."""
-    rng = random.Random(seed)
-    requests = make_requests(rng, 12)
-    arrivals = [rng.randrange(0, 20) for _ in requests]
+    requests, arrivals = mix(seed)
     assert_same(run(llm, requests, arrivals), alone(llm, requests))
 
 
@@ -102,9 +119,7 @@ def test_a_request_gets_the_same_bits_alone_and_in_any_mix(llm, seed):
 def test_prompt_chunk_boundaries_do_not_change_a_request(llm, chunked, seed):
     """A mix whose prompts are cut into chunks of up to 40 tokens a step, wherever the other prompts of
     the step leave the boundary (one-token chunks included), against each request alone in one chunk."""
-    rng = random.Random(seed)
-    requests = make_requests(rng, 12)
-    arrivals = [rng.randrange(0, 20) for _ in requests]
+    requests, arrivals = mix(seed)
     assert_same(run(chunked, requests, arrivals), alone(llm, requests))
 
 
@@ -124,12 +139,7 @@ def test_preemption_and_recompute_do_not_change_a_request(llm, default_gguf):
     recomputed -- their generated tokens on decode rows, as they were first computed -- and every
     request still gets the bits it gets alone in a pool with room."""
     tight = LLM(model=str(default_gguf), max_model_len=512, max_num_seqs=16, kv_cache_memory=12 << 20)
-    rng = random.Random(0)
-    requests = make_requests(rng, 12)
-    arrivals = [rng.randrange(0, 20) for _ in requests]
-    mixed = run(tight, requests, arrivals)
-    assert tight.engine.stats()["num_preemptions"] > 0
-    assert_same(mixed, alone(llm, requests))
+    assert_same_as_alone(tight, llm, *mix(0), ("num_preemptions", 0))
 
 
 def test_n_gram_speculation_does_not_change_a_request(llm, default_gguf):
@@ -138,12 +148,7 @@ def test_n_gram_speculation_does_not_change_a_request(llm, default_gguf):
     and seeded (a draft is verified on decode rows, as the token would have been decoded)."""
     speculating = LLM(model=str(default_gguf), max_model_len=512, max_num_seqs=16, speculative="ngram",
                       num_speculative_tokens=4, speculative_measured=False)
-    rng = random.Random(11)
-    requests = [((ids[:8] * 6)[:60], params) for ids, params in make_requests(rng, 8)]
-    arrivals = [rng.randrange(0, 10) for _ in requests]
-    mixed = run(speculating, requests, arrivals)
-    assert speculating.engine.stats()["spec_accepted_tokens"] > 20
-    assert_same(mixed, alone(llm, requests))
+    assert_same_as_alone(speculating, llm, *mix(11, count=8, span=10, repeat=True), ("spec_accepted_tokens", 20))
 
 
 def test_a_draft_models_speculation_does_not_change_a_request(llm, default_gguf):
@@ -151,24 +156,16 @@ def test_a_draft_models_speculation_does_not_change_a_request(llm, default_gguf)
     verified on the target's decode rows, so every request gets the bits it gets alone on a plain engine."""
     drafting = LLM(model=str(default_gguf), max_model_len=512, max_num_seqs=16, speculative_model=str(default_gguf),
                    num_speculative_tokens=4, speculative_measured=False)
-    rng = random.Random(1)
-    requests = make_requests(rng, 8)
-    arrivals = [rng.randrange(0, 10) for _ in requests]
-    mixed = run(drafting, requests, arrivals)
-    assert drafting.engine.stats()["spec_accepted_tokens"] > 20
-    assert_same(mixed, alone(llm, requests))
+    assert_same_as_alone(drafting, llm, *mix(1, count=8, span=10), ("spec_accepted_tokens", 20))
 
 
 ONE_THREAD = """
-import pickle, random, sys
+import pickle, sys
 sys.path.insert(0, {here!r})
-from test_determinism import make_requests, run
+from test_determinism import mix, run
 from rtp import LLM
 llm = LLM(model={model!r}, max_model_len=512, max_num_seqs=16)
-rng = random.Random(5)
-requests = make_requests(rng, 12)
-arrivals = [rng.randrange(0, 20) for _ in requests]
-sys.stdout.buffer.write(pickle.dumps(run(llm, requests, arrivals)))
+sys.stdout.buffer.write(pickle.dumps(run(llm, *mix(5))))
 """
 
 
@@ -181,10 +178,7 @@ def test_the_thread_count_does_not_change_a_request(llm, default_gguf):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    rng = random.Random(5)
-    requests = make_requests(rng, 12)
-    arrivals = [rng.randrange(0, 20) for _ in requests]
-    assert_same(pickle.loads(done.stdout), run(llm, requests, arrivals))
+    assert_same(pickle.loads(done.stdout), run(llm, *mix(5)))
 
 
 def test_the_one_row_kernels_are_a_switch_away(default_gguf):
