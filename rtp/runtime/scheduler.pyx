@@ -522,8 +522,7 @@ cdef class Scheduler:
                 e = self._rows(s, self.r_num_computed[s], n) - 1
                 extra += e
                 spare -= e
-            elif spare > 0 and self.r_spec[s] and self.r_num_computed[s] >= self.r_prompt_len[s]:
-                # drafts follow a generated token only: a prompt's lone last token stays a prompt row
+            elif spare > 0 and self.r_spec[s]:
                 if self.r_spec_pause[s] > 0:
                     self.r_spec_pause[s] -= 1
                 else:
@@ -632,15 +631,13 @@ cdef class Scheduler:
         cdef int32_t* blocks
         cdef int32_t* bt_row
         plan.p_qsl[0] = 0
-        # decode rows first, then prompt chunks. A prompt token always takes prefill attention and a
-        # generated one decode attention, so a request's bits do not depend on where its chunks fall
-        # (docs/determinism.md): a prompt's lone last token (a prefix-cache hit up to it, or a chunk
-        # boundary before it) is a prompt chunk; every generated token is a decode row of its own --
-        # a decode, a drafted token (the drafts sit in toks past num_tokens, where _propose wrote them)
-        # and each generated token of a preempted request's recompute alike. The rows from the
-        # request's last token on sample (a decode's one, each draft's; a recompute's last), each
-        # at its offset from that token; a recompute's prompt is one prompt row (pass 1).
-        cdef int plen, g, e, last
+        # decode rows (a generated token each, or a request's drafts) first, then prompt chunks. A
+        # prompt token always takes prefill attention and a generated one decode attention, so a
+        # request's bits do not depend on where its chunks fall (docs/determinism.md): a prompt's lone
+        # last token (a prefix-cache hit up to it, or a chunk boundary before it) is a prompt chunk,
+        # and a preempted request's recompute gives each of its generated tokens a decode row
+        # (pass 0) and its prompt one prompt row (pass 1); its last row samples.
+        cdef int plen, g, e
         for pass_ in range(2):
             for k in range(self.n_sched):
                 n = self.sched_n[k]
@@ -649,11 +646,10 @@ cdef class Scheduler:
                 plen = self.r_prompt_len[s]
                 e = c + n
                 g = c if c > plen else plen  # its first generated token
-                toks = self.r_tokens[s]
-                blocks = self.r_blocks[s]
-                nb = self.r_nblocks[s]
-                if pass_ == 0 and g < e:
-                    last = self.r_num_tokens[s] - 1
+                if pass_ == 0 and self.sched_draft[k] == 0 and g < e:
+                    toks = self.r_tokens[s]
+                    blocks = self.r_blocks[s]
+                    nb = self.r_nblocks[s]
                     for pos in range(g, e):
                         plan.p_input_ids[t] = toks[pos]
                         plan.p_positions[t] = pos
@@ -666,20 +662,48 @@ cdef class Scheduler:
                         plan.p_seq_lens[row] = pos + 1
                         t += 1
                         plan.p_qsl[row + 1] = t
-                        if pos >= last:
+                        if pos + 1 == self.r_num_tokens[s]:
                             plan.p_logits_indices[samples] = t - 1
                             plan.p_sample_slots[samples] = s
                             plan.p_sample_req_ids[samples] = self.r_id[s]
-                            plan.p_sample_offsets[samples] = pos - last
+                            plan.p_sample_offsets[samples] = 0
                             samples += 1
                         row += 1
                     if c >= plen:
                         self.r_num_computed[s] = e
                     continue
-                if pass_ == 0 or c >= plen:
+                if (self.sched_draft[k] > 0) != (pass_ == 0) or (pass_ == 1 and c >= plen):
                     continue
-                if e > plen:  # the prompt part; its generated tokens went in pass 0
+                if pass_ == 1 and e > plen:  # the prompt part; its generated tokens went in pass 0
                     n = plen - c
+                toks = self.r_tokens[s]
+                blocks = self.r_blocks[s]
+                nb = self.r_nblocks[s]
+                if self.sched_draft[k] > 0:
+                    # its last token and each drafted one: a decode row apiece over the same blocks,
+                    # each seeing the tokens before it, each sampling (the drafts sit in toks past
+                    # the request's num_tokens, where _propose wrote them)
+                    for j in range(n):
+                        pos = c + j
+                        plan.p_input_ids[t] = toks[pos]
+                        plan.p_positions[t] = pos
+                        plan.p_slot_mapping[t] = <int64_t>blocks[pos // bs] * bs + pos % bs
+                        bt_row = plan.p_block_tables + <int64_t>row * width
+                        memcpy(bt_row, blocks, nb * sizeof(int32_t))
+                        if plan.row_width[row] > nb:
+                            memset(bt_row + nb, 0, (plan.row_width[row] - nb) * sizeof(int32_t))
+                        plan.row_width[row] = nb
+                        plan.p_seq_lens[row] = pos + 1
+                        t += 1
+                        plan.p_qsl[row + 1] = t
+                        plan.p_logits_indices[samples] = t - 1
+                        plan.p_sample_slots[samples] = s
+                        plan.p_sample_req_ids[samples] = self.r_id[s]
+                        plan.p_sample_offsets[samples] = j
+                        samples += 1
+                        row += 1
+                    self.r_num_computed[s] = c + n
+                    continue
                 for j in range(n):
                     pos = c + j
                     plan.p_input_ids[t] = toks[pos]
