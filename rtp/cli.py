@@ -52,7 +52,10 @@ def _info(args: argparse.Namespace) -> int:
         cpu_flags = torch.backends.cpu.get_cpu_capability()
         # what a step runs on here: rtp's C kernels (RTP_CPU_KERNELS=0 turns them off), and which
         # of their paths this CPU takes
-        info["cpu_kernels"] = {"active": cpu_kernels.available(), "amx": cpu_kernels.amx_available(),
+        info["cpu_kernels"] = {"active": cpu_kernels.available(), "isa": cpu_kernels.isa(),  # RTP_CPU_ISA lowers it
+                               "ops_without_a_variant": [op for op in cpu_kernels.ops.BY_NAME
+                                                         if cpu_kernels.available() and not cpu_kernels.has_op(op)],
+                               "amx": cpu_kernels.amx_available(),
                                "int8_rows": cpu_kernels.int8_rows_available(),  # --activation-dtype int8
                                "cpu_flags": _cpu_flags(), "torch_cpu_capability": cpu_flags}
         info["threads"] = threads_per_rank(1)

@@ -455,7 +455,7 @@ def _attach_dense(model: torch.nn.Module) -> None:
     from rtp.kernels import cpu_kernels
     from rtp.kernels.quant import BlockQuantized
 
-    if not cpu_kernels.available():
+    if not cpu_kernels.has_op("linear_bf16"):
         return
     count = 0
     for module in model.modules():
@@ -500,7 +500,7 @@ def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
         blocks = BlockQuantized.cat([parts[s] for s in order])
         if blocks is None and not getattr(layer, "silu_mul_after", False):
             blocks = BlockParts([parts[s] for s in order])  # each part its own layout and kernels
-        if blocks is not None and blocks.shape == tuple(layer.weight.shape):
+        if blocks is not None and blocks.shape == tuple(layer.weight.shape) and blocks.runs_here:
             layer.quant = blocks.on_huge_pages().with_tile_layout(glu=getattr(layer, "silu_mul_after", False))
             attached += 1
     log.info("%s: %d layers also keep their GGUF blocks for small-batch decode", gguf.path.name, attached)

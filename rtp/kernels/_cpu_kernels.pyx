@@ -23,9 +23,13 @@ cdef extern from "kernel_ops.h":
         int8_t prefill_rows
         int8_t plan_when
         uint32_t addresses
+        int8_t isa
 
 cdef extern from "cpu_kernels.h":
     int rtp_cpu_kernels_supported() nogil
+    int rtp_cpu_isa() nogil
+    int rtp_select_isa(int most) nogil
+    int rtp_isa
     int rtp_amx_supported() nogil
     int rtp_vnni_supported() nogil
     enum:
@@ -93,6 +97,8 @@ cdef object _failure(const int64_t *c, int64_t rows):
     if c[0] not in OP_NAMES:
         return ValueError(f"no kernel op {c[0]} (word 0 of a call)")
     name = OP_NAMES[c[0]]
+    if rtp_call_op(c[0]).isa > rtp_isa:
+        return RuntimeError(f"kernel {name} has no variant for this CPU's ISA path")
     if rows > 0 and w and rows > c[w]:
         return ValueError(f"kernel call {name} was recorded over {c[w]} rows, cannot run over {rows}")
     if name == "rope_store_kv":
@@ -155,11 +161,26 @@ def rows_word(int64_t op) -> int:
 
 def op_entry(int64_t op):
     """op's entry in the replay's table (rtp_ops[], kernel_ops.c): (name, words, rows word, decode rows word,
-    prefill rows word, plan_when word, address words), or None where it has no such op."""
+    prefill rows word, plan_when word, address words, lowest ISA path), or None where it has no such op."""
     cdef const rtp_op *o = rtp_call_op(op)
     if o == NULL:
         return None
-    return o.name.decode(), o.words, o.rows, o.decode_rows, o.prefill_rows, o.plan_when, o.addresses
+    return o.name.decode(), o.words, o.rows, o.decode_rows, o.prefill_rows, o.plan_when, o.addresses, o.isa
+
+
+def cpu_isa() -> int:
+    """The highest ISA path this CPU runs (ops.ISAS[i - 1]; 0: none)."""
+    return rtp_cpu_isa()
+
+
+def select_isa(int most) -> int:
+    """Run the kernels on this CPU's path, or on path `most` where that is lower; returns the path selected."""
+    return rtp_select_isa(most)
+
+
+def isa() -> int:
+    """The path selected (0: none yet)."""
+    return rtp_isa
 
 
 def run_calls(intptr_t calls, int64_t n, int64_t rows, intptr_t ns=0) -> None:

@@ -11,6 +11,7 @@ the plain PyTorch path); then nothing here is called.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -19,24 +20,66 @@ import torch
 from rtp.kernels import ops
 
 
-def _probe() -> bool:
+def _probe() -> int:
+    """The ISA path the kernels run on (ops.ISAS[i - 1]; 0: none): this CPU's highest, or RTP_CPU_ISA's where
+    that is lower (tests and benchmarks run the lower paths so); RTP_AMX=0 stops at avx512bf16."""
     if os.environ.get("RTP_CPU_KERNELS", "1") == "0":
-        return False
+        return 0
     try:
         from rtp.kernels import _cpu_kernels
     except ImportError:
-        return False
-    return _cpu_kernels.supported()
+        return 0
+    want = os.environ.get("RTP_CPU_ISA", "") or ops.ISAS[-1]
+    if want not in ops.ISAS:
+        raise ValueError(f"RTP_CPU_ISA={want!r}: one of {', '.join(ops.ISAS)}")
+    most = ops.ISAS.index(want) + 1
+    if os.environ.get("RTP_AMX", "1") == "0":
+        most = min(most, ops.ISAS.index("avx512bf16") + 1)
+    return _cpu_kernels.select_isa(most)
 
 
-# Decided once at import: a constant is what torch.compile can trace through.
-_AVAILABLE = _probe()
+# Decided once at import: constants are what torch.compile can trace through.
+_ISA = _probe()
+_AVAILABLE = _ISA > 0
 if _AVAILABLE:
     from rtp.kernels import _cpu_kernels as _k
+# the path of the kernels outside csrc/avx2/: tile-order linears, VNNI and AMX, the sampler's helpers
+_BF16_PATH = _ISA >= ops.ISAS.index("avx512bf16") + 1
+# each op: whether it has a variant on the selected path (an op without one leaves its layers on torch)
+_HAS = {op.name: _AVAILABLE and _ISA >= ops.ISAS.index(op.lowest_isa) + 1 for op in ops.OPS}
 
 
 def available() -> bool:
+    """Whether rtp's kernels run here at all (on some ISA path)."""
     return _AVAILABLE
+
+
+def isa() -> str | None:
+    """The ISA path the kernels run on (ops.ISAS), None where they do not run."""
+    return ops.ISAS[_ISA - 1] if _AVAILABLE else None
+
+
+def has_op(name: str) -> bool:
+    """Whether kernel op `name` runs on the selected path."""
+    return _HAS[name]
+
+
+@contextlib.contextmanager
+def on_isa(name: str):
+    """Within: the kernels dispatch to ISA path `name`'s variants (or the CPU's highest, where lower), so that a
+    test runs a lower path's kernels on a machine that has a higher one. Only what the kernels run changes:
+    the predicates and layouts chosen at import stay (tests call the kernels directly)."""
+    previous = _k.isa()
+    _k.select_isa(ops.ISAS.index(name) + 1)
+    try:
+        yield ops.ISAS[_k.isa() - 1]
+    finally:
+        _k.select_isa(previous)
+
+
+def tiles_available() -> bool:
+    """Whether the tile-order linears run here (avx512bf16 and amx): layers then keep their blocks in tile order."""
+    return _HAS["linear_tiles"]
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -171,7 +214,7 @@ def linear_q8_into(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.
 
 # The tile-order linear kernels take any number of rows: on AMX (amx_linear.c, amx_gemm.c) where the CPU
 # has it, else with AVX-512 BF16 (avx_gemm.c); decided at import like _AVAILABLE.
-_AMX = _AVAILABLE and os.environ.get("RTP_AMX", "1") != "0" and _k.amx_supported()
+_AMX = _ISA == ops.ISAS.index("amx") + 1
 
 
 def amx_available() -> bool:
@@ -181,7 +224,7 @@ def amx_available() -> bool:
 def int8_rows_available() -> bool:
     """Whether the tile kernels multiply int8 rows (--activation-dtype int8): AVX-512 VNNI, and no AMX
     taking the tiles (which multiplies them in bf16)."""
-    return _AVAILABLE and not _AMX and _k.vnni_supported()
+    return _BF16_PATH and not _AMX and _k.vnni_supported()
 
 
 @_op("linear_tiles", (), lambda x, kind, weights, bias, out_dtype, bf16_rows=0, bf16_rows_decode=False: x.new_empty(
@@ -236,7 +279,7 @@ def linear_tiles_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: t
 # -- residual add + RMSNorm -----------------------------------------------------------------------
 
 def norm_supported(residual: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_AVAILABLE and residual.device.type == "cpu" and residual.dtype == torch.float32
+    return (_HAS["add_rms_norm"] and residual.device.type == "cpu" and residual.dtype == torch.float32
             and weight.dtype in (torch.float32, torch.bfloat16) and residual.dim() == 2 and residual.stride(1) == 1
             and residual.shape[1] % 16 == 0)
 
@@ -260,7 +303,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
 # -- embedding lookup and the MLP's activation -------------------------------------------------
 
 def embed_supported(ids: torch.Tensor, table: torch.Tensor) -> bool:
-    return (_AVAILABLE and table.device.type == "cpu" and table.dtype in (torch.float32, torch.bfloat16)
+    return (_HAS["embed_rows"] and table.device.type == "cpu" and table.dtype in (torch.float32, torch.bfloat16)
             and table.dim() == 2 and table.stride(1) == 1 and ids.dtype == torch.int32 and ids.dim() == 1)
 
 
@@ -278,7 +321,7 @@ def embed_rows(ids: torch.Tensor, table: torch.Tensor, scale: float = 1.0) -> to
 
 
 def silu_mul_supported(x: torch.Tensor) -> bool:
-    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
+    return (_HAS["silu_mul"] and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
             and x.stride(1) == 1 and x.shape[1] % 32 == 0)
 
 
@@ -294,7 +337,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 # -- beyond the Llama topology (csrc/norm.c, csrc/activation.c): Gemma's norms, GeGLU, softcapping --
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+    return (_HAS["rms_norm"] and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
             and x.stride(1) == 1 and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
             and tuple(weight.shape) == (x.shape[1],))
 
@@ -313,7 +356,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def qk_norm_supported(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int,
                       kv_heads: int) -> bool:
     d = q_weight.shape[0]
-    return (_AVAILABLE and qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16 and qkv.dim() == 2
+    return (_HAS["qk_rms_norm"] and qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16 and qkv.dim() == 2
             and qkv.stride(1) == 1 and qkv.shape[1] >= (heads + kv_heads) * d
             and q_weight.dtype == k_weight.dtype and q_weight.dtype in (torch.float32, torch.bfloat16)
             and q_weight.dim() == 1 and q_weight.shape == k_weight.shape
@@ -331,7 +374,7 @@ def qk_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
 
 
 def gelu_tanh_mul_supported(x: torch.Tensor) -> bool:
-    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
+    return (_HAS["gelu_tanh_mul"] and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
             and x.stride(1) == 1 and x.shape[1] % 2 == 0)
 
 
@@ -346,7 +389,7 @@ def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def softcap_supported(x: torch.Tensor) -> bool:
-    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+    return (_HAS["softcap"] and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and x.stride(1) == 1)
 
 
@@ -361,7 +404,7 @@ def softcap(x: torch.Tensor, cap: float) -> None:
 
 def argmax_supported(x: torch.Tensor) -> bool:
     """Whether argmax_rows takes x: CPU fp32 [T, N], N >= 1, rows contiguous."""
-    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+    return (_BF16_PATH and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and x.shape[1] > 0 and x.stride(1) == 1)
 
 
@@ -392,7 +435,7 @@ def apply_token_bitmask(x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor)
     mask int32 [R, ceil(N / 32)], rows int64 [R]; the layout llguidance and xgrammar fill). rtp's
     kernel on a CPU with AVX-512; torch elsewhere."""
     n = x.shape[1]
-    if (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1
+    if (_BF16_PATH and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1
             and mask.dtype == torch.int32 and mask.stride(1) == 1 and mask.shape[1] * 32 >= n
             and rows.dtype == torch.int64 and rows.is_contiguous() and mask.shape[0] >= rows.shape[0]):
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= x.shape[0]):
@@ -412,7 +455,7 @@ def rope_supported(qkv: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Ten
                    positions: torch.Tensor, head_dim: int) -> bool:
     """Whether rope_store_kv (bf16 cache) or rope_store_kv_int8 (int8 cache) takes these operands."""
     rot = cos_sin.shape[1]
-    return (_AVAILABLE and qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16
+    return (_HAS["rope_store_kv"] and qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16
             and (kv_cache.dtype == torch.bfloat16 or kv_cache.dtype == torch.int8 and head_dim % 16 == 0
                  and head_dim <= 256)
             and cos_sin.dtype == torch.float32
@@ -472,7 +515,7 @@ def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     takes these operands."""
     d = q.shape[-1]
     heads, kv_heads = q.shape[1], k_cache.shape[2]
-    return (_AVAILABLE and q.device.type == "cpu"
+    return (_HAS["decode_attention"] and q.device.type == "cpu"
             and (k_cache.dtype == torch.bfloat16 or k_cache.dtype == torch.int8 and q.dtype == torch.bfloat16)
             and d % 32 == 0 and d <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
             and k_cache.stride(-1) == 1 and k_cache.stride(-2) == d)
@@ -607,7 +650,7 @@ def run_calls(calls, rows: int, times=None) -> None:
 # -- prefill attention over the paged cache (rtp/kernels/csrc/attention/prefill_attention.c) ---------------
 
 # RTP_PREFILL_ATTENTION=0 keeps prefill on torch's SDPA (to compare the two); decided at import.
-_PREFILL = _AVAILABLE and os.environ.get("RTP_PREFILL_ATTENTION", "1") != "0"
+_PREFILL = _HAS["prefill_attention"] and os.environ.get("RTP_PREFILL_ATTENTION", "1") != "0"
 
 
 def prefill_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

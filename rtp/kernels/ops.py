@@ -35,6 +35,11 @@ from dataclasses import dataclass
 
 CALL_WORDS = 24  # prefill attention over an int8 cache, with its softcap, takes 22
 
+# The CPUs' ISA paths, lowest first (csrc/cpu_features.c, RTP_ISA_* from 1): an op runs the variant of the
+# highest path at or below the one selected. An entry's `c` function is its variant for `isa` (avx512bf16
+# unless the entry says), `variants` maps a lower path to a function of the same parameters.
+ISAS = ("avx2", "avx512", "avx512bf16", "amx")
+
 # What a step graph's replay puts into a field from the step's plan (rtp_run_step_calls).
 DECODE_ROWS = "decode_rows"
 PREFILL_ROWS = "prefill_rows"
@@ -70,6 +75,18 @@ class Op:
     plan: dict                   # field -> DECODE_ROWS / PREFILL_ROWS: set from the step's plan
     plan_when: str | None        # the plan fields apply only where this flag field is set
     doc: str
+    isa: str = "avx512bf16"      # the lowest ISA path `function` runs on
+    variants: tuple = ()         # (isa, function) for lower paths, highest first
+
+    @property
+    def functions(self) -> tuple[tuple[str, str], ...]:
+        """(isa, function) of every variant, highest path first."""
+        return ((self.isa, self.function),) + self.variants
+
+    @property
+    def lowest_isa(self) -> str:
+        """The lowest path any variant runs on."""
+        return self.functions[-1][0]
 
     @property
     def words(self) -> int:
@@ -122,8 +139,11 @@ def _ops(*entries) -> tuple[Op, ...]:
         status, function, params = _PROTOTYPE.match(" ".join(e["c"].split())).groups()
         fields = _fields(params, 1, True)
         fields += _fields(e.get("replay", ""), 1 + len(fields), False)
+        isa = e.get("isa", "avx512bf16")
+        variants = tuple(sorted(e.get("variants", {}).items(), key=lambda v: -ISAS.index(v[0])))
+        assert all(ISAS.index(v) < ISAS.index(isa) for v, _ in variants), f"{e['name']}: a variant above its isa"
         op = Op(e["name"], code, function, status == "int", tuple(fields), e.get("rows"), e.get("plan", {}),
-                e.get("plan_when"), e["doc"])
+                e.get("plan_when"), e["doc"], isa, variants)
         names = [f.name for f in fields]
         assert op.words <= CALL_WORDS, f"{op.name}: {op.words} words, a call holds {CALL_WORDS}"
         assert len(set(names)) == len(names), f"{op.name}: a field name twice"
@@ -193,7 +213,7 @@ OPS = _ops(
          doc="""Causal varlen attention of a step plan's rows [first_row, first_row + nseq) over paged bf16 K/V, or
     int8 K/V with fp32 scales (k_scales, v_scales [slots, hkv]; 0: bf16); softcap as
     decode_attention's; see attention/prefill_attention.c."""),
-    dict(name="gather_rows", rows="n",
+    dict(name="gather_rows", rows="n", isa="avx2",
          c="""void rtp_gather_rows(const void *src, int64_t src_stride, const int32_t *idx, int64_t n, void *out,
               int64_t out_stride, int64_t row_bytes)""",
          doc="out row i = src row idx[i] (int32), row_bytes each, strides in bytes."),

@@ -36,9 +36,13 @@ def _enum(op: Op) -> str:
     return f"RTP_OP_{op.name.upper()}"
 
 
-def _prototype(op: Op) -> str:
+def _isa(name: str) -> str:
+    return f"RTP_ISA_{name.upper()}"
+
+
+def _prototypes(op: Op) -> list[str]:
     params = ", ".join(f"{f.ctype}{'' if f.ctype.endswith('*') else ' '}{f.name}" for f in op.fields if f.passed)
-    return _wrap(f"{'int' if op.status else 'void'} {op.function}({params});", "    ")
+    return [_wrap(f"{'int' if op.status else 'void'} {function}({params});", "    ") for _, function in op.functions]
 
 
 def header() -> str:
@@ -47,7 +51,7 @@ def header() -> str:
            f"#define RTP_CALL_WORDS {CALL_WORDS}", "enum {"]
     out += [f"    {_enum(op)} = {op.code}," for op in OPS]
     out += ["    RTP_OP_COUNT", "};", "", "/* The ops' kernels (each defined in its concept's file under csrc/). */"]
-    out += [_prototype(op) for op in OPS]
+    out += [p for op in OPS for p in _prototypes(op)]
     out += ["", "/* Each op's call with its words named: addresses as pointers, integers as int64, floats as the",
             " * doubles whose bits their words hold. Every member is 8 bytes, so member i is word i. */"]
     for op in OPS:
@@ -75,6 +79,7 @@ def header() -> str:
             "    int8_t plan_when;               /* those two only where this word is set (0: always, and then the",
             "                                       call's rows are the plan's: it takes no class count) */",
             "    uint32_t addresses;             /* bit i set: word i is an address */",
+            "    int8_t isa;                     /* the lowest ISA path (RTP_ISA_*) a variant runs on */",
             "} rtp_op;",
             "extern const rtp_op rtp_ops[RTP_OP_COUNT];", ""]
     return "\n".join(out)
@@ -92,17 +97,19 @@ def source() -> str:
     out = [f"/* {_NOTE} */", '#include "cpu_kernels.h"', ""]
     for op in OPS:
         args = ", ".join(_argument(op, f) for f in op.fields if f.passed)
-        call = f"{op.function}({args})"
         out.append(f"static int run_{op.name}(const rtp_call *c) {{")
         out.append(f"    const rtp_{op.name}_call *a = &c->{op.name};")
-        out += [_wrap(f"    return {call};", " " * 8)] if op.status else [_wrap(f"    {call};", " " * 8),
-                                                                                   "    return 1;"]
-        out += ["}", ""]
+        for isa, function in op.functions:  # the selected path's variant (rtp_isa, cpu_features.c)
+            call = f"{function}({args})"
+            out += ([f"    if (rtp_isa >= {_isa(isa)})", _wrap(f"        return {call};", " " * 12)] if op.status
+                    else [f"    if (rtp_isa >= {_isa(isa)}) {{", _wrap(f"        {call};", " " * 12), "        return 1;",
+                          "    }"])
+        out += ["    return 0; /* no variant on this path: callers ask op_isa first */", "}", ""]
     out.append("const rtp_op rtp_ops[RTP_OP_COUNT] = {")
     for op in OPS:
         out.append(f"    [{_enum(op)}] = {{\"{op.name}\", run_{op.name}, {op.words}, {op.rows_word}, "
                    f"{op.plan_word(DECODE_ROWS)}, {op.plan_word(PREFILL_ROWS)}, {op.plan_when_word}, "
-                   f"0x{op.address_mask:x}u}},")
+                   f"0x{op.address_mask:x}u, {_isa(op.lowest_isa)}}},")
     out += ["};", ""]
     return "\n".join(out)
 

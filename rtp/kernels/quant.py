@@ -50,6 +50,10 @@ _U8_OFFSET = {"q8_1": 0, "q8_16": 32}
 U8_SPLIT = 2176
 
 
+# The kernel ops (rtp/kernels/ops.py) each kind's linear takes (BlockQuantized.linear), whatever x's dtype.
+_KIND_OPS = {"q4_1": ("linear_q4_1",), "q8_0": ("linear_u8", "linear_q8"), "q8_1": ("linear_u8",),
+             "q8_16": ("linear_u8",), "bf16": ("linear_bf16",)}
+
 # Row ranges where each kernel measured fastest (docs/benchmarks.md, "Decode step").
 QUANT_MAX_ROWS = 4   # the one-row AVX-512 kernel, for a layer without tiles (N not a multiple of 16)
 AMX_MIN_ROWS = 2     # one row: the AVX-512 kernel reads fewer bytes (no bf16 tile round trip)
@@ -372,7 +376,7 @@ class BlockQuantized:
     def with_tile_layout(self, glu: bool = False) -> "BlockQuantized":
         """This, also holding tile_layout(glu) (when rtp's CPU kernels run here and N is a multiple of
         16, of 32 for glu)."""
-        if cpu_kernels.available() and self.shape[0] % (32 if glu else 16) == 0:
+        if cpu_kernels.tiles_available() and self.shape[0] % (32 if glu else 16) == 0:
             self.tiles = self.tile_layout(glu)
             self.glu = glu
         return self
@@ -394,12 +398,20 @@ class BlockQuantized:
         return w.reshape(n, k)
 
     @property
+    def runs_here(self) -> bool:
+        """Whether the kernels for these blocks run on this CPU's ISA path (else the layer stays dense)."""
+        return all(cpu_kernels.has_op(op) for op in _KIND_OPS[self.kind])
+
+    @property
     def serves_every_batch(self) -> bool:
-        """Whether these blocks multiply any number of rows (AMX tiles): the layer needs no dense copy."""
-        return self.tiles is not None
+        """Whether these blocks multiply any number of rows (tile order; or on a path without tiles, where
+        the block kernels take every batch): the layer needs no dense copy."""
+        return self.tiles is not None or not cpu_kernels.tiles_available() and self.runs_here
 
     def takes(self, rows: int) -> bool:
         """Whether a batch of `rows` rows is multiplied from the blocks (else from dense bf16 weights)."""
+        if not cpu_kernels.tiles_available():  # the avx2 path: the block kernels are its only linears
+            return True
         if self.tiles is not None:
             # interleaved tiles serve silu_mul only: a plain product is the one-row kernel's
             return not _tiles_take(rows) if self.glu else True
@@ -430,7 +442,7 @@ class BlockQuantized:
         if self.kind == "bf16":  # x bf16, or fp32 (the LM head's input) rounded in the kernel
             return cpu_kernels.linear_bf16(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
                                            out_dtype)
-        if self.native is not None:
+        if self.native is not None and cpu_kernels.has_op("linear_q4_k"):  # else as the q4_1 it also is
             return cpu_kernels.linear_q4_k(x.to(torch.bfloat16), *self.native, b, out_dtype)
         if self.kind in _U8_OFFSET:
             return cpu_kernels.linear_u8(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, self.d,
@@ -451,7 +463,7 @@ class BlockQuantized:
         if self.kind == "bf16":
             return cpu_kernels.linear_bf16_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs, b,
                                                 out)
-        if self.native is not None:
+        if self.native is not None and cpu_kernels.has_op("linear_q4_k"):  # else as the q4_1 it also is
             return cpu_kernels.linear_q4_k_into(x.to(torch.bfloat16), *self.native, b, out)
         if self.kind in _U8_OFFSET:
             return cpu_kernels.linear_u8_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16), self.qs,
@@ -488,6 +500,10 @@ class BlockParts:
     @property
     def serves_every_batch(self) -> bool:
         return all(p.serves_every_batch for p in self.parts)
+
+    @property
+    def runs_here(self) -> bool:
+        return all(p.runs_here for p in self.parts)
 
     def takes(self, rows: int) -> bool:
         return all(p.takes(rows) for p in self.parts)

@@ -179,7 +179,7 @@ def test_bf16_greedy_is_as_faithful_as_transformers_bf16(llm_bf16, hf_model, ref
 
     from rtp.kernels import cpu_kernels
 
-    if cpu_kernels.available():  # the GGUF's own blocks serve small-batch decode
+    if cpu_kernels.tiles_available():  # the GGUF's own blocks serve small-batch decode
         assert llm_bf16.engine.model.model.layers[0].mlp.gate_up_proj.quant is not None
     hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
     eos = llm_bf16.engine.eos_token_ids

@@ -55,7 +55,7 @@ def teacher_forced(model, prompts, refs, kv_dtype):
     return np.array([diff for diff, _ in rows]), runner, hits
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (rtp's kernels)")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16 (rtp's kernels)")
 def test_int8_kv_logits_stay_as_close_to_fp32_as_bf16_kv(default_gguf, prompts, reference):
     """Teacher-forced logits of the bf16 model over an int8 cache against transformers' fp32: within
     a small factor of the same model's over a bf16 cache (measured here: see the assertion), the
@@ -74,7 +74,7 @@ def test_int8_kv_logits_stay_as_close_to_fp32_as_bf16_kv(default_gguf, prompts, 
     assert int8.mean() <= 2.5 * bf16.mean() and int8.max() <= 3.0 * bf16.max()
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (rtp's kernels)")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16 (rtp's kernels)")
 def test_int8_kv_greedy_generation_follows_bf16_kv(default_gguf, prompts):
     """The offline API with --kv-cache-dtype int8: greedy continuations of the chat prompts (batched,
     then again from the prefix cache) follow those over a bf16 cache (small models' top-2 margins are a

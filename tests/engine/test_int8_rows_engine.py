@@ -18,7 +18,7 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
              "What is 12 times 7?"]
 
 
-@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.int8_rows_available(),
+@pytest.mark.skipif(not cpu_kernels.tiles_available() or not cpu_kernels.int8_rows_available(),
                     reason="needs AVX-512 VNNI and no AMX")
 def test_int8_rows_serve_a_batch_and_keep_a_rows_answer(default_gguf):
     """Every quantized layer but the LM head takes int8 rows; a batch of four greedy requests gives each the tokens it gets
@@ -47,7 +47,7 @@ def test_int8_rows_serve_a_batch_and_keep_a_rows_answer(default_gguf):
         assert len(shared) >= 3 and all(abs(a[t] - b[t]) < 0.5 for t in shared), (a, b)
 
 
-@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.int8_rows_available(),
+@pytest.mark.skipif(not cpu_kernels.tiles_available() or not cpu_kernels.int8_rows_available(),
                     reason="needs AVX-512 VNNI and no AMX")
 def test_int8_prefill_keeps_decode_rows_bf16_beside_prompt_chunks(default_gguf):
     """Two requests decoding together give the same tokens beside a third request's prompt chunks (mixed
@@ -99,7 +99,7 @@ def test_a_bad_activation_dtype_is_a_clear_error():
         parser.parse_args(["--activation-dtype", "fp8"])
 
 
-@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.int8_rows_available(),
+@pytest.mark.skipif(not cpu_kernels.tiles_available() or not cpu_kernels.int8_rows_available(),
                     reason="needs AVX-512 VNNI and no AMX")
 def test_the_engine_says_where_int8_prefill_would_help(default_gguf, caplog):
     """int8-prefill is opt-in; on a CPU where it runs, a bf16 engine over Q4_1 layers says so once at

@@ -9,7 +9,7 @@ from test_cpu_kernels import random_blocks
 from rtp.kernels import cpu_kernels, quant
 from rtp.kernels.cpu_graph import CaptureRefused, _place, capture
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+pytestmark = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16")
 
 
 class TinyMLP:

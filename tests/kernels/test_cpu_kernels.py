@@ -8,7 +8,7 @@ from rtp.kernels import cpu_kernels, quant
 from rtp.kernels.quant import BlockQuantized
 from rtp.models.attention import decode_attention
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+pytestmark = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16")
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> BlockQuantized:

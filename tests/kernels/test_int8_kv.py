@@ -9,7 +9,7 @@ from rtp.kernels import cpu_kernels
 from rtp.models.attention import (AttentionMetadata, PagedAttention, PrefillRow, causal_attention, decode_attention,
                                   dequantize_kv, forward_context, hadamard, quantize_kv, rotates_kv)
 
-kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+kernels = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16")
 
 
 def int8_cache(blocks, block_size, kv_heads, dim, generator):

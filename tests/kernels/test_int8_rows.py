@@ -8,7 +8,7 @@ from rtp.kernels import cpu_kernels, quant
 from rtp.kernels.cpu_graph import capture
 from rtp.kernels.quant import TILE_KIND, TILE_KIND_INT8_ROWS, BlockQuantized
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.int8_rows_available(),
+pytestmark = pytest.mark.skipif(not cpu_kernels.tiles_available() or not cpu_kernels.int8_rows_available(),
                                 reason="needs AVX-512 VNNI and no AMX")
 
 

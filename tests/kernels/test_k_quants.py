@@ -47,7 +47,7 @@ def test_repack_is_exact(qtype):
     assert torch.equal(packed.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16")
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64])
 def test_kernels_multiply_the_repacked_blocks(qtype, rows):
@@ -68,6 +68,8 @@ def test_tile_kernels_multiply_the_repacked_blocks_as_the_models_bf16_weights(qt
     """Decode batches and the GEMM of prompt-sized ones, from the same tile records (AMX, or
     AVX-512 BF16 without it): the weights rounded to bf16 once, fp32 sums (fp32-rounding-level
     error); the bf16 output is that rounded."""
+    if not cpu_kernels.tiles_available():
+        pytest.skip("needs the tile-order kernels (AVX-512 BF16)")
     if rows < quant.TILE_MIN_ROWS:
         pytest.skip("the one-row kernels serve so few rows here")
     n, k = 48, 512
@@ -133,7 +135,7 @@ def test_a_mixed_k_quant_gguf_loads_its_blocks_packed(tmp_path):
     for name, p in packed.items():  # q/k rows unpermuted like the dense tensors
         assert torch.equal(p.dequantize(), dense[name]), name
     model, _ = load_model(file, torch.bfloat16, torch.device("cpu"))
-    if cpu_kernels.available():  # the linears multiply the blocks, not a bf16 copy
+    if cpu_kernels.tiles_available():  # the linears multiply the blocks, not a bf16 copy
         kinds = {n: m.quant.kind for n, m in model.named_modules() if getattr(m, "quant", None) is not None}
         # qkv mixes Q4_K (q, k) with Q6_K (v): each part keeps its own layout and kernels
         assert kinds == {"model.layers.0.self_attn.qkv_proj": "q4_1+q4_1+q8_16",
@@ -163,7 +165,7 @@ def test_a_k_quant_gguf_generates_its_dequantized_fp32_selfs_greedy_tokens(tmp_p
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     fp32 = LLM(model=str(file), tokenizer=str(default_gguf), dtype="float32", max_model_len=64)
     blocks = LLM(model=str(file), tokenizer=str(default_gguf), dtype="bfloat16", max_model_len=64)
-    if cpu_kernels.available():
+    if cpu_kernels.tiles_available():
         kinds = {m.quant.kind for m in blocks.engine.model.modules() if getattr(m, "quant", None) is not None}
         assert {"q8_1", "q8_16"} <= {k for kind in kinds for k in kind.split("+")}
     want = [o.outputs[0].token_ids for o in fp32.generate(prompts, sp, use_tqdm=False)]
@@ -172,7 +174,7 @@ def test_a_k_quant_gguf_generates_its_dequantized_fp32_selfs_greedy_tokens(tmp_p
     assert alone == want and batched == want
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16")
 def test_q4_k_rows_multiply_the_files_own_super_blocks():
     """One request's rows (1 to 6) multiply Q4_K's own super-blocks (0.59 bytes a weight, not q4_1's
     0.75): the file's exact weights, each row as it would be alone, and nothing written past the

@@ -21,7 +21,7 @@ import torch
 
 from rtp.kernels import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+pytestmark = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16")
 
 PAD = 4096  # canary bytes before and after each operand
 Mark = Callable[[torch.Tensor, int], torch.Tensor]  # (element mask, rows) -> the part a call may write

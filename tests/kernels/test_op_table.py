@@ -14,7 +14,7 @@ import torch
 
 from rtp.kernels import cpu_kernels, ops
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs rtp's CPU kernels (AVX-512 BF16)")
+pytestmark = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs rtp's CPU kernels (AVX-512 BF16)")
 
 # (code, rows word, address words) of every op as kernel_calls.c spelled them by hand before the table:
 # a CPU graph holds these numbers, so an op keeps its code and layout (append new ops, never reorder).
@@ -39,10 +39,12 @@ def test_recorded_calls_keep_their_layout():
 @pytest.mark.parametrize("op", ops.OPS, ids=lambda op: op.name)
 def test_every_op_has_its_function_replay_entry_and_binding(op):
     lib = ctypes.CDLL(cpu_kernels._k.__file__)
-    assert hasattr(lib, op.function), f"{op.function} is not in {cpu_kernels._k.__file__}"
+    for _, function in op.functions:  # every ISA path's variant
+        assert hasattr(lib, function), f"{function} is not in {cpu_kernels._k.__file__}"
     # the replay's entry (rtp_ops[], generated from the same table) agrees with the definition
     assert cpu_kernels._k.op_entry(op.code) == (op.name, op.words, op.rows_word, op.plan_word(ops.DECODE_ROWS),
-                                                op.plan_word(ops.PREFILL_ROWS), op.plan_when_word, op.address_mask)
+                                                op.plan_word(ops.PREFILL_ROWS), op.plan_when_word, op.address_mask,
+                                                ops.ISAS.index(op.lowest_isa) + 1)
     assert cpu_kernels._k.rows_word(op.code) == op.rows_word == cpu_kernels.rows_word(op.code)
     assert cpu_kernels._k.address_words(op.code) == op.address_mask == cpu_kernels.address_words(op.code)
     assert cpu_kernels._k.OP_NAMES[op.code] == op.name == cpu_kernels.op_name(op.code)

@@ -19,7 +19,7 @@ from test_kernel_bounds import Canaries, run_and_replay
 
 from rtp.kernels import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+pytestmark = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16")
 
 BF16_REL = 2.0**-8  # half a bf16 ulp is at most this share of the value
 

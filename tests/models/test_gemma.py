@@ -149,7 +149,7 @@ def test_greedy_generation_matches_transformers(kind, tmp_path):
 
 # -- bf16: rtp's C kernels (windowed prefill and decode attention, fused add + norm) -------------------
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="rtp's CPU kernels need AVX-512 BF16")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="rtp's CPU kernels need AVX-512 BF16")
 def test_bf16_kernels_keep_the_window(tmp_path, monkeypatch):
     """In bf16 the layers attend through rtp's prefill and decode kernels (head_dim 32), a local
     layer's window passed as the kernels' argument: close to transformers' fp32 logits, far from
@@ -199,7 +199,7 @@ GRAPH_CASES = {
 }
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="rtp's CPU kernels need AVX-512 BF16")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="rtp's CPU kernels need AVX-512 BF16")
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
 def test_gemma_bf16_steps_replay_cpu_graphs(tmp_path, caplog, case):
     """Gemma 2 and 3 in bf16 on rtp's kernels alone: decode steps are captured as CPU graphs (one
@@ -348,7 +348,7 @@ def test_quantized_gguf_generates(tmp_path, caplog):
         worst, _ = run_model(model, prompts, hf_reference(hf, prompts), kv_dtype=torch.bfloat16)
     assert worst < 0.3, worst
     assert sum(layer.quant is not None for layer in model.modules() if hasattr(layer, "quant")) > 0
-    if cpu_kernels.available():
+    if cpu_kernels.tiles_available():
         assert "captured CPU graphs for decode steps of one request" in caplog.text, caplog.text
 
 

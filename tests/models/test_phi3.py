@@ -166,7 +166,7 @@ def test_the_cpu_kernel_rotates_part_of_each_head_as_the_module_does():
     from rtp.kernels import cpu_kernels
     from rtp.models.attention import AttentionMetadata, PagedAttention, forward_context
 
-    if not cpu_kernels.available():
+    if not cpu_kernels.tiles_available():
         pytest.skip("rtp's CPU kernels are not built for this machine")
     heads, kv_heads, dim, tokens = 4, 2, 128, 24
     scaling = {"rope_type": "longrope", "short_factor": _factors(48, 1.0, 1.5, 0),
@@ -301,7 +301,7 @@ def test_quantized_gguf_keeps_its_fused_blocks_for_decode(tmp_path, monkeypatch)
     from rtp.kernels import cpu_kernels
     from rtp.kernels.quant import BlockQuantized
 
-    if not cpu_kernels.available():
+    if not cpu_kernels.tiles_available():
         pytest.skip("rtp's CPU kernels are not built for this machine")
     Q = gguf.GGMLQuantizationType
     _, hf = make_phi3("phi4-mini", tmp_path / "hf")

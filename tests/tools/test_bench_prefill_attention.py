@@ -12,7 +12,7 @@ from rtp.kernels import cpu_kernels
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16")
 def test_bench_prefill_attention_prints_a_table_and_a_json_last_line():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_prefill_attention.py"), "--tokens", "96",
                           "--chunk", "40", "--repeats", "1"], capture_output=True, text=True, timeout=300,

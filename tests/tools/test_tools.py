@@ -61,7 +61,7 @@ def test_bench_eplb_kv_prints_what_dropped_replicas_lend():
     assert figures["kv_blocks_lent"] == 84 and figures["layer_bytes_released"] == 4 * 86016
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (CPU graphs)")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16 (CPU graphs)")
 def test_bench_decode_step_times_every_kernel_of_a_replayed_step(default_gguf):
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_decode_step.py"), "--rows", "3", "--context", "20",
                           "--repeats", "2", "--threads", "1"], capture_output=True, text=True, timeout=600)
@@ -77,7 +77,7 @@ def test_bench_decode_step_times_every_kernel_of_a_replayed_step(default_gguf):
     assert ref["rows"] == 3 and ref["matrices"] == 121 and 0 < ref["utilisation"] < 1
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (CPU graphs)")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16 (CPU graphs)")
 @pytest.mark.parametrize("rows", [0, 2])
 def test_bench_decode_step_times_a_step_with_a_prompt_from_the_step_graph(default_gguf, rows):
     """--prompt: a prefill chunk (no decode rows) or a mixed step, replayed from the step graph; each
@@ -102,7 +102,7 @@ def test_bench_decode_step_times_a_step_with_a_prompt_from_the_step_graph(defaul
     assert ("mixed step" if rows else "prefill chunk") in out.stdout
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="rtp's CPU kernels are not available here")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="rtp's CPU kernels are not available here")
 def test_bench_decode_attention_times_the_kernel_alone():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_decode_attention.py"), "--shapes", "3x40,2x600",
                           "--layers", "2", "--repeats", "1", "--threads", "1"], capture_output=True, text=True,
@@ -124,11 +124,11 @@ def test_bench_quant_times_each_type_and_prints_a_json_last_line(tmp_path, defau
     rows = {r["type"]: r for r in figures["rows"]}
     assert set(rows) == {"Q4_K", "Q6_K", "BF16"} and rows["BF16"]["one_row_vs_bf16"] == 1.0
     # Q4_K and Q6_K are multiplied from their blocks where rtp's kernels run
-    assert (rows["Q4_K"]["packed_layers"] > 0) == (rows["Q6_K"]["packed_layers"] > 0) == cpu_kernels.available()
+    assert (rows["Q4_K"]["packed_layers"] > 0) == (rows["Q6_K"]["packed_layers"] > 0) == cpu_kernels.tiles_available()
     assert not list(tmp_path.glob("*.gguf"))  # each model removed once measured
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (the streaming-read kernel)")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16 (the streaming-read kernel)")
 def test_bench_roofline_sets_every_shape_against_its_limit(default_gguf):
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_roofline.py"), "--rows", "3", "--contexts", "20",
                           "--prefill-tokens", "48", "--repeats", "1", "--kv-cache-gib", "0.1"],
@@ -153,7 +153,7 @@ def test_bench_roofline_sets_every_shape_against_its_limit(default_gguf):
     assert limits["weights_mib"]["parameters"] > 0
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a CPU with AVX-512 BF16 (the streaming-read kernel)")
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16 (the streaming-read kernel)")
 def test_bench_roofline_sets_a_whole_workload_against_its_steps_limits(default_gguf):
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_roofline.py"), "--shapes", "none", "--rows", "4",
                           "--workload", "6:20-60:3-7", "--kv-cache-gib", "0.1"],

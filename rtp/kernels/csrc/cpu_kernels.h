@@ -9,7 +9,13 @@
 
 #include "kernel_ops.h"
 
-int rtp_cpu_kernels_supported(void);
+/* cpu_features.c: the ISA paths, lowest first (ops.py's ISAS is the same list), and the one selected,
+ * on which kernel_ops.c's trampolines dispatch each op to its variant. */
+enum { RTP_ISA_NONE = 0, RTP_ISA_AVX2, RTP_ISA_AVX512, RTP_ISA_AVX512BF16, RTP_ISA_AMX };
+extern int rtp_isa;
+int rtp_cpu_isa(void);
+int rtp_select_isa(int most);
+int rtp_cpu_kernels_supported(void); /* the avx512bf16 path: what the kernels outside csrc/avx2/ need */
 /* The largest head dim the attention and RoPE kernels take (rtp/kernels/cpu_kernels.py checks it). */
 #define RTP_MAX_HEAD_DIM 256
 
