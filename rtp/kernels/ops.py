@@ -155,11 +155,11 @@ def _ops(*entries) -> tuple[Op, ...]:
 
 # The order is the ops' numbers, which recorded calls hold: append, never reorder.
 OPS = _ops(
-    dict(name="linear_q4_1", rows="rows",
+    dict(name="linear_q4_1", rows="rows", variants={"avx2": "rtp_linear_q4_1_avx2"},
          c="""int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d, const float *m,
               const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n, int64_t k)""",
          doc="out = x @ dequant(Q4_1 weight).T (+ bias); x bf16."),
-    dict(name="linear_q8", rows="rows",
+    dict(name="linear_q8", rows="rows", variants={"avx2": "rtp_linear_q8_avx2"},
          c="""void rtp_linear_q8(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn,
               int group, const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n,
               int64_t k)""",
@@ -222,11 +222,11 @@ OPS = _ops(
               const float *dd, const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n,
               int64_t k)""",
          doc="out = x @ (Q4_K super-blocks, rtp's q4_k layout).T (+ bias); x bf16."),
-    dict(name="linear_bf16", rows="rows",
+    dict(name="linear_bf16", rows="rows", variants={"avx2": "rtp_linear_bf16_avx2"},
          c="""void rtp_linear_bf16(const void *x, int64_t ldx, bool x_fp32, const uint16_t *w, int64_t ldw,
               const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n, int64_t k)""",
          doc="out = x @ W.T (+ bias) for dense bf16 W [n, k] (row stride ldw); x bf16 or fp32."),
-    dict(name="linear_u8", rows="rows",
+    dict(name="linear_u8", rows="rows", variants={"avx2": "rtp_linear_u8_avx2"},
          c="""int rtp_linear_u8(const void *x, int64_t ldx, bool x_fp32, const int8_t *qs, const float *d,
               const float *mn, int group, int offset, const float *bias, void *out, int64_t ldo, bool out_bf16,
               int64_t rows, int64_t n, int64_t k)""",

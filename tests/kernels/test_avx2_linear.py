@@ -1,0 +1,78 @@
+"""The avx2 path's linears (rtp/kernels/csrc/avx2/linear.c), run on any CPU with rtp's kernels (a higher path
+selects them through cpu_kernels.on_isa): every weight kind against x @ dequantize(W).T, and a row's bits
+the same whatever the batch, its place in it and the thread count (the determinism the engine promises)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rtp.kernels import cpu_kernels
+from rtp.kernels.quant import BlockQuantized
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs rtp's CPU kernels (AVX2 or more)")
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> BlockQuantized:
+    g = torch.Generator().manual_seed(seed)
+    d = torch.rand(n, k // (16 if kind == "q8_16" else 32), generator=g) * 0.02 + 0.001
+    m = torch.randn(n, k // 32, generator=g) * 0.05
+    if kind == "q4_1":
+        return BlockQuantized(kind, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), d, m)
+    if kind == "bf16":
+        return BlockQuantized.from_dense(torch.randn(n, k, generator=g).bfloat16())
+    low, high = {"q8_0": (-128, 128), "q8_1": (0, 32), "q8_16": (-32, 32)}[kind]
+    qs = torch.randint(low, high, (n, k), dtype=torch.int8, generator=g)
+    return BlockQuantized(kind, qs, d, m if kind == "q8_1" else None)
+
+
+def run(w: BlockQuantized, x: torch.Tensor, bias, out_dtype) -> torch.Tensor:
+    with cpu_kernels.on_isa("avx2"):
+        return w.linear(x, bias, out_dtype)
+
+
+KINDS = ["q4_1", "q8_0", "q8_1", "q8_16", "bf16"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 70, 131])  # 70, 131: past a chunk of 64 rows
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_avx2_linear_matches_dequantized_weights(kind, rows, x_dtype):
+    n, k = 37, 160  # partial tiles of weight rows; five blocks a row
+    w = random_blocks(kind, n, k, seed=rows)
+    b = torch.randn(n)
+    x = torch.randn(rows, k).to(x_dtype)
+    # the kernels multiply bf16 x, but for Q8_0 with fp32 x (the LM head's input), which they take unrounded
+    exact_x = x_dtype == torch.float32 and kind == "q8_0"
+    ref = (x.float() if exact_x else x.bfloat16().float()) @ w.dequantize().T + b
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = run(w, x, b, out_dtype)
+        assert out.dtype == out_dtype and out.shape == (rows, n)
+        scale = ref.abs().max().item()
+        tol = 1e-5 * scale if out_dtype == torch.float32 else 2.0**-8 * scale
+        assert (out.float() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
+def test_avx2_linear_gives_a_row_the_same_bits_whatever_the_batch(kind):
+    n, k = 45, 256
+    w = random_blocks(kind, n, k)
+    x = torch.randn(300, k).bfloat16()
+    batch = run(w, x, None, torch.float32)
+    for size in (1, 2, 3, 4, 7, 64, 65, 299):
+        for start in {0, 1, 300 - size}:
+            assert torch.equal(run(w, x[start:start + size], None, torch.float32), batch[start:start + size])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = run(w, x, None, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, batch)
+
+
+def test_avx2_linear_reads_a_strided_row_slice():
+    w = random_blocks("q4_1", 32, 96)
+    wide = torch.randn(5, 160).bfloat16()
+    x = wide[:, 32:128]  # rows strided past the width
+    assert torch.equal(run(w, x, None, torch.float32), run(w, x.contiguous(), None, torch.float32))
