@@ -43,7 +43,7 @@ _ISA = _probe()
 _AVAILABLE = _ISA > 0
 if _AVAILABLE:
     from rtp.kernels import _cpu_kernels as _k
-# the path of the kernels outside csrc/avx2/: tile-order linears, VNNI and AMX, the sampler's helpers
+# the path of the kernels outside csrc/avx2/: tile-order linears, VNNI and AMX
 _BF16_PATH = _ISA >= ops.ISAS.index("avx512bf16") + 1
 # each op: whether it has a variant on the selected path (an op without one leaves its layers on torch)
 _HAS = {op.name: _AVAILABLE and _ISA >= ops.ISAS.index(op.lowest_isa) + 1 for op in ops.OPS}
@@ -404,7 +404,7 @@ def softcap(x: torch.Tensor, cap: float) -> None:
 
 def argmax_supported(x: torch.Tensor) -> bool:
     """Whether argmax_rows takes x: CPU fp32 [T, N], N >= 1, rows contiguous."""
-    return (_BF16_PATH and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+    return (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and x.shape[1] > 0 and x.stride(1) == 1)
 
 
@@ -433,9 +433,9 @@ def stream_read(buf: torch.Tensor) -> int:
 def apply_token_bitmask(x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
     """In place: x[rows[i], j] = -inf wherever bit j % 32 of mask[i, j // 32] is 0 (x fp32 [T, N],
     mask int32 [R, ceil(N / 32)], rows int64 [R]; the layout llguidance and xgrammar fill). rtp's
-    kernel on a CPU with AVX-512; torch elsewhere."""
+    kernel wherever rtp's kernels run (AVX2 and up); torch elsewhere."""
     n = x.shape[1]
-    if (_BF16_PATH and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1
+    if (_AVAILABLE and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1
             and mask.dtype == torch.int32 and mask.stride(1) == 1 and mask.shape[1] * 32 >= n
             and rows.dtype == torch.int64 and rows.is_contiguous() and mask.shape[0] >= rows.shape[0]):
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= x.shape[0]):

@@ -175,12 +175,12 @@ OPS = _ops(
     bf16 all the same); x bf16 or fp32. glu: weight is gate and up interleaved by tiles, out bf16
     [rows, n / 2] = silu(gate) * up. amx: on AMX tiles (amx_linear.c, amx_gemm.c), else with AVX-512
     BF16 (avx_gemm.c). bf16_rows_decode: a step graph's replay sets bf16_rows to the step's decode rows."""),
-    dict(name="add_rms_norm", rows="t",
+    dict(name="add_rms_norm", variants={"avx2": "rtp_add_rms_norm_avx2"}, rows="t",
          c="""void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, bool delta_bf16, int64_t ldd,
               const void *weight, bool weight_bf16, float eps, void *out, bool out_bf16, int64_t ldo, int64_t t,
               int64_t h)""",
          doc="residual += delta (0: none); out = rmsnorm(residual) * weight."),
-    dict(name="rope_store_kv", rows="t",
+    dict(name="rope_store_kv", variants={"avx2": "rtp_rope_store_kv_avx2"}, rows="t",
          c="""int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions, const float *cos_sin,
               int64_t rot, uint16_t *q_out, void *k_cache, void *v_cache, int64_t tok_stride, const int64_t *slots,
               int64_t t, int64_t h, int64_t hkv, int64_t d, int64_t num_slots, float *k_scales=0,
@@ -196,11 +196,11 @@ OPS = _ops(
          doc="""One bf16 query token per row over paged bf16 K/V, or int8 K/V with fp32 scales (k_scales,
     v_scales: [slots, hkv]; 0: bf16); softcap > 0: scores -> softcap * tanh(scores / softcap) (0:
     none); see attention/decode_attention.c for the layout."""),
-    dict(name="embed_rows", rows="t",
+    dict(name="embed_rows", variants={"avx2": "rtp_embed_rows_avx2"}, rows="t",
          c="""void rtp_embed_rows(const void *table, bool table_bf16, int64_t ldt, const int32_t *ids, float *out,
               int64_t ldo, int64_t t, int64_t h, float scale=1.0)""",
          doc="out fp32 [t, h] = table rows at ids (int32), times scale rounded to the table's dtype (1: as they are)."),
-    dict(name="silu_mul", rows="t",
+    dict(name="silu_mul", variants={"avx2": "rtp_silu_mul_avx2"}, rows="t",
          c="void rtp_silu_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t t, int64_t i)",
          doc="out bf16 [t, i] = silu(x[:, :i]) * x[:, i:] for x bf16 [t, 2i]."),
     # no rows field: its rows are the plan's (first_row, nseq), which a step graph's replay sets
@@ -232,20 +232,20 @@ OPS = _ops(
               int64_t rows, int64_t n, int64_t k)""",
          doc="out = x @ W.T (+ bias) for small int8 blocks (q8_1: offset 0, group 32, mn; q8_16: offset 32, "
              "group 16)."),
-    dict(name="rms_norm", rows="t",
+    dict(name="rms_norm", variants={"avx2": "rtp_rms_norm_avx2"}, rows="t",
          c="""void rtp_rms_norm(const void *x, int64_t ldx, bool x_bf16, const void *weight, bool weight_bf16,
               float eps, void *out, int64_t ldo, bool out_bf16, int64_t t, int64_t h)""",
          doc="out [t, h] = rmsnorm(x [t, h]) * weight; x, weight and out each bf16 or fp32 (strides in their "
              "elements)."),
-    dict(name="qk_rms_norm", rows="t",
+    dict(name="qk_rms_norm", variants={"avx2": "rtp_qk_rms_norm_avx2"}, rows="t",
          c="""void rtp_qk_rms_norm(uint16_t *qkv, int64_t ldq, const void *q_weight, const void *k_weight,
               bool weight_bf16, float eps, int64_t t, int64_t h, int64_t hkv, int64_t d)""",
          doc="In place: each q head (h of them) and k head (hkv) of qkv bf16 [t, (h + 2 hkv) d] normed with its "
              "weight."),
-    dict(name="gelu_tanh_mul", rows="t",
+    dict(name="gelu_tanh_mul", variants={"avx2": "rtp_gelu_tanh_mul_avx2"}, rows="t",
          c="void rtp_gelu_tanh_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t t, int64_t i)",
          doc="out bf16 [t, i] = gelu_tanh(x[:, :i]) * x[:, i:] for x bf16 [t, 2i]."),
-    dict(name="softcap", rows="t",
+    dict(name="softcap", variants={"avx2": "rtp_softcap_avx2"}, rows="t",
          c="void rtp_softcap(float *x, int64_t ldx, float cap, int64_t t, int64_t n)",
          doc="In place: x fp32 [t, n] = cap * tanh(x / cap)."),
 )

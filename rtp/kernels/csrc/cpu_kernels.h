@@ -48,6 +48,10 @@ void rtp_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t 
 void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
                              int64_t R, int64_t N);
 uint64_t rtp_stream_read(const void *buf, int64_t bytes);
+/* avx2/sampling.c: the avx2 path's bodies of the two above, which dispatch to them. */
+void rtp_argmax_rows_avx2(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out);
+void rtp_apply_token_bitmask_avx2(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
+                                  int64_t R, int64_t N);
 
 /* kernel_calls.c: running calls (RTP_CALL_WORDS int64 words, word 0 an RTP_OP_*). */
 /* The counts a step graph is replayed over (rtp_run_step_calls): each call's rows word is one of

@@ -1,5 +1,7 @@
 /* Sampling-side kernels over fp32 logits: greedy argmax and a grammar's token bitmask. Called
- * directly (not kernel calls: they run outside a step's CPU graph, in the sampler). */
+ * directly (not kernel calls: they run outside a step's CPU graph, in the sampler), so they are not
+ * in the op table and dispatch on the selected ISA path themselves: the avx512bf16 bodies are here,
+ * the avx2 ones in avx2/sampling.c. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -16,7 +18,7 @@
  * earliest wins), then the lanes with the row's maximum give the smallest index. Rows run in
  * parallel: a batch-64 step's logits are 12.6 MB, which one thread read at about 10 GB/s.
  * ------------------------------------------------------------------------------------------- */
-TARGET void rtp_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out) {
+TARGET static void argmax_rows_avx512(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out) {
 #pragma omp parallel for schedule(static) if (T >= 4)
     for (int64_t t = 0; t < T; t++) {
         const float *r = x + t * ldx;
@@ -50,7 +52,7 @@ TARGET void rtp_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, i
  * has a 0. Only the R rows listed in `rows` are touched; mask row i belongs to x row rows[i].
  * A word of all ones (every token allowed) is skipped, so the cost follows what the grammar
  * forbids, and each 16-token half of a word is one masked store. */
-TARGET void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm,
+TARGET static void apply_token_bitmask_avx512(float *x, int64_t ldx, const int32_t *mask, int64_t ldm,
                                     const int64_t *rows, int64_t R, int64_t N) {
     const int64_t words = (N + 31) / 32;
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
@@ -71,4 +73,16 @@ TARGET void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, 
             }
         }
     }
+}
+
+/* The exported entry points: callers (rtp/kernels/cpu_kernels.py) call them only where some path is selected. */
+void rtp_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out) {
+    if (rtp_isa >= RTP_ISA_AVX512BF16) argmax_rows_avx512(x, ldx, T, N, out);
+    else rtp_argmax_rows_avx2(x, ldx, T, N, out);
+}
+
+void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
+                             int64_t R, int64_t N) {
+    if (rtp_isa >= RTP_ISA_AVX512BF16) apply_token_bitmask_avx512(x, ldx, mask, ldm, rows, R, N);
+    else rtp_apply_token_bitmask_avx2(x, ldx, mask, ldm, rows, R, N);
 }
