@@ -195,7 +195,8 @@ OPS = _ops(
               const float *k_scales=0, const float *v_scales=0, float softcap=0)""",
          doc="""One bf16 query token per row over paged bf16 K/V, or int8 K/V with fp32 scales (k_scales,
     v_scales: [slots, hkv]; 0: bf16); softcap > 0: scores -> softcap * tanh(scores / softcap) (0:
-    none); see attention/decode_attention.c for the layout."""),
+    none); see attention/decode_attention.c for the layout.""",
+         variants={"avx2": "rtp_paged_decode_attention_bf16_avx2"}),
     dict(name="embed_rows", variants={"avx2": "rtp_embed_rows_avx2"}, rows="t",
          c="""void rtp_embed_rows(const void *table, bool table_bf16, int64_t ldt, const int32_t *ids, float *out,
               int64_t ldo, int64_t t, int64_t h, float scale=1.0)""",
@@ -212,7 +213,8 @@ OPS = _ops(
               const float *v_scales=0, float softcap=0)""",
          doc="""Causal varlen attention of a step plan's rows [first_row, first_row + nseq) over paged bf16 K/V, or
     int8 K/V with fp32 scales (k_scales, v_scales [slots, hkv]; 0: bf16); softcap as
-    decode_attention's; see attention/prefill_attention.c."""),
+    decode_attention's; see attention/prefill_attention.c.""",
+         variants={"avx2": "rtp_prefill_attention_bf16_avx2"}),
     dict(name="gather_rows", rows="n", isa="avx2",
          c="""void rtp_gather_rows(const void *src, int64_t src_stride, const int32_t *idx, int64_t n, void *out,
               int64_t out_stride, int64_t row_bytes)""",
