@@ -299,7 +299,7 @@ class LoadConfig(msgspec.Struct, kw_only=True, frozen=True):
                               "ORG/NAME:Q4_K_M (a GGUF repository's file of that type), ORG/NAME/FILE.gguf "
                               "(default: SmolLM2-135M-Instruct, fetched once into $RTP_HOME)") = None
     revision: _field(str | None, "the branch, tag or commit of a Hugging Face ID (default: main)") = None
-    dtype: _field(str, "auto: bfloat16 where the hardware computes it natively, else float32",
+    dtype: _field(str, "auto: bfloat16 where the hardware computes it natively or rtp's CPU kernels run, else float32",
                   choices=["auto", "bfloat16", "float16", "float32"]) = "auto"
     device: _field(str, "auto, cpu, cuda or cuda:N") = "auto"
     compile: _field(bool | None, "torch.compile the decode graphs (default: on CUDA only, where they are CUDA "

@@ -287,7 +287,8 @@ def use_activation_dtype(model: torch.nn.Module, dtype: str, hint: bool = True) 
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 where the device computes it natively, else fp32 (never fp16 on a CPU)."""
+    """auto: bf16 where the device computes it natively or rtp's CPU kernels run (on any ISA path: they keep
+    bf16 activations and compute in fp32 where the CPU has no bf16 products), else fp32 (never fp16 on a CPU)."""
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
              "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
              "fp32": torch.float32, "float": torch.float32}
@@ -298,7 +299,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return table[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    from rtp.kernels import cpu_kernels
+
+    return torch.bfloat16 if _cpu_has_native_bf16() or cpu_kernels.available() else torch.float32
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -24,52 +24,67 @@ enum { W_Q4_1, W_INT8, W_BF16 };
 /* The weights of one call: the layout of each kind (quant.py's BlockQuantized). */
 typedef struct {
     int kind;
-    const uint8_t *q4;   /* W_Q4_1: [N, K / 2], byte t of a block: weight t (low nibble), weight t + 16 (high) */
-    const int8_t *q8;    /* W_INT8: [N, K] */
-    const uint16_t *w16; /* W_BF16: [N, ldw] */
-    const float *d;      /* a scale per `group` weights: [N, K / group] (Q4_1: group 32) */
-    const float *m;      /* an offset per 32 weights [N, K / 32], or NULL */
-    int64_t ldw, group, K;
+    const uint8_t *q;  /* W_Q4_1: [N, K / 2] (byte t of a block: weight t low, weight t + 16 high); W_INT8: int8
+                          [N, K]; W_BF16: bf16 [N, ldw] */
+    const float *d;    /* a scale per 2^group_shift weights: [N, K >> group_shift] (Q4_1: per 32) */
+    const float *m;    /* an offset per 32 weights [N, K / 32], or NULL */
+    int64_t row_bytes, K;
+    int group_shift;
 } weights;
 
-/* Weights [8 s, 8 s + 8) of block b of weight row j, as fp32. */
-AVX2_TARGET static inline __attribute__((always_inline)) __m256 weight8(const weights *w, int64_t j, int64_t b,
-                                                                         int s) {
+/* One weight row's arrays (the tiles address them once, not per vector: a division per vector, K / group,
+ * had cost more than the whole product). */
+typedef struct {
+    const uint8_t *q;
+    const float *d, *m;
+} weight_row;
+
+static inline weight_row row_of(const weights *w, int64_t j) {
+    weight_row r = {w->q + j * w->row_bytes, w->d + j * (w->K >> w->group_shift), w->m ? w->m + j * (w->K / 32) : 0};
+    return r;
+}
+
+/* Weights [8 s, 8 s + 8) of block b of a weight row, as fp32. */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256 weight8(int kind, int group_shift, weight_row r,
+                                                                         int64_t b, int s) {
     int64_t k = 32 * b + 8 * s;
-    if (w->kind == W_BF16) return avx2_load_bf16x8(w->w16 + j * w->ldw + k);
+    if (kind == W_BF16) return avx2_load_bf16x8((const uint16_t *)r.q + k);
     __m256 q;
-    if (w->kind == W_Q4_1) {
+    if (kind == W_Q4_1) {
         uint64_t bytes;
-        memcpy(&bytes, w->q4 + j * (w->K / 2) + 16 * b + 8 * (s & 1), 8);
+        memcpy(&bytes, r.q + 16 * b + 8 * (s & 1), 8);
         if (s >= 2) bytes >>= 4;
         bytes &= 0x0f0f0f0f0f0f0f0full;
         q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)bytes)));
     } else {
         int64_t bytes;
-        memcpy(&bytes, w->q8 + j * w->K + k, 8);
+        memcpy(&bytes, r.q + k, 8);
         q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
     }
-    __m256 d = _mm256_broadcast_ss(w->d + j * (w->K / w->group) + k / w->group);
-    if (!w->m) return _mm256_mul_ps(q, d);
-    return _mm256_fmadd_ps(q, d, _mm256_broadcast_ss(w->m + j * (w->K / 32) + b));
+    __m256 d = _mm256_broadcast_ss(r.d + (k >> group_shift));
+    if (!r.m) return _mm256_mul_ps(q, d);
+    return _mm256_fmadd_ps(q, d, _mm256_broadcast_ss(r.m + b));
 }
 
 /* out[i][j] for MR_ rows from x (fp32 rows of K at x + i K) and NR_ weight rows from j0; nr of them real
- * (the rest repeat the last and are not stored). */
-#define TILE(MR_, NR_)                                                                                               \
-    AVX2_TARGET static void tile_##MR_##_##NR_(const weights *w, const float *x, int64_t j0, int64_t nr,            \
-                                                const float *bias, void *out, int64_t ldo, int out_bf16) {         \
+ * (the rest repeat the last and are not stored). One copy per weight kind (KIND_), so that the inner loop
+ * holds no branch on it. */
+#define TILE(MR_, NR_, KIND_)                                                                                      \
+    AVX2_TARGET static void tile_##MR_##_##NR_##_##KIND_(const weights *w, const float *x, int64_t j0, int64_t nr, \
+                                                         const float *bias, void *out, int64_t ldo, int out_bf16) {\
         __m256 acc[MR_][NR_];                                                                                    \
-        int64_t rows[NR_];                                                                                        \
-        for (int j = 0; j < NR_; j++) rows[j] = j0 + (j < nr ? j : nr - 1);                                       \
+        weight_row rows[NR_];                                                                                     \
+        const int64_t K = w->K;                                                                                   \
+        const int shift = w->group_shift;                                                                         \
+        for (int j = 0; j < NR_; j++) rows[j] = row_of(w, j0 + (j < nr ? j : nr - 1));                            \
         for (int i = 0; i < MR_; i++)                                                                             \
             for (int j = 0; j < NR_; j++) acc[i][j] = _mm256_setzero_ps();                                        \
-        for (int64_t b = 0; b < w->K / 32; b++)                                                                   \
+        for (int64_t b = 0; b < K / 32; b++)                                                                      \
             for (int s = 0; s < 4; s++) {                                                                         \
                 __m256 wv[NR_];                                                                                   \
-                for (int j = 0; j < NR_; j++) wv[j] = weight8(w, rows[j], b, s);                                  \
+                for (int j = 0; j < NR_; j++) wv[j] = weight8(KIND_, shift, rows[j], b, s);                       \
                 for (int i = 0; i < MR_; i++) {                                                                   \
-                    __m256 xv = _mm256_loadu_ps(x + i * w->K + 32 * b + 8 * s);                                   \
+                    __m256 xv = _mm256_loadu_ps(x + i * K + 32 * b + 8 * s);                                      \
                     for (int j = 0; j < NR_; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);              \
                 }                                                                                                 \
             }                                                                                                     \
@@ -80,8 +95,18 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256 weight8(const we
                 else ((float *)out)[i * ldo + j0 + j] = y;                                                        \
             }                                                                                                     \
     }
-TILE(1, 4) TILE(2, 4) TILE(3, 2) TILE(4, 2)
+#define TILES(KIND_) TILE(1, 4, KIND_) TILE(2, 4, KIND_) TILE(3, 2, KIND_) TILE(4, 2, KIND_)
+TILES(W_Q4_1) TILES(W_INT8) TILES(W_BF16)
+#undef TILES
 #undef TILE
+
+typedef void (*tile_fn)(const weights *, const float *, int64_t, int64_t, const float *, void *, int64_t, int);
+/* [kind][rows - 1]: the tile for 1, 2, 3 and 4 rows */
+static const tile_fn TILE_FOR[3][4] = {
+    {tile_1_4_W_Q4_1, tile_2_4_W_Q4_1, tile_3_2_W_Q4_1, tile_4_2_W_Q4_1},
+    {tile_1_4_W_INT8, tile_2_4_W_INT8, tile_3_2_W_INT8, tile_4_2_W_INT8},
+    {tile_1_4_W_BF16, tile_2_4_W_BF16, tile_3_2_W_BF16, tile_4_2_W_BF16},
+};
 
 #define ROW_CHUNK 64
 
@@ -99,32 +124,18 @@ AVX2_TARGET static int linear(const weights *w, const void *x, int64_t ldx, int 
             xf[i * K + k] = x_fp32 && round_x ? avx2_bf16_to_f32(avx2_f32_to_bf16(v)) : v;
         }
     size_t esize = out_bf16 ? 2 : 4;
+    const tile_fn *tile = TILE_FOR[w->kind];
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
         const float *xc = xf + m0 * K;
         char *oc = (char *)out + m0 * ldo * esize;
-        if (rows == 1 || rows == 2) { /* a decode step's few rows: four weight rows a tile */
-            int64_t tiles = (N + 3) / 4;
-#pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
-                int64_t nr = N - 4 * t < 4 ? N - 4 * t : 4;
-                if (rows == 1) tile_1_4(w, xc, 4 * t, nr, bias, oc, ldo, out_bf16);
-                else tile_2_4(w, xc, 4 * t, nr, bias, oc, ldo, out_bf16);
-            }
-            continue;
-        }
-        int64_t tiles = (N + 1) / 2;
+        /* a decode step's one or two rows: four weight rows a tile; more: two, four rows at a time */
+        int64_t per = rows <= 2 ? 4 : 2, tiles = (N + per - 1) / per;
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            int64_t nr = N - 2 * t < 2 ? N - 2 * t : 2, i = 0;
-            for (; i + 4 <= rows; i += 4)
-                tile_4_2(w, xc + i * K, 2 * t, nr, bias, oc + i * ldo * esize, ldo, out_bf16);
-            if (rows - i == 3) tile_3_2(w, xc + i * K, 2 * t, nr, bias, oc + i * ldo * esize, ldo, out_bf16);
-            else if (rows - i == 2) {
-                tile_2_4(w, xc + i * K, 2 * t, nr, bias, oc + i * ldo * esize, ldo, out_bf16);
-            } else if (rows - i == 1) {
-                tile_1_4(w, xc + i * K, 2 * t, nr, bias, oc + i * ldo * esize, ldo, out_bf16);
-            }
+            int64_t j0 = per * t, nr = N - j0 < per ? N - j0 : per, i = 0;
+            for (; i + 4 <= rows; i += 4) tile[3](w, xc + i * K, j0, nr, bias, oc + i * ldo * esize, ldo, out_bf16);
+            if (rows > i) tile[rows - i - 1](w, xc + i * K, j0, nr, bias, oc + i * ldo * esize, ldo, out_bf16);
         }
     }
     return 1;
@@ -133,7 +144,7 @@ AVX2_TARGET static int linear(const weights *w, const void *x, int64_t ldx, int 
 AVX2_TARGET int rtp_linear_q4_1_avx2(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
                                      const float *m, const float *bias, void *out, int64_t ldo, int out_bf16,
                                      int64_t rows, int64_t n, int64_t k) {
-    weights w = {.kind = W_Q4_1, .q4 = qs, .d = d, .m = m, .group = 32, .K = k};
+    weights w = {.kind = W_Q4_1, .q = qs, .d = d, .m = m, .row_bytes = k / 2, .K = k, .group_shift = 5};
     return linear(&w, x, ldx, 0, 0, bias, out, ldo, out_bf16, rows, n);
 }
 
@@ -141,7 +152,8 @@ AVX2_TARGET int rtp_linear_q4_1_avx2(const uint16_t *x, int64_t ldx, const uint8
 AVX2_TARGET void rtp_linear_q8_avx2(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn,
                                     int group, const float *bias, void *out, int64_t ldo, int out_bf16, int64_t rows,
                                     int64_t n, int64_t k) {
-    weights w = {.kind = W_INT8, .q8 = qs, .d = d, .m = mn, .group = group, .K = k};
+    weights w = {.kind = W_INT8, .q = (const uint8_t *)qs, .d = d, .m = mn, .row_bytes = k, .K = k,
+                 .group_shift = group == 16 ? 4 : 5};
     linear(&w, x, ldx, 1, 0, bias, out, ldo, out_bf16, rows, n); /* the op returns nothing: as its other variant */
 }
 
@@ -151,7 +163,8 @@ AVX2_TARGET int rtp_linear_u8_avx2(const void *x, int64_t ldx, int x_fp32, const
                                    const float *mn, int group, int offset, const float *bias, void *out, int64_t ldo,
                                    int out_bf16, int64_t rows, int64_t n, int64_t k) {
     (void)offset;
-    weights w = {.kind = W_INT8, .q8 = qs, .d = d, .m = mn, .group = group, .K = k};
+    weights w = {.kind = W_INT8, .q = (const uint8_t *)qs, .d = d, .m = mn, .row_bytes = k, .K = k,
+                 .group_shift = group == 16 ? 4 : 5};
     return linear(&w, x, ldx, x_fp32, 1, bias, out, ldo, out_bf16, rows, n);
 }
 
@@ -159,6 +172,7 @@ AVX2_TARGET int rtp_linear_u8_avx2(const void *x, int64_t ldx, int x_fp32, const
 AVX2_TARGET void rtp_linear_bf16_avx2(const void *x, int64_t ldx, int x_fp32, const uint16_t *w16, int64_t ldw,
                                       const float *bias, void *out, int64_t ldo, int out_bf16, int64_t rows, int64_t n,
                                       int64_t k) {
-    weights w = {.kind = W_BF16, .w16 = w16, .ldw = ldw, .group = 32, .K = k};
+    weights w = {.kind = W_BF16, .q = (const uint8_t *)w16, .d = NULL, .m = NULL, .row_bytes = 2 * ldw, .K = k,
+                 .group_shift = 5};
     linear(&w, x, ldx, x_fp32, 1, bias, out, ldo, out_bf16, rows, n);
 }

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""rtp on each ISA path this CPU runs, beside its torch fallback and llama.cpp, on the same GGUF.
+
+For each --paths entry (an ISA path rtp's kernels select with RTP_CPU_ISA, or `torch`: no kernels,
+RTP_CPU_KERNELS=0, the dense bf16 weights on torch) a child process loads the model through the real
+loader (`LLM`) and measures, both cores:
+
+  1 stream     decode tok/s of one request (a step's time: t(N tokens) - t(1 token) over N - 1)
+  16, 64       decode tok/s of 16 and 64 requests at once (generated tokens over the steps' time)
+  pp512        prompt tok/s of one 512-token prompt (its one step, warm)
+
+With --llama-bench and --llama-batched-bench, llama.cpp runs the same file: llama-bench's pp512 and
+tg (one stream) and llama-batched-bench's S_TG at 16 and 64 sequences (32-token prompts, as rtp's).
+Build llama.cpp for the path it is weighed against (AVX2 only: -DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF).
+
+Output: a table, then as the last line of stdout one JSON object.
+
+    python tools/bench_isa.py                                    # the default model, every path here
+    python tools/bench_isa.py --paths avx2,torch --llama-bench B --llama-batched-bench BB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common  # noqa: F401 - this checkout's rtp first on sys.path
+
+PROMPT = 32  # tokens of each decode measurement's prompts
+
+
+def measure(model: str, streams: list[int], tokens: int, prefill: int) -> dict:
+    """In the child: the figures for the path its environment selects."""
+    import numpy as np
+
+    from rtp import LLM, SamplingParams
+    from rtp.kernels import cpu_kernels
+
+    llm = LLM(model=model, compile=False, max_model_len=max(prefill + 8, PROMPT + tokens + 8),
+              max_num_seqs=max(streams))
+    g = np.random.default_rng(0)
+    prompts = [g.integers(100, 40000, size=PROMPT).tolist() for _ in range(max(streams))]
+
+    def seconds(batch, n):
+        start = time.perf_counter()
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - start
+
+    out = {"isa": cpu_kernels.isa() or "torch"}
+    for b in streams:
+        seconds(prompts[:b], 2)  # warm
+        step = (seconds(prompts[:b], tokens) - seconds(prompts[:b], 1)) / (tokens - 1)
+        out[f"decode_{b}_tok_s"] = b / step
+    long = g.integers(100, 40000, size=prefill).tolist()
+    seconds([long], 1)
+    out[f"pp{prefill}_tok_s"] = prefill / min(seconds([long], 1) for _ in range(2))
+    return out
+
+
+def llama_cpp(bench: str | None, batched: str | None, model: str, streams: list[int], tokens: int,
+              prefill: int) -> dict:
+    out = {}
+    if bench:
+        done = subprocess.run([bench, "-m", model, "-t", "2", "-p", str(prefill), "-n", str(tokens), "-r", "3",
+                               "-o", "json"], capture_output=True, text=True, timeout=1800)
+        try:
+            for r in json.loads(done.stdout):
+                key = f"pp{prefill}_tok_s" if r["n_prompt"] else "decode_1_tok_s"
+                out[key] = float(r["avg_ts"])
+        except (ValueError, KeyError):
+            print(f"llama-bench failed: {done.stderr[-400:]}", file=sys.stderr)
+    if batched:
+        for b in [s for s in streams if s > 1]:
+            done = subprocess.run([batched, "-m", model, "-t", "2", "-tb", "2", "-c", str(b * (PROMPT + tokens + 16)),
+                                   "-b", "2048", "-ub", "512", "-npp", str(PROMPT), "-ntg", str(tokens), "-npl", str(b),
+                                   "--output-format", "jsonl"], capture_output=True, text=True, timeout=1800)
+            lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("{") and "speed_tg" in ln]
+            if lines:
+                out[f"decode_{b}_tok_s"] = float(json.loads(lines[-1])["speed_tg"])
+            else:
+                print(f"llama-batched-bench failed: {done.stderr[-400:]}", file=sys.stderr)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--paths", default=None,
+                    help="comma-separated ISA paths (avx2, avx512, avx512bf16, amx) and `torch` (default: every "
+                         "path this CPU runs, and torch)")
+    ap.add_argument("--streams", default="1,16,64")
+    ap.add_argument("--tokens", type=int, default=33, help="tokens generated per measured run (default 33)")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--llama-bench", metavar="PATH")
+    ap.add_argument("--llama-batched-bench", metavar="PATH")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+
+    from rtp.checkpoint.default_model import default_model_path
+
+    model = args.model or str(default_model_path())
+    if args.child:
+        print(json.dumps(measure(model, streams, args.tokens, args.prefill)))
+        return 0
+
+    from rtp.kernels import cpu_kernels, ops
+
+    here = cpu_kernels._k.cpu_isa() if cpu_kernels.available() else 0
+    paths = args.paths.split(",") if args.paths else [*ops.ISAS[:here], "torch"]
+    rows = []
+    for path in paths:
+        env = dict(os.environ, **({"RTP_CPU_KERNELS": "0"} if path == "torch" else {"RTP_CPU_ISA": path}))
+        _common.note(f"rtp on {path}")
+        done = subprocess.run([sys.executable, __file__, "--child", "--model", model, "--streams", args.streams,
+                               "--tokens", str(args.tokens), "--prefill", str(args.prefill)],
+                              env=env, capture_output=True, text=True, timeout=3600)
+        try:
+            rows.append({"engine": f"rtp {path}", **json.loads(done.stdout.strip().splitlines()[-1])})
+        except (ValueError, IndexError):
+            print(f"rtp on {path} failed: {done.stderr[-800:]}", file=sys.stderr)
+    if args.llama_bench or args.llama_batched_bench:
+        _common.note("llama.cpp")
+        rows.append({"engine": "llama.cpp", **llama_cpp(args.llama_bench, args.llama_batched_bench, model, streams,
+                                                         args.tokens, args.prefill)})
+    keys = [f"decode_{b}_tok_s" for b in streams] + [f"pp{args.prefill}_tok_s"]
+    llama = next((r for r in rows if r["engine"] == "llama.cpp"), None)
+    print(f"{'engine':<18}" + "".join(f"{k.removesuffix('_tok_s'):>14}" for k in keys)
+          + ("   (tok/s; x: rtp / llama.cpp)" if llama else "   (tok/s)"))
+    for r in rows:
+        cells = []
+        for k in keys:
+            v = r.get(k)
+            ratio = f" {v / llama[k]:.2f}x" if llama and r is not llama and v and llama.get(k) else ""
+            cells.append(f"{(f'{v:.1f}' if v else '-') + ratio:>14}")
+        print(f"{r['engine']:<18}" + "".join(cells))
+    import platform
+
+    print(json.dumps({"model": Path(model).name, "streams": streams, "tokens": args.tokens, "prefill": args.prefill,
+                      "cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                      "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
