@@ -188,33 +188,6 @@ AVX2_TARGET static int linear(const weights *w, const void *x, int64_t ldx, int 
     return 1;
 }
 
-AVX2_TARGET int rtp_linear_q4_1_avx2(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
-                                     const float *m, const float *bias, void *out, int64_t ldo, int out_bf16,
-                                     int64_t rows, int64_t n, int64_t k) {
-    weights w = {.kind = W_Q4_1, .q = qs, .d = d, .m = m, .row_bytes = k / 2, .K = k, .group_shift = 5};
-    return linear(&w, x, ldx, 0, 0, bias, out, ldo, out_bf16, rows, n);
-}
-
-/* x fp32, multiplied unrounded (the LM head's input), as rtp_linear_q8 does. */
-AVX2_TARGET void rtp_linear_q8_avx2(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn,
-                                    int group, const float *bias, void *out, int64_t ldo, int out_bf16, int64_t rows,
-                                    int64_t n, int64_t k) {
-    weights w = {.kind = W_INT8, .q = (const uint8_t *)qs, .d = d, .m = mn, .row_bytes = k, .K = k,
-                 .group_shift = group == 16 ? 4 : 5};
-    linear(&w, x, ldx, 1, 0, bias, out, ldo, out_bf16, rows, n); /* the op returns nothing: as its other variant */
-}
-
-/* The same int8 weights with x bf16 (or fp32 rounded to bf16 as rtp_linear_u8 reads it); `offset` is that
- * kernel's encoding of q in bf16, not part of the weights' value, so nothing here needs it. */
-AVX2_TARGET int rtp_linear_u8_avx2(const void *x, int64_t ldx, int x_fp32, const int8_t *qs, const float *d,
-                                   const float *mn, int group, int offset, const float *bias, void *out, int64_t ldo,
-                                   int out_bf16, int64_t rows, int64_t n, int64_t k) {
-    (void)offset;
-    weights w = {.kind = W_INT8, .q = (const uint8_t *)qs, .d = d, .m = mn, .row_bytes = k, .K = k,
-                 .group_shift = group == 16 ? 4 : 5};
-    return linear(&w, x, ldx, x_fp32, 1, bias, out, ldo, out_bf16, rows, n);
-}
-
 /* Dense bf16 weights; x bf16, or fp32 rounded to bf16 as rtp_linear_bf16 reads it. */
 AVX2_TARGET void rtp_linear_bf16_avx2(const void *x, int64_t ldx, int x_fp32, const uint16_t *w16, int64_t ldw,
                                       const float *bias, void *out, int64_t ldo, int out_bf16, int64_t rows, int64_t n,

@@ -1,0 +1,202 @@
+/* The avx2 path's linears over block-quantized weights (Q4_1 and its repacks, Q8_0, q8_1, q8_16) with x's rows
+ * quantized to int8, as llama.cpp's Q8 activations are: each 32 values of a row get a scale (their largest
+ * magnitude / 127) and are rounded to int8 (nearest even), so a block's 32 products are one vpmaddubsw and
+ * one vpmaddwd, exact in int32. AVX2 has no bf16 product; in fp32 (linear.c) a weight cost a widening, a
+ * convert and a multiply-add before its product, and a one-row decode step ran at 0.36x llama.cpp.
+ *
+ * y[i][j] = sum_b d_w[j][b] d_x[i][b] (q_w . q_x)_b  +  sum_b m[j][b] s_x[i][b]  (+ bias)
+ * where s_x[i][b] = d_x[i][b] sum(q_x)_b (the offset term of Q4_1 and q8_1, w = d q + m).
+ * The first sum keeps 8 lanes (lane l: the block's products 4 l .. 4 l + 3, scaled, in block order), the
+ * second 8 lanes over the blocks, then the tail blocks in order; the lanes are added in one fixed order
+ * (avx2_hsum). Nothing depends on M, the tile or the thread count: a row's bits are its own.
+ *
+ * vpmaddubsw multiplies unsigned by signed bytes: Q4_1's nibbles are the unsigned side as they are; the int8
+ * kinds take |q_w| against q_x with q_w's sign. Its int16 pair sums
+ * stay below 2^15: |q_w| <= 128 and |q_x| <= 127. q8_16's two scales a block go to the lanes of each
+ * half (lanes 0-3 hold weights 0-15). */
+#include "avx2.h"
+#include "cpu_kernels.h"
+#include "scratch.h"
+
+#include <math.h>
+#include <omp.h>
+
+enum { Q_NIBBLES, Q_SIGNED };
+
+typedef struct {
+    int kind;
+    const uint8_t *q; /* Q_NIBBLES: [N, K / 2] (byte t of a block: weight t low, t + 16 high); else [N, K] */
+    const float *d;   /* [N, K / 32], or [N, K / 16] with group16 */
+    const float *m;   /* [N, K / 32] or NULL */
+    int64_t K;
+    int group16;
+} int8_weights;
+
+/* x's rows as int8 blocks: q [M, K], d and s [M, K / 32]. */
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+} int8_rows;
+
+/* Row x (fp32 or bf16, K values) as int8 blocks. */
+AVX2_TARGET static void quantize_row(const void *x, int x_fp32, int64_t K, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256 v[4];
+        for (int t = 0; t < 4; t++)
+            v[t] = x_fp32 ? _mm256_loadu_ps((const float *)x + 32 * b + 8 * t)
+                          : avx2_load_bf16x8((const uint16_t *)x + 32 * b + 8 * t);
+        __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float top = _mm_cvtss_f32(m4), scale = top / 127.0f;
+        __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        __m256i i32[4];
+        for (int t = 0; t < 4; t++) i32[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv)); /* nearest even */
+        /* packs work within 128-bit lanes: (0 1 | 2 3) -> bytes in the order 0 2 1 3 of the 8-value groups */
+        __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+        __m256i i8 = _mm256_packs_epi16(i16a, i16b);
+        i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), i8);
+        /* the block's sum of q (for the offset term), exact in int32 */
+        __m256i ones = _mm256_set1_epi16(1);
+        __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(i8)), hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(i8, 1));
+        __m256i s32 = _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        d[b] = scale;
+        s[b] = scale * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* Block b of weight row j as 32 bytes for vpmaddubsw's unsigned side (signed kinds: |q|), and its lane scales. */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256i weight_bytes(const int8_weights *w, int kind,
+                                                                            const uint8_t *row, int64_t b) {
+    if (kind == Q_NIBBLES) {
+        const __m128i nibble = _mm_set1_epi8(0x0f);
+        __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * b));
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), _mm_and_si128(v, nibble));
+    }
+    (void)w;
+    return _mm256_loadu_si256((const __m256i *)(row + 32 * b));
+}
+
+/* One block's 8 int32 lane sums of q_w . q_x, as fp32. */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(int kind, __m256i wq, __m256i xq) {
+    __m256i p16 = kind == Q_SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(wq), _mm256_sign_epi8(xq, wq))
+                                   : _mm256_maddubs_epi16(wq, xq);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+#define TILE(MR_, NR_, KIND_)                                                                                      \
+    AVX2_TARGET static void tile_##MR_##_##NR_##_##KIND_(const int8_weights *w, int8_rows x, int64_t i0,          \
+                                                         int64_t j0, int64_t nr, const float *bias, void *out,     \
+                                                         int64_t ldo, int out_bf16) {                              \
+        const int64_t K = w->K, nb = K / 32, per_row = KIND_ == Q_NIBBLES ? K / 2 : K;                             \
+        const int64_t dn = w->group16 ? 2 * nb : nb;                                                             \
+        __m256 acc[MR_][NR_];                                                                                    \
+        const uint8_t *q[NR_];                                                                                    \
+        const float *d[NR_];                                                                                      \
+        for (int j = 0; j < NR_; j++) {                                                                           \
+            int64_t r = j0 + (j < nr ? j : nr - 1);                                                               \
+            q[j] = w->q + r * per_row;                                                                            \
+            d[j] = w->d + r * dn;                                                                                 \
+        }                                                                                                         \
+        for (int i = 0; i < MR_; i++)                                                                             \
+            for (int j = 0; j < NR_; j++) acc[i][j] = _mm256_setzero_ps();                                        \
+        for (int64_t b = 0; b < nb; b++)                                                                          \
+            for (int j = 0; j < NR_; j++) {                                                                       \
+                __m256i wq = weight_bytes(w, KIND_, q[j], b);                                                     \
+                __m256i sgn = KIND_ == Q_SIGNED ? wq : _mm256_setzero_si256();                                    \
+                __m256 dw = w->group16 ? _mm256_set_m128(_mm_broadcast_ss(d[j] + 2 * b + 1), _mm_broadcast_ss(d[j] + 2 * b)) \
+                                       : _mm256_broadcast_ss(d[j] + b);                                           \
+                (void)sgn;                                                                                        \
+                for (int i = 0; i < MR_; i++) {                                                                   \
+                    __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + (i0 + i) * K + 32 * b));              \
+                    __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + (i0 + i) * nb + b));               \
+                    acc[i][j] = _mm256_fmadd_ps(block_dot(KIND_, wq, xq), scale, acc[i][j]);                      \
+                }                                                                                                 \
+            }                                                                                                     \
+        for (int i = 0; i < MR_; i++)                                                                             \
+            for (int j = 0; j < nr; j++) {                                                                        \
+                float y = avx2_hsum(acc[i][j]);                                                                   \
+                if (w->m) { /* the offsets' term: 8 blocks a vector, then the rest in order */                    \
+                    const float *mr = w->m + (j0 + j) * nb, *s = x.s + (i0 + i) * nb;                             \
+                    __m256 t = _mm256_setzero_ps();                                                               \
+                    int64_t b = 0;                                                                                \
+                    for (; b + 8 <= nb; b += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(mr + b), _mm256_loadu_ps(s + b), t); \
+                    float tail = 0.0f;                                                                            \
+                    for (; b < nb; b++) tail = fmaf(mr[b], s[b], tail);                                           \
+                    y += avx2_hsum(t) + tail;                                                                     \
+                }                                                                                                 \
+                y += bias ? bias[j0 + j] : 0.0f;                                                                  \
+                if (out_bf16) ((uint16_t *)out)[(i0 + i) * ldo + j0 + j] = avx2_f32_to_bf16(y);                   \
+                else ((float *)out)[(i0 + i) * ldo + j0 + j] = y;                                                 \
+            }                                                                                                     \
+    }
+#define TILES(KIND_) TILE(1, 4, KIND_) TILE(2, 4, KIND_) TILE(3, 4, KIND_) TILE(4, 4, KIND_)
+TILES(Q_NIBBLES) TILES(Q_SIGNED)
+#undef TILES
+#undef TILE
+
+typedef void (*int8_tile)(const int8_weights *, int8_rows, int64_t, int64_t, int64_t, const float *, void *, int64_t,
+                          int);
+static const int8_tile TILE_FOR[2][4] = {
+    {tile_1_4_Q_NIBBLES, tile_2_4_Q_NIBBLES, tile_3_4_Q_NIBBLES, tile_4_4_Q_NIBBLES},
+    {tile_1_4_Q_SIGNED, tile_2_4_Q_SIGNED, tile_3_4_Q_SIGNED, tile_4_4_Q_SIGNED},
+};
+
+#define ROW_CHUNK 64 /* rows whose int8 blocks stay in L1/L2 while every weight row passes over them */
+
+AVX2_TARGET static int linear_int8(const int8_weights *w, const void *x, int64_t ldx, int x_fp32, const float *bias,
+                                   void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N) {
+    static __thread rtp_scratch q_scratch, scale_scratch;
+    int64_t K = w->K, nb = K / 32;
+    int8_t *q = rtp_scratch_get(&q_scratch, (size_t)(M * K));
+    float *ds = rtp_scratch_get(&scale_scratch, (size_t)(2 * M * nb) * sizeof(float));
+    if (!q || !ds) return 0;
+    for (int64_t i = 0; i < M; i++)
+        quantize_row(x_fp32 ? (const void *)((const float *)x + i * ldx) : (const void *)((const uint16_t *)x + i * ldx),
+                     x_fp32, K, q + i * K, ds + i * nb, ds + (M + i) * nb);
+    int8_rows rows = {q, ds, ds + M * nb};
+    const int8_tile *tile = TILE_FOR[w->kind];
+    int64_t tiles = (N + 3) / 4;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+        int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t j0 = 4 * t, nr = N - j0 < 4 ? N - j0 : 4, i = m0;
+            for (; i + 4 <= m1; i += 4) tile[3](w, rows, i, j0, nr, bias, out, ldo, out_bf16);
+            if (m1 > i) tile[m1 - i - 1](w, rows, i, j0, nr, bias, out, ldo, out_bf16);
+        }
+    }
+    return 1;
+}
+
+AVX2_TARGET int rtp_linear_q4_1_avx2(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d,
+                                     const float *m, const float *bias, void *out, int64_t ldo, int out_bf16,
+                                     int64_t rows, int64_t n, int64_t k) {
+    int8_weights w = {.kind = Q_NIBBLES, .q = qs, .d = d, .m = m, .K = k};
+    return linear_int8(&w, x, ldx, 0, bias, out, ldo, out_bf16, rows, n);
+}
+
+/* int8 weights (Q8_0, Q8_1 as q8, a scale per 16): signed, with a scale per `group` and an offset per 32 or none. */
+AVX2_TARGET void rtp_linear_q8_avx2(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn,
+                                    int group, const float *bias, void *out, int64_t ldo, int out_bf16, int64_t rows,
+                                    int64_t n, int64_t k) {
+    int8_weights w = {.kind = Q_SIGNED, .q = (const uint8_t *)qs, .d = d, .m = mn, .K = k, .group16 = group == 16};
+    linear_int8(&w, x, ldx, 1, bias, out, ldo, out_bf16, rows, n); /* the op returns nothing, as its other variant */
+}
+
+/* The same weights with x bf16 or fp32; `offset` is the avx512bf16 kernel's encoding of q in bf16, not part of
+ * the weights' value. Every int8 kind is taken as signed: q8_1 holds Q8_0's q too (BlockQuantized.as_kind). */
+AVX2_TARGET int rtp_linear_u8_avx2(const void *x, int64_t ldx, int x_fp32, const int8_t *qs, const float *d,
+                                   const float *mn, int group, int offset, const float *bias, void *out, int64_t ldo,
+                                   int out_bf16, int64_t rows, int64_t n, int64_t k) {
+    (void)offset;
+    int8_weights w = {.kind = Q_SIGNED, .q = (const uint8_t *)qs, .d = d, .m = mn, .K = k, .group16 = group == 16};
+    return linear_int8(&w, x, ldx, x_fp32, bias, out, ldo, out_bf16, rows, n);
+}
