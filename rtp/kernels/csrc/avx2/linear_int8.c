@@ -21,15 +21,15 @@
 #include <math.h>
 #include <omp.h>
 
-enum { Q_NIBBLES, Q_SIGNED };
+/* Q_SIGNED16: int8 with a scale per 16 (q8_16); a kind per copy of the tiles, so no branch on it in their loop */
+enum { Q_NIBBLES, Q_SIGNED, Q_SIGNED16 };
 
 typedef struct {
     int kind;
     const uint8_t *q; /* Q_NIBBLES: [N, K / 2] (byte t of a block: weight t low, t + 16 high); else [N, K] */
-    const float *d;   /* [N, K / 32], or [N, K / 16] with group16 */
+    const float *d;   /* [N, K / 32], or [N, K / 16] for Q_SIGNED16 */
     const float *m;   /* [N, K / 32] or NULL */
     int64_t K;
-    int group16;
 } int8_weights;
 
 /* x's rows as int8 blocks: q [M, K], d and s [M, K / 32]. */
@@ -86,7 +86,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256i weight_bytes(co
 
 /* One block's 8 int32 lane sums of q_w . q_x, as fp32. */
 AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(int kind, __m256i wq, __m256i xq) {
-    __m256i p16 = kind == Q_SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(wq), _mm256_sign_epi8(xq, wq))
+    __m256i p16 = kind != Q_NIBBLES ? _mm256_maddubs_epi16(_mm256_abs_epi8(wq), _mm256_sign_epi8(xq, wq))
                                    : _mm256_maddubs_epi16(wq, xq);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
@@ -96,7 +96,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(int ki
                                                          int64_t j0, int64_t nr, const float *bias, void *out,     \
                                                          int64_t ldo, int out_bf16) {                              \
         const int64_t K = w->K, nb = K / 32, per_row = KIND_ == Q_NIBBLES ? K / 2 : K;                             \
-        const int64_t dn = w->group16 ? 2 * nb : nb;                                                             \
+        const int64_t dn = KIND_ == Q_SIGNED16 ? 2 * nb : nb;                                                             \
         __m256 acc[MR_][NR_];                                                                                    \
         const uint8_t *q[NR_];                                                                                    \
         const float *d[NR_];                                                                                      \
@@ -105,23 +105,23 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(int ki
             q[j] = w->q + r * per_row;                                                                            \
             d[j] = w->d + r * dn;                                                                                 \
         }                                                                                                         \
-        for (int i = 0; i < MR_; i++)                                                                             \
-            for (int j = 0; j < NR_; j++) acc[i][j] = _mm256_setzero_ps();                                        \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR_; i++)                                                  \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NR_; j++) acc[i][j] = _mm256_setzero_ps();                                        \
         for (int64_t b = 0; b < nb; b++)                                                                          \
-            for (int j = 0; j < NR_; j++) {                                                                       \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NR_; j++) {                                            \
                 __m256i wq = weight_bytes(w, KIND_, q[j], b);                                                     \
-                __m256i sgn = KIND_ == Q_SIGNED ? wq : _mm256_setzero_si256();                                    \
-                __m256 dw = w->group16 ? _mm256_set_m128(_mm_broadcast_ss(d[j] + 2 * b + 1), _mm_broadcast_ss(d[j] + 2 * b)) \
+                __m256 dw = KIND_ == Q_SIGNED16 ? _mm256_set_m128(_mm_broadcast_ss(d[j] + 2 * b + 1), _mm_broadcast_ss(d[j] + 2 * b)) \
                                        : _mm256_broadcast_ss(d[j] + b);                                           \
-                (void)sgn;                                                                                        \
-                for (int i = 0; i < MR_; i++) {                                                                   \
+                _Pragma("GCC unroll 16") for (int i = 0; i < MR_; i++) {                                        \
                     __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + (i0 + i) * K + 32 * b));              \
                     __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + (i0 + i) * nb + b));               \
                     acc[i][j] = _mm256_fmadd_ps(block_dot(KIND_, wq, xq), scale, acc[i][j]);                      \
                 }                                                                                                 \
             }                                                                                                     \
-        for (int i = 0; i < MR_; i++)                                                                             \
-            for (int j = 0; j < nr; j++) {                                                                        \
+        /* constant bounds (j < nr tested inside): an array indexed by a runtime bound would live on the stack */ \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR_; i++)                                                  \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NR_; j++) {                                            \
+                if (j >= nr) continue;                                                                            \
                 float y = avx2_hsum(acc[i][j]);                                                                   \
                 if (w->m) { /* the offsets' term: 8 blocks a vector, then the rest in order */                    \
                     const float *mr = w->m + (j0 + j) * nb, *s = x.s + (i0 + i) * nb;                             \
@@ -137,16 +137,20 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(int ki
                 else ((float *)out)[(i0 + i) * ldo + j0 + j] = y;                                                 \
             }                                                                                                     \
     }
-#define TILES(KIND_) TILE(1, 4, KIND_) TILE(2, 4, KIND_) TILE(3, 4, KIND_) TILE(4, 4, KIND_)
-TILES(Q_NIBBLES) TILES(Q_SIGNED)
+/* at most 12 accumulators: with 16 (4 x 4) GCC kept them on the stack, a load and a store around each product */
+#define TILES(KIND_) TILE(1, 4, KIND_) TILE(2, 4, KIND_) TILE(3, 2, KIND_) TILE(4, 2, KIND_)
+TILES(Q_NIBBLES) TILES(Q_SIGNED) TILES(Q_SIGNED16)
 #undef TILES
 #undef TILE
 
 typedef void (*int8_tile)(const int8_weights *, int8_rows, int64_t, int64_t, int64_t, const float *, void *, int64_t,
                           int);
-static const int8_tile TILE_FOR[2][4] = {
-    {tile_1_4_Q_NIBBLES, tile_2_4_Q_NIBBLES, tile_3_4_Q_NIBBLES, tile_4_4_Q_NIBBLES},
-    {tile_1_4_Q_SIGNED, tile_2_4_Q_SIGNED, tile_3_4_Q_SIGNED, tile_4_4_Q_SIGNED},
+/* [kind][rows - 1], and the weight rows each takes at a time */
+static const int TILE_NR[4] = {4, 4, 2, 2};
+static const int8_tile TILE_FOR[3][4] = {
+    {tile_1_4_Q_NIBBLES, tile_2_4_Q_NIBBLES, tile_3_2_Q_NIBBLES, tile_4_2_Q_NIBBLES},
+    {tile_1_4_Q_SIGNED, tile_2_4_Q_SIGNED, tile_3_2_Q_SIGNED, tile_4_2_Q_SIGNED},
+    {tile_1_4_Q_SIGNED16, tile_2_4_Q_SIGNED16, tile_3_2_Q_SIGNED16, tile_4_2_Q_SIGNED16},
 };
 
 #define ROW_CHUNK 64 /* rows whose int8 blocks stay in L1/L2 while every weight row passes over them */
@@ -168,9 +172,12 @@ AVX2_TARGET static int linear_int8(const int8_weights *w, const void *x, int64_t
         int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            int64_t j0 = 4 * t, nr = N - j0 < 4 ? N - j0 : 4, i = m0;
-            for (; i + 4 <= m1; i += 4) tile[3](w, rows, i, j0, nr, bias, out, ldo, out_bf16);
-            if (m1 > i) tile[m1 - i - 1](w, rows, i, j0, nr, bias, out, ldo, out_bf16);
+            int64_t j0 = 4 * t, nr = N - j0 < 4 ? N - j0 : 4;
+            for (int64_t i = m0; i < m1; i += 4) {
+                int r = m1 - i < 4 ? (int)(m1 - i) : 4, step = TILE_NR[r - 1];
+                for (int64_t j = 0; j < nr; j += step)
+                    tile[r - 1](w, rows, i, j0 + j, nr - j < step ? nr - j : step, bias, out, ldo, out_bf16);
+            }
         }
     }
     return 1;
@@ -187,7 +194,7 @@ AVX2_TARGET int rtp_linear_q4_1_avx2(const uint16_t *x, int64_t ldx, const uint8
 AVX2_TARGET void rtp_linear_q8_avx2(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn,
                                     int group, const float *bias, void *out, int64_t ldo, int out_bf16, int64_t rows,
                                     int64_t n, int64_t k) {
-    int8_weights w = {.kind = Q_SIGNED, .q = (const uint8_t *)qs, .d = d, .m = mn, .K = k, .group16 = group == 16};
+    int8_weights w = {.kind = group == 16 ? Q_SIGNED16 : Q_SIGNED, .q = (const uint8_t *)qs, .d = d, .m = mn, .K = k};
     linear_int8(&w, x, ldx, 1, bias, out, ldo, out_bf16, rows, n); /* the op returns nothing, as its other variant */
 }
 
@@ -197,6 +204,6 @@ AVX2_TARGET int rtp_linear_u8_avx2(const void *x, int64_t ldx, int x_fp32, const
                                    const float *mn, int group, int offset, const float *bias, void *out, int64_t ldo,
                                    int out_bf16, int64_t rows, int64_t n, int64_t k) {
     (void)offset;
-    int8_weights w = {.kind = Q_SIGNED, .q = (const uint8_t *)qs, .d = d, .m = mn, .K = k, .group16 = group == 16};
+    int8_weights w = {.kind = group == 16 ? Q_SIGNED16 : Q_SIGNED, .q = (const uint8_t *)qs, .d = d, .m = mn, .K = k};
     return linear_int8(&w, x, ldx, x_fp32, bias, out, ldo, out_bf16, rows, n);
 }
