@@ -7,7 +7,7 @@ loader (`LLM`) and measures, both cores:
 
   1 stream     decode tok/s of one request (a step's time: t(N tokens) - t(1 token) over N - 1)
   16, 64       decode tok/s of 16 and 64 requests at once (generated tokens over the steps' time)
-  pp512        prompt tok/s of one 512-token prompt (its one step, warm)
+  pp512        prompt tok/s of one 512-token prompt (warm; a fresh prompt each run, no prefix-cache hit)
 
 With --llama-bench and --llama-batched-bench, llama.cpp runs the same file: llama-bench's pp512 and
 tg (one stream) and llama-batched-bench's S_TG at 16 and 64 sequences (32-token prompts, as rtp's).
@@ -57,9 +57,10 @@ def measure(model: str, streams: list[int], tokens: int, prefill: int) -> dict:
         seconds(prompts[:b], 2)  # warm
         step = (seconds(prompts[:b], tokens) - seconds(prompts[:b], 1)) / (tokens - 1)
         out[f"decode_{b}_tok_s"] = b / step
-    long = g.integers(100, 40000, size=prefill).tolist()
-    seconds([long], 1)
-    out[f"pp{prefill}_tok_s"] = prefill / min(seconds([long], 1) for _ in range(2))
+    # a fresh prompt each time: the prefix cache would serve a repeated one
+    seconds([g.integers(100, 40000, size=prefill).tolist()], 1)
+    out[f"pp{prefill}_tok_s"] = prefill / min(seconds([g.integers(100, 40000, size=prefill).tolist()], 1)
+                                              for _ in range(2))
     return out
 
 
