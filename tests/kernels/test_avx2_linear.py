@@ -26,13 +26,13 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> BlockQuantized:
     return BlockQuantized(kind, qs, d, m if kind == "q8_1" else None)
 
 
-def int8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the int8 kernels take it: each 32 values scaled by 127 / their largest magnitude, rounded to
-    nearest even, and scaled back (fp32)."""
+def int_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as linear_int8.c takes it: each 32 values scaled by 16256 / their largest magnitude, rounded to
+    nearest even (15 bits), and scaled back (fp32)."""
     v = x.float().view(x.shape[0], -1, 32)
     top = v.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.tensor(0.0))
-    return (torch.round(v * inv) * (top / 127.0)).view_as(x.float())
+    inv = torch.where(top > 0, torch.tensor(16256.0) / top, torch.tensor(0.0))
+    return (torch.round(v * inv) * (top / 16256.0)).view_as(x.float())
 
 
 def run(w: BlockQuantized, x: torch.Tensor, bias, out_dtype) -> torch.Tensor:
@@ -51,9 +51,9 @@ def test_avx2_linear_matches_dequantized_weights(kind, rows, x_dtype):
     w = random_blocks(kind, n, k, seed=rows)
     b = torch.randn(n)
     x = torch.randn(rows, k).to(x_dtype)
-    # dense bf16 weights multiply x rounded to bf16; the block kinds x's int8 blocks (Q4_1 takes x in bf16)
+    # dense bf16 weights multiply x rounded to bf16; the block kinds x's 15-bit blocks (Q4_1 takes x in bf16)
     xr = x.bfloat16().float() if kind in ("bf16", "q4_1") else x.float()
-    ref = (xr.double() if kind == "bf16" else int8_blocks(xr).double()) @ w.dequantize().double().T + b.double()
+    ref = (xr.double() if kind == "bf16" else int_blocks(xr).double()) @ w.dequantize().double().T + b.double()
     for out_dtype in (torch.float32, torch.bfloat16):
         out = run(w, x, b, out_dtype)
         assert out.dtype == out_dtype and out.shape == (rows, n)

@@ -1,8 +1,11 @@
 /* The avx2 path's linears over block-quantized weights (Q4_1 and its repacks, Q8_0, q8_1, q8_16) with x's rows
- * quantized to int8, as llama.cpp's Q8 activations are: each 32 values of a row get a scale (their largest
- * magnitude / 127) and are rounded to int8 (nearest even), so a block's 32 products are one vpmaddubsw and
- * one vpmaddwd, exact in int32. AVX2 has no bf16 product; in fp32 (linear.c) a weight cost a widening, a
- * convert and a multiply-add before its product, and a one-row decode step ran at 0.36x llama.cpp.
+ * as integers: each 32 values of a row get a scale (their largest magnitude / 16256) and are rounded (nearest
+ * even) to 15-bit q = 128 h + l, kept as two int8 halves h in [-127, 127] and l in [-64, 63], so a block's 32
+ * products are two vpmaddubsw and two vpmaddwd (h's weighted by 128), exact in int32. AVX2 has no bf16
+ * product; in fp32 a weight cost a widening, a convert and a multiply-add before its product, and a one-row
+ * decode step ran at 0.36x llama.cpp. One int8 part, as llama.cpp's Q8 activations, is cheaper again but
+ * coarser than bf16 x: greedy output then matched the fp32 reference less often than transformers' bf16
+ * (tests/engine/test_engine.py, 4 of 8 prompts against 5); 15 bits are finer than bf16's 8.
  *
  * y[i][j] = sum_b d_w[j][b] d_x[i][b] (q_w . q_x)_b  +  sum_b m[j][b] s_x[i][b]  (+ bias)
  * where s_x[i][b] = d_x[i][b] sum(q_x)_b (the offset term of Q4_1 and q8_1, w = d q + m).
@@ -32,15 +35,25 @@ typedef struct {
     int64_t K;
 } int8_weights;
 
-/* x's rows as int8 blocks: q [M, K], d and s [M, K / 32]. */
+/* x's rows as integer blocks: q = 128 h + l, h and l [M, K] int8; d and s [M, K / 32]. */
 typedef struct {
-    const int8_t *q;
+    const int8_t *h, *l;
     const float *d, *s;
 } int8_rows;
 
-/* Row x (fp32 or bf16, K values) as int8 blocks. */
-AVX2_TARGET static void quantize_row(const void *x, int x_fp32, int64_t K, int8_t *q, float *d, float *s) {
+#define X_STEPS 16256.0f /* 127 * 128: h = round(q / 128) stays in int8 */
+
+/* 8 int32 lanes of 4 vectors as 32 int8 in order. */
+AVX2_TARGET static inline __m256i pack_bytes(const __m256i v[4]) {
+    /* packs work within 128-bit lanes: (0 1 | 2 3) -> the 8-value groups in the order 0 2 1 3 */
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Row x (fp32 or bf16, K values) as integer blocks. */
+AVX2_TARGET static void quantize_row(const void *x, int x_fp32, int64_t K, int8_t *h, int8_t *l, float *d, float *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i half = _mm256_set1_epi32(64);
     for (int64_t b = 0; b < K / 32; b++) {
         __m256 v[4];
         for (int t = 0; t < 4; t++)
@@ -51,24 +64,22 @@ AVX2_TARGET static void quantize_row(const void *x, int x_fp32, int64_t K, int8_
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        float top = _mm_cvtss_f32(m4), scale = top / 127.0f;
-        __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-        __m256i i32[4];
-        for (int t = 0; t < 4; t++) i32[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv)); /* nearest even */
-        /* packs work within 128-bit lanes: (0 1 | 2 3) -> bytes in the order 0 2 1 3 of the 8-value groups */
-        __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
-        __m256i i8 = _mm256_packs_epi16(i16a, i16b);
-        i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + 32 * b), i8);
-        /* the block's sum of q (for the offset term), exact in int32 */
-        __m256i ones = _mm256_set1_epi16(1);
-        __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(i8)), hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(i8, 1));
-        __m256i s32 = _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        float top = _mm_cvtss_f32(m4);
+        __m256 inv = _mm256_set1_ps(top > 0.0f ? X_STEPS / top : 0.0f);
+        __m256i hi[4], lo[4], sum = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv)); /* nearest even, |q| <= 16256 */
+            hi[t] = _mm256_srai_epi32(_mm256_add_epi32(q, half), 7);   /* round(q / 128), ties up */
+            lo[t] = _mm256_sub_epi32(q, _mm256_slli_epi32(hi[t], 7)); /* in [-64, 63] */
+            sum = _mm256_add_epi32(sum, q);
+        }
+        _mm256_storeu_si256((__m256i *)(h + 32 * b), pack_bytes(hi));
+        _mm256_storeu_si256((__m256i *)(l + 32 * b), pack_bytes(lo));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        d[b] = scale;
-        s[b] = scale * (float)_mm_cvtsi128_si32(s4);
+        d[b] = top / X_STEPS;
+        s[b] = d[b] * (float)_mm_cvtsi128_si32(s4); /* the block's sum of q: exact in int32 */
     }
 }
 
@@ -84,11 +95,12 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256i weight_bytes(co
     return _mm256_loadu_si256((const __m256i *)(row + 32 * b));
 }
 
-/* One block's 8 int32 lane sums of q_w . q_x, as fp32. */
-AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(int kind, __m256i wq, __m256i xq) {
-    __m256i p16 = kind != Q_NIBBLES ? _mm256_maddubs_epi16(_mm256_abs_epi8(wq), _mm256_sign_epi8(xq, wq))
-                                   : _mm256_maddubs_epi16(wq, xq);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+/* One block's 8 lane sums of q_w . (128 h + l), exact in int32, as fp32. For the signed kinds wu is |q_w| and
+ * h, l carry q_w's sign already. */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(__m256i wu, __m256i h, __m256i l) {
+    __m256i ph = _mm256_maddubs_epi16(wu, h), pl = _mm256_maddubs_epi16(wu, l);
+    __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(ph, _mm256_set1_epi16(128)), _mm256_madd_epi16(pl, _mm256_set1_epi16(1)));
+    return _mm256_cvtepi32_ps(sum);
 }
 
 #define TILE(MR_, NR_, KIND_)                                                                                      \
@@ -110,12 +122,15 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(int ki
         for (int64_t b = 0; b < nb; b++)                                                                          \
             _Pragma("GCC unroll 16") for (int j = 0; j < NR_; j++) {                                            \
                 __m256i wq = weight_bytes(w, KIND_, q[j], b);                                                     \
+                __m256i wu = KIND_ == Q_NIBBLES ? wq : _mm256_abs_epi8(wq);                                       \
                 __m256 dw = KIND_ == Q_SIGNED16 ? _mm256_set_m128(_mm_broadcast_ss(d[j] + 2 * b + 1), _mm_broadcast_ss(d[j] + 2 * b)) \
                                        : _mm256_broadcast_ss(d[j] + b);                                           \
                 _Pragma("GCC unroll 16") for (int i = 0; i < MR_; i++) {                                        \
-                    __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + (i0 + i) * K + 32 * b));              \
+                    __m256i xh = _mm256_loadu_si256((const __m256i *)(x.h + (i0 + i) * K + 32 * b));              \
+                    __m256i xl = _mm256_loadu_si256((const __m256i *)(x.l + (i0 + i) * K + 32 * b));              \
+                    if (KIND_ != Q_NIBBLES) xh = _mm256_sign_epi8(xh, wq), xl = _mm256_sign_epi8(xl, wq);         \
                     __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + (i0 + i) * nb + b));               \
-                    acc[i][j] = _mm256_fmadd_ps(block_dot(KIND_, wq, xq), scale, acc[i][j]);                      \
+                    acc[i][j] = _mm256_fmadd_ps(block_dot(wu, xh, xl), scale, acc[i][j]);                         \
                 }                                                                                                 \
             }                                                                                                     \
         /* constant bounds (j < nr tested inside): an array indexed by a runtime bound would live on the stack */ \
@@ -159,13 +174,13 @@ AVX2_TARGET static int linear_int8(const int8_weights *w, const void *x, int64_t
                                    void *out, int64_t ldo, int out_bf16, int64_t M, int64_t N) {
     static __thread rtp_scratch q_scratch, scale_scratch;
     int64_t K = w->K, nb = K / 32;
-    int8_t *q = rtp_scratch_get(&q_scratch, (size_t)(M * K));
+    int8_t *q = rtp_scratch_get(&q_scratch, (size_t)(2 * M * K));
     float *ds = rtp_scratch_get(&scale_scratch, (size_t)(2 * M * nb) * sizeof(float));
     if (!q || !ds) return 0;
     for (int64_t i = 0; i < M; i++)
         quantize_row(x_fp32 ? (const void *)((const float *)x + i * ldx) : (const void *)((const uint16_t *)x + i * ldx),
-                     x_fp32, K, q + i * K, ds + i * nb, ds + (M + i) * nb);
-    int8_rows rows = {q, ds, ds + M * nb};
+                     x_fp32, K, q + i * K, q + (M + i) * K, ds + i * nb, ds + (M + i) * nb);
+    int8_rows rows = {q, q + M * K, ds, ds + M * nb};
     const int8_tile *tile = TILE_FOR[w->kind];
     int64_t tiles = (N + 3) / 4;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
