@@ -71,7 +71,8 @@ def _cpu_flags() -> list[str]:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return []
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8") if f in flags]
+    return [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
+                        "amx_int8") if f in flags]
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -107,12 +107,20 @@ class CpuWatch:
             self.other_cpu_s = round(self.other_s, 2)
 
 
-def bench_matmul(n: int = 2048, dtype=None, repeats: int = 8) -> float:
-    """This machine's matmul GFLOP/s at n x n x n (best of repeats; dtype default bf16), with the
-    current thread count."""
+def native_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 natively here (AVX-512 BF16, AMX): else torch emulates bf16 products,
+    far below the CPU's rate (minutes for one 2048-cube bf16 matmul on an AVX2 CPU)."""
     import torch
 
-    dtype = torch.bfloat16 if dtype is None else dtype
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bench_matmul(n: int = 2048, dtype=None, repeats: int = 8) -> float:
+    """This machine's matmul GFLOP/s at n x n x n (best of repeats; dtype default bf16 where native_bf16(),
+    else fp32), with the current thread count."""
+    import torch
+
+    dtype = (torch.bfloat16 if native_bf16() else torch.float32) if dtype is None else dtype
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen).to(dtype)
     b = torch.randn(n, n, generator=gen).to(dtype)
@@ -171,7 +179,7 @@ def bench_onednn_linears(config, rows: int, peak_gflops: float, repeats: int = 8
 
     shapes = linear_shapes(config)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if shapes is None or reorder is None or not torch.backends.mkldnn.is_available():
+    if shapes is None or reorder is None or not native_bf16():  # its bf16 reorder needs AVX-512 or AMX
         return None
     gen = torch.Generator().manual_seed(0)
     layers = []

@@ -30,11 +30,19 @@ def test_cli_help_and_info():
                                      text=True, check=True).stdout)
     assert info["runtime"].endswith(".so")
     kernels = info["cpu_kernels"]
-    assert kernels["active"] == ("avx512_bf16" in kernels["cpu_flags"])  # the C kernels need AVX-512 BF16
+    flags = set(kernels["cpu_flags"])
+    assert kernels["active"] == ({"avx2", "fma", "f16c"} <= flags)  # the lowest ISA path
+    want = ("amx" if kernels["amx"] else "avx512bf16") if "avx512_bf16" in flags else "avx2"
+    assert kernels["isa"] == (want if kernels["active"] else None)
     assert kernels["amx"] <= ("amx_tile" in kernels["cpu_flags"]) and info["threads"] >= 1
     off = json.loads(subprocess.run([sys.executable, "-m", "rtp", "info"], capture_output=True, text=True, check=True,
                                     env={**os.environ, "RTP_CPU_KERNELS": "0"}).stdout)
     assert off["cpu_kernels"]["active"] is False and off["cpu_kernels"]["amx"] is False
+    if kernels["active"]:  # RTP_CPU_ISA selects a lower path
+        low = json.loads(subprocess.run([sys.executable, "-m", "rtp", "info"], capture_output=True, text=True,
+                                        check=True, env={**os.environ, "RTP_CPU_ISA": "avx2"}).stdout)
+        assert low["cpu_kernels"]["isa"] == "avx2" and low["cpu_kernels"]["ops_without_a_variant"] == [
+            "linear_tiles", "linear_q4_k"]
 
 
 def test_bench_eplb_small_trace_prints_a_json_last_line():
@@ -124,7 +132,7 @@ def test_bench_quant_times_each_type_and_prints_a_json_last_line(tmp_path, defau
     rows = {r["type"]: r for r in figures["rows"]}
     assert set(rows) == {"Q4_K", "Q6_K", "BF16"} and rows["BF16"]["one_row_vs_bf16"] == 1.0
     # Q4_K and Q6_K are multiplied from their blocks where rtp's kernels run
-    assert (rows["Q4_K"]["packed_layers"] > 0) == (rows["Q6_K"]["packed_layers"] > 0) == cpu_kernels.tiles_available()
+    assert (rows["Q4_K"]["packed_layers"] > 0) == (rows["Q6_K"]["packed_layers"] > 0) == cpu_kernels.available()
     assert not list(tmp_path.glob("*.gguf"))  # each model removed once measured
 
 
