@@ -52,4 +52,12 @@ AVX2_TARGET static inline float avx2_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The largest of v's eight lanes (exact, so its order does not matter). */
+AVX2_TARGET static inline float avx2_hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 #endif

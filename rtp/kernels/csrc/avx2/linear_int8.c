@@ -61,10 +61,7 @@ AVX2_TARGET static void quantize_row(const void *x, int x_fp32, int64_t K, int8_
                           : avx2_load_bf16x8((const uint16_t *)x + 32 * b + 8 * t);
         __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        float top = _mm_cvtss_f32(m4);
+        float top = avx2_hmax(amax);
         __m256 inv = _mm256_set1_ps(top > 0.0f ? X_STEPS / top : 0.0f);
         __m256i hi[4], lo[4], sum = _mm256_setzero_si256();
         for (int t = 0; t < 4; t++) {
@@ -83,15 +80,14 @@ AVX2_TARGET static void quantize_row(const void *x, int x_fp32, int64_t K, int8_
     }
 }
 
-/* Block b of weight row j as 32 bytes for vpmaddubsw's unsigned side (signed kinds: |q|), and its lane scales. */
-AVX2_TARGET static inline __attribute__((always_inline)) __m256i weight_bytes(const int8_weights *w, int kind,
-                                                                            const uint8_t *row, int64_t b) {
+/* Block b of a weight row as 32 bytes: Q4_1's nibbles widened to bytes, the int8 kinds' q as stored (callers
+ * take |q| and q's sign for vpmaddubsw). */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256i weight_bytes(int kind, const uint8_t *row, int64_t b) {
     if (kind == Q_NIBBLES) {
         const __m128i nibble = _mm_set1_epi8(0x0f);
         __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * b));
         return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), _mm_and_si128(v, nibble));
     }
-    (void)w;
     return _mm256_loadu_si256((const __m256i *)(row + 32 * b));
 }
 
@@ -121,7 +117,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(__m256
             _Pragma("GCC unroll 16") for (int j = 0; j < NR_; j++) acc[i][j] = _mm256_setzero_ps();                                        \
         for (int64_t b = 0; b < nb; b++)                                                                          \
             _Pragma("GCC unroll 16") for (int j = 0; j < NR_; j++) {                                            \
-                __m256i wq = weight_bytes(w, KIND_, q[j], b);                                                     \
+                __m256i wq = weight_bytes(KIND_, q[j], b);                                                     \
                 __m256i wu = KIND_ == Q_NIBBLES ? wq : _mm256_abs_epi8(wq);                                       \
                 __m256 dw = KIND_ == Q_SIGNED16 ? _mm256_set_m128(_mm_broadcast_ss(d[j] + 2 * b + 1), _mm_broadcast_ss(d[j] + 2 * b)) \
                                        : _mm256_broadcast_ss(d[j] + b);                                           \

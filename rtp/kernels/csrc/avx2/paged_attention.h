@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "avx2.h"
+#include "avx2_math.h"
 #include "cpu_kernels.h"
 
 #define ATTN_KEYS 32 /* keys per online-softmax step: K and V of a step widened once for every row */
@@ -57,34 +58,9 @@ static inline unsigned avx2_flush_denormals(void) {
 }
 static inline void avx2_restore_csr(unsigned old) { _mm_setcsr(old); }
 
-/* e^x for x <= 0 (softmax arguments; -inf and anything below -87 give e^-87, which callers mask or
- * which scales zeros): Cody-Waite reduction to r in [-ln2/2, ln2/2] and a degree-6 polynomial, max
- * relative error about 2e-7. */
-AVX2_TARGET static inline __m256 avx2_exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* n >= -126 here, so 2^n is a normal float built from its exponent bits */
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-/* cap * tanh(s / cap) (Gemma 2's logit softcapping), tanh from e^-2|y| so the exponential never overflows. */
+/* cap * tanh(s / cap) (Gemma 2's logit softcapping), tanh as the final logits' softcap takes it. */
 AVX2_TARGET static inline __m256 avx2_softcap(__m256 s, __m256 inv_cap, __m256 cap) {
-    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
-    __m256 y = _mm256_mul_ps(s, inv_cap);
-    __m256 e = avx2_exp_nonpositive(_mm256_mul_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(-2.0f)));
-    __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    return _mm256_mul_ps(cap, _mm256_or_ps(t, _mm256_and_ps(y, sign)));
+    return _mm256_mul_ps(cap, avx2_tanh(_mm256_mul_ps(s, inv_cap)));
 }
 
 /* Lane i = the sum of v[i]'s lanes, each as ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)): the same tree for every
@@ -96,12 +72,6 @@ AVX2_TARGET static inline __m256 avx2_sum8x8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
 }
 
-AVX2_TARGET static inline float avx2_hmax(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
 
 /* Which lanes of keys [j0, j0 + 8) lie in [lo, hi] (step-relative indices). */
 AVX2_TARGET static inline __m256 avx2_key_lanes(int64_t j0, int64_t lo, int64_t hi) {
@@ -183,10 +153,10 @@ AVX2_TARGET static float softmax_step(const float *q, float (*kf)[ATTN_MAX_DIM],
     float m_old = *m, m_new = avx2_hmax(mx);
     if (m_new < m_old) m_new = m_old;
     float corr = m_old == -INFINITY ? 0.0f
-                                    : _mm256_cvtss_f32(avx2_exp_nonpositive(_mm256_set1_ps(m_old - m_new)));
+                                    : _mm256_cvtss_f32(avx2_exp(_mm256_set1_ps(m_old - m_new)));
     __m256 mv = _mm256_set1_ps(m_new), sum = _mm256_setzero_ps();
     for (int64_t j0 = lo / 8 * 8; j0 <= hi; j0 += 8) {
-        __m256 p = avx2_exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(scores + j0), mv));
+        __m256 p = avx2_exp(_mm256_sub_ps(_mm256_load_ps(scores + j0), mv));
         p = _mm256_and_ps(p, avx2_key_lanes(j0, lo, hi));
         sum = _mm256_add_ps(sum, p);
         _mm256_store_ps(prob + j0, _mm256_mul_ps(p, _mm256_load_ps(vscale + j0)));
