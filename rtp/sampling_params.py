@@ -25,6 +25,23 @@ MAX_LOGPROBS = 20
 MAX_N = 128  # completions per prompt, as the OpenAI API caps n
 
 
+class ReasoningSpan(msgspec.Struct, kw_only=True, frozen=True):
+    """The thinking a reasoning model writes before its answer, which a grammar lets through as free
+    text: the grammar constrains the answer after it (as vLLM's structured outputs do with a
+    reasoning parser; rtp/engine/grammar/reasoning.py builds the grammar).
+
+    start      the marker that opens the thinking
+    end        the marker that closes it; the answer follows (after any whitespace)
+    in_prompt  the prompt opened the thinking (DeepSeek-R1's template): the output begins inside it,
+               and a `start` it writes first anyway is let through. Else the thinking is optional and
+               opens with `start` at the very start of the output, or the output is all answer.
+    """
+
+    start: str
+    end: str
+    in_prompt: bool = False
+
+
 class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
     """What a request's output must match; exactly one form (vLLM's StructuredOutputsParams).
 
@@ -37,6 +54,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
                  `::=`, then as Lark; rtp/engine/grammar/spec.py)
     whitespace_pattern  JSON only: a regex for the whitespace allowed between tokens of the document
                  (default: none, one canonical layout)
+    reasoning    not a form: free thinking before the output the form constrains (ReasoningSpan;
+                 the server sets it for a request its --reasoning-parser reads)
     """
 
     json: dict | str | None = None
@@ -46,6 +65,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
     grammar: str | None = None
     grammar_syntax: str | None = None
     whitespace_pattern: str | None = None
+    reasoning: ReasoningSpan | None = None
 
     def validate(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -72,6 +92,12 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
                 raise InvalidRequest("grammar_syntax applies to a grammar only", "structured_outputs")
             if self.grammar_syntax not in ("lark", "gbnf"):
                 raise InvalidRequest(f"grammar_syntax must be lark or gbnf, got {self.grammar_syntax!r}",
+                                     "structured_outputs")
+        if self.reasoning is not None:
+            span = self.reasoning
+            if not isinstance(span, ReasoningSpan) or not all(
+                    isinstance(marker, str) and marker for marker in (span.start, span.end)):
+                raise InvalidRequest("reasoning must be a ReasoningSpan with non-empty start and end markers",
                                      "structured_outputs")
 
 

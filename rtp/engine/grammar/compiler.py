@@ -272,7 +272,7 @@ class GrammarCompiler:
         """The matcher template of a job's spec: built in the sandbox first, then here."""
         import llguidance as llg
 
-        grammars, unread = candidates(job.spec)
+        grammars, unread = candidates(job.spec, self._special_token)
         verdict = sandbox.run(grammars, self.limits.compile_timeout, job.cancelled, seed=int(job.key[:8], 16))
         index = verdict["index"]
         if index < 0:
@@ -282,6 +282,14 @@ class GrammarCompiler:
             raise InvalidRequest(f"the structured output cannot be compiled: {one_line(matcher.get_error())}",
                                  "structured_outputs")
         return matcher
+
+    def _special_token(self, text: str) -> int | None:
+        """The id of `text` where it is one token llguidance takes as special (a grammar names such a
+        token by id: no text literal matches it), else None."""
+        token = self._rtp_tokenizer.backend.token_to_id(text)
+        if token is None or token >= self.vocab_size or not self.tokenizer.is_special_token(token):
+            return None
+        return token
 
     @property
     def warm(self) -> bool:

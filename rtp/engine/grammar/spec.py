@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 import msgspec
 
+from rtp.engine.grammar.reasoning import after_reasoning
 from rtp.errors import InvalidRequest, one_line
 from rtp.sampling_params import StructuredOutputs
 
@@ -69,10 +71,20 @@ def _check_repetition(repetition: int, what: str, limits: GrammarLimits) -> None
                              f"{limits.max_repetition:,} (--grammar-max-repetition)", "structured_outputs")
 
 
-def candidates(spec: StructuredOutputs) -> tuple[list[str], dict[str, str]]:
+def candidates(spec: StructuredOutputs, special: Callable[[str], int | None] = lambda marker: None
+               ) -> tuple[list[str], dict[str, str]]:
     """The llguidance grammars to try in order (the first that builds is the request's), and why a
     syntax the text was tried as could not even be read ({"gbnf": why}). InvalidRequest for what
-    cannot be read at all (a schema that is not JSON, GBNF asked for that does not convert)."""
+    cannot be read at all (a schema that is not JSON, GBNF asked for that does not convert).
+    A spec with `reasoning` gets each grammar after free thinking (reasoning.py; `special` says
+    which of its markers are one special token, by id)."""
+    grammars, unread = _answer_candidates(spec)
+    if spec.reasoning is not None:
+        grammars = [after_reasoning(grammar, spec.reasoning, special) for grammar in grammars]
+    return grammars, unread
+
+
+def _answer_candidates(spec: StructuredOutputs) -> tuple[list[str], dict[str, str]]:
     import llguidance as llg
 
     from_lark = llg.LLMatcher.grammar_from_lark
