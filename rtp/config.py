@@ -553,6 +553,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                              f"(--max-num-seqs, --max-num-batched-tokens), so at most {rows - 1} drafts")
 
 
+# rtp/server/reasoning_parsers.py's PARSERS, by name (config imports no server code)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
 class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """`rtp serve`'s own options: the HTTP server, admission, and its role in prefill/decode
     disaggregation (rtp/server/pd/)."""
@@ -584,6 +588,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     tool_call_parser: _field(str | None, "how the model writes tool calls, to read them out of its text for "
                                          "tool_choice auto (\"required\" and named functions need none)",
                              choices=["hermes", "llama3_json", "mistral"]) = None
+    reasoning_parser: _field(str | None, "how the model writes its thinking, to answer it apart as reasoning_content: "
+                                         f"{', '.join(REASONING_PARSERS)} or none (default: the one the chat template "
+                                         "calls for, if any; docs/serving.md)", metavar="NAME") = None
     kv_port: _field(int, "decode node: the TCP port prefill nodes stream KV to, announced in each reservation "
                          "(0: any free port; -1: none, KV goes over HTTP, which any proxy carries)",
                     metavar="PORT") = 0
@@ -594,6 +601,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.decode_peer and self.role != "prefill":
             raise ValueError("--decode-peer is for --role prefill")
         _positive(self, "max_body_bytes", "max_queue")
+        if self.reasoning_parser is not None and self.reasoning_parser not in (*REASONING_PARSERS, "none"):
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)} or none, "
+                             f"got {self.reasoning_parser!r}")
 
 
 class RouteConfig(msgspec.Struct, kw_only=True, frozen=True):

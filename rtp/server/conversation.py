@@ -12,6 +12,10 @@ Every refusal is an InvalidRequest that names the message and the field, in one 
                   most _MAX_DEPTH levels
     tool_call_id  a tool message's, and only its: the id of a call an earlier assistant
                   message made and no tool message has answered yet
+    reasoning_content  an assistant's only, a string: its thinking, as a reply with
+                  --reasoning-parser gave it (clients send replies back as they got them);
+                  templates that keep thinking in the history read it (Qwen3's keeps the
+                  thinking of the turns after the last user message), others leave it out
 
 An id is answered once: a second answer to the same call could not be told apart from the
 first. An assistant message that reuses an id (clients that number calls 0, 1, ... per turn)
@@ -109,6 +113,13 @@ def plain_messages(messages: list[ChatMessage], template: str | None) -> tuple[l
             size += len(call_id)
         elif m.tool_call_id is not None:
             _refuse(i, "tool_call_id", "only a tool message answers a call")
+        if m.reasoning_content is not None:
+            if m.role != "assistant":
+                _refuse(i, "reasoning_content", "only an assistant's message has thinking")
+            if not isinstance(m.reasoning_content, str):
+                _refuse(i, "reasoning_content", "must be a string")
+            message["reasoning_content"] = m.reasoning_content
+            size += len(m.reasoning_content)
         plain.append(message)
     return plain, size
 

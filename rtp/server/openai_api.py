@@ -53,6 +53,7 @@ from rtp.server.protocol import (
     asks_for,
     encoder,
 )
+from rtp.server import reasoning_parsers
 from rtp.server.render import ChatRender, CompletionRender
 from rtp.http import EventStream
 from rtp.server.structured import logit_bias, structured_outputs
@@ -126,7 +127,8 @@ class _ClientGone(Exception):
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, *, model_names: list[str],
                  model_root: str | None = None, model_aliases: tuple[str, ...] = (), api_key: str | None = None, max_body_bytes: int = 8 << 20, max_queue: int = 512,
-                 pd: PDNode | None = None, tool_call_parser: str | None = None):
+                 pd: PDNode | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         self.engine = engine
         self.pd = pd  # the RPC routes; on a prefill node, the relay through a decode node
         self.metrics = metrics
@@ -141,6 +143,10 @@ class OpenAIServing:
         self.max_body_bytes = max_body_bytes
         self.max_queue = max_queue
         self.tool_call_parser = tool_call_parser
+        # given, or the one the chat template calls for (rtp/server/reasoning_parsers.py choose)
+        self.reasoning, self.reasoning_inferred = reasoning_parsers.choose(reasoning_parser, self.tokenizer)
+        # where the tokenizer counts a marker as a special token, skip_special_tokens would drop it
+        self._reasoning_markers_special = self.reasoning is not None and self.reasoning.special_markers(self.tokenizer)
         self.draining = False
         self.created = int(time.time())
         # one thread: large prompts are tokenized one at a time, beside the loop and the engine
@@ -268,9 +274,16 @@ class OpenAIServing:
             params.skip_special_tokens = False  # [TOOL_CALLS] and <|python_tag|> are special tokens
         ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                       tools.tools if tools is not None else None)
+        reasoning = self.reasoning if reasoning_parsers.thinks(body.chat_template_kwargs) else None
+        if reasoning is not None and params.structured_outputs is not None:
+            # the grammar (the request's own or its tools') holds the answer, and lets the thinking through
+            params.structured_outputs = msgspec.structs.replace(params.structured_outputs, reasoning=reasoning.span())
+        if reasoning is not None and self._reasoning_markers_special:
+            params.skip_special_tokens = False  # the parser reads the markers in the text
         stream = await self._start(request, "chatcmpl", [ids], params, "messages", grammar_field)
         render = ChatRender(stream.request_id, model, self.tokenizer, [ids], params.n,
-                            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, tools=tools)
+                            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, tools=tools,
+                            reasoning=reasoning)
         return await self._respond(request, body, stream, render, grammar_field)
 
     async def _completion_prompts(self, prompt) -> tuple[list[str | None], list[list[int]]]:

@@ -141,6 +141,7 @@ class ChatMessage(Struct):
     name: str | None = None
     tool_calls: Any = None    # an assistant's calls (rtp/server/tools.py reads them)
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant's thinking, as a reply gave it (for the template)
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -255,9 +256,10 @@ class ToolCall(Struct):
 
 
 class AssistantMessage(Struct, omit_defaults=True):
-    # role has no default so that it is always written (omit_defaults leaves out tool_calls alone)
+    # role has no default so that it is always written (omit_defaults leaves out the others when None)
     content: str | None
     role: str
+    reasoning_content: str | None = None  # vLLM's: the thinking, with --reasoning-parser
     tool_calls: list[ToolCall] | None = None
 
 
@@ -292,9 +294,10 @@ class ChatCompletionResponse(Struct, kw_only=True):
 
 
 class ChatDelta(Struct, omit_defaults=True):
-    # the first chunk of a choice carries the role, the others content or tool calls
+    # the first chunk of a choice carries the role, the others thinking, content or tool calls
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -33,6 +33,7 @@ from rtp.server.protocol import (
     Usage,
     encoder,
 )
+from rtp.server.reasoning_parsers import ReasoningParser
 from rtp.server.tool_parsers import CallArguments, CallStart, Content
 from rtp.server.tools import ToolPlan
 
@@ -152,12 +153,18 @@ class CompletionRender(_Render):
 
 
 class ChatRender(_Render):
+    """Each choice's text goes through its reasoning parser (the thinking becomes reasoning_content),
+    then what it answers through its tool parser (calls out of the content): a chain, so no call is
+    read out of the thinking. Either may be absent."""
+
     def __init__(self, request_id, model, tokenizer, prompts, n, *, top_logprobs: int | None,
-                 tools: ToolPlan | None = None):
+                 tools: ToolPlan | None = None, reasoning: type[ReasoningParser] | None = None):
         super().__init__(request_id, model, tokenizer, prompts, n)
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.tools = tools
-        # streaming: one parser per choice reads its calls out of its text as it comes
+        self.reasoning = reasoning
+        # streaming: per choice, one parser splits the thinking off as it comes, one reads the calls
+        self.reasoners = [reasoning() for _ in range(n)] if reasoning is not None else [None] * n
         self.parsers = [tools.new_parser() for _ in range(n)] if tools is not None else [None] * n
         self.called = [False] * n
         self._choice = ChatChunkChoice(0, ChatDelta())
@@ -194,28 +201,39 @@ class ChatRender(_Render):
         for d in update.choices:
             if self._skip(d):
                 continue
-            reason, deltas = d.finish_reason, [(d.text or None, None)]
-            parser = self.parsers[d.index]
+            reason, thought, text = d.finish_reason, "", d.text
+            reasoner, parser = self.reasoners[d.index], self.parsers[d.index]
+            if reasoner is not None:
+                thought, text = reasoner.feed(d.text) if d.text else ("", "")
+                if reason is not None:
+                    rest = reasoner.finish()
+                    thought, text = thought + rest.reasoning, text + rest.content
             if parser is not None:
-                events = parser.feed(d.text) if d.text else []
+                events = parser.feed(text) if text else []
                 if reason is not None:
                     events += parser.finish()
                 deltas = self._tool_deltas(d.index, events)
                 if reason == "stop" and self.called[d.index]:
                     reason = "tool_calls"
-                if not deltas:
-                    if reason is None and not d.logprobs:
-                        continue  # held back: it may be (the start of) a call
-                    deltas = [(None, None)]
+            else:
+                deltas = [(text, None)] if text else []
+            # (reasoning_content, content, tool_calls): the thinking comes first in the text
+            deltas = [(None, content, calls) for content, calls in deltas]
+            if thought:
+                deltas.insert(0, (thought, None, None))
+            if not deltas:
+                if reason is None and not d.logprobs:
+                    continue  # held back: it may be (the start of) a marker or a call
+                deltas = [(None, None, None)]
             # one event per delta: the step's logprobs go with the first, its finish with the last
             c.index, last = d.index, len(deltas) - 1
             c.logprobs = self._logprobs(d.logprobs) if self.top_logprobs is not None and d.logprobs else None
-            for i, (content, calls) in enumerate(deltas):
-                c.delta.content, c.delta.tool_calls = content, calls
+            for i, (reasoning, content, calls) in enumerate(deltas):
+                c.delta.reasoning_content, c.delta.content, c.delta.tool_calls = reasoning, content, calls
                 c.finish_reason, c.stop_reason = (reason, d.stop_reason) if i == last else (None, None)
                 self._event(self._chunk, buf)
                 c.logprobs = None
-        c.delta.tool_calls = None
+        c.delta.reasoning_content = c.delta.tool_calls = None
 
     def _tool_deltas(self, index: int, events: list) -> list[tuple[str | None, list[ToolCallDelta] | None]]:
         """A parser's events as deltas (content, calls), as OpenAI streams a call: its id, type and
@@ -245,13 +263,18 @@ class ChatRender(_Render):
         for index, parts in enumerate(self.texts):
             logprobs = self._logprobs(self.entries[index]) if self.top_logprobs is not None else None
             reason, stop = self.finish[index]
-            message = AssistantMessage("".join(parts), "assistant")
+            thought, content = "", "".join(parts)
+            if self.reasoning is not None:  # the same parsers as a stream's: the same thinking, content, calls
+                thought, content = self.reasoning().parse(content)
+            # a reply that was all thinking has no content (null), as one of calls only has none
+            message = AssistantMessage(content if content or not thought else None, "assistant", thought or None)
             parser = self.tools.new_parser() if self.tools is not None else None
-            if parser is not None:  # the same parser as a stream's: the same content and calls
-                parsed = parser.parse(message.content)
+            if parser is not None:
+                parsed = parser.parse(content)
                 if parsed.calls:
-                    message = AssistantMessage(parsed.content, "assistant", tool_calls=[
-                        ToolCall(call.id, FunctionCall(call.name, call.arguments)) for call in parsed.calls])
+                    message.content = parsed.content
+                    message.tool_calls = [ToolCall(call.id, FunctionCall(call.name, call.arguments))
+                                          for call in parsed.calls]
                     reason = "tool_calls" if reason == "stop" else reason
             choices.append(ChatChoice(index, message, logprobs, reason, stop))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,

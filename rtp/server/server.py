@@ -55,7 +55,11 @@ def serve(config: EngineConfig, options: ServeConfig) -> int:
     serving = OpenAIServing(async_engine, metrics, model_names=names, model_root=root, model_aliases=aliases,
                             api_key=options.api_key,
                             max_body_bytes=options.max_body_bytes, max_queue=options.max_queue, pd=pd,
-                            tool_call_parser=options.tool_call_parser)
+                            tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser)
+    if serving.reasoning is not None:
+        log.info("reasoning parser %s%s", serving.reasoning.name,
+                 " (the chat template calls for it; --reasoning-parser none turns it off)"
+                 if serving.reasoning_inferred else "")
     metrics.read_healthy = lambda: async_engine.dead is None
     asyncio.run(_run(serving, options))
     if async_engine.dead is not None:  # for the supervisor (systemd, Kubernetes) to restart it

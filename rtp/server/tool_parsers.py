@@ -277,7 +277,7 @@ class ToolParser:
         text = self.pending
         at = text.find(self.start)
         if at < 0:
-            keep = 0 if final else _partial_suffix(text, self.start)
+            keep = 0 if final else partial_suffix(text, self.start)
             self._content(events, text[:len(text) - keep])
             self.pending = text[len(text) - keep:]
             return False
@@ -402,7 +402,7 @@ def assemble(events: list) -> Parsed:
     return Parsed(joined if joined or not calls else None, list(calls.values()))
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that begins `marker` (held back: the marker may follow)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

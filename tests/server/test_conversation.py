@@ -81,6 +81,19 @@ def test_a_tool_round_trip_comes_out_as_templates_read_it():
     assert '"arguments": {"city": "Rome", "days": [1, 2]}' in text
 
 
+def test_an_assistants_thinking_reaches_the_template_that_reads_it():
+    """A reply with --reasoning-parser sent back as it came: its reasoning_content reaches the template
+    (Qwen3's renders it as <think>...</think> before the content), and counts in the size."""
+    reply = {"role": "assistant", "content": "4", "reasoning_content": "2 and 2 make 4."}
+    plain, size = plain_messages(decode([USER, reply]), PLAIN_TEMPLATE)
+    assert plain[1] == {"role": "assistant", "content": "4", "reasoning_content": "2 and 2 make 4."}
+    assert size == len("hi") + len("4") + len("2 and 2 make 4.")
+    thinking = "{% for m in messages %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>" \
+               "{% endif %}{{ m.content }}|{% endfor %}"
+    assert tokenizer(thinking).apply_chat_template(plain, add_generation_prompt=False) == \
+        "hi|<think>2 and 2 make 4.</think>4|"
+
+
 def test_developer_is_system_unless_the_template_knows_it():
     messages = decode([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
     assert plain_messages(messages, PLAIN_TEMPLATE)[0][0]["role"] == "system"
@@ -178,6 +191,8 @@ REFUSED = [
     ([ASKS, {"role": "user", "tool_call_id": "a", "content": "r"}],
      "messages[1].tool_call_id: only a tool message answers a call"),
     ([], "messages is empty"),
+    ([{"role": "user", "content": "x", "reasoning_content": "hm"}],
+     "messages[0].reasoning_content: only an assistant's message has thinking"),
 ]
 
 
@@ -205,6 +220,7 @@ def test_tool_calls_need_a_template_that_renders_them():
      "messages[0].tool_calls[0].function.arguments: the string is not valid JSON"),
     (ChatMessage("assistant", tool_calls=[call("a", arguments={"a": {1, 2}})]),
      "messages[0].tool_calls[0].function.arguments: holds a value of type set, which is not JSON"),
+    (ChatMessage("assistant", reasoning_content=3), "messages[0].reasoning_content: must be a string"),
 ])
 def test_refused_when_built_without_msgspec(message, expected):
     # msgspec refuses these types while decoding the body; a caller that builds messages itself
