@@ -64,6 +64,12 @@ STREAM_MIB = (32, 128, 512, 2048)   # streaming-read buffer sizes; 2 GiB is past
 
 # -- the machine's limits --------------------------------------------------------------------------
 
+def _figures(ratio: float) -> float:
+    """A ratio to 4 significant figures (4 decimals lost a tenth of a ratio of 0.004: a step on a busy
+    machine)."""
+    return float(f"{ratio:.4g}")
+
+
 def bench_int8_matmul(n: int = 2048, repeats: int = 6) -> float | None:
     """torch._int_mm GOP/s at n^3 (None where this torch has no CPU int8 matmul)."""
     a = torch.randint(-64, 64, (n, n), dtype=torch.int8)
@@ -345,7 +351,7 @@ def workload_rows(run: dict, limits: dict) -> dict:
 
     def summary(c: int, m: float, lim: float) -> dict:
         return {"steps": c, "measured_s": round(m, 5), "limit_s": round(lim, 5),
-                "of_limit": round(lim / m, 4) if m else None}
+                "of_limit": _figures(lim / m) if m else None}
 
     out = {k: v for k, v in run.items() if k != "steps"}
     out["groups"] = {k: summary(c, m, lim) for k, (c, m, lim, _) in groups.items()}
@@ -444,7 +450,7 @@ def row_for(step: dict, limits: dict) -> dict:
             "phases": {k: {"limit_ms": round(max(c, m) * 1e3, 3), "bound": "compute" if c >= m else "memory"}
                        for k, (c, m) in phases.items()},
             "limit_ms": round(limit * 1e3, 3), "bound": "compute" if compute_share >= 0.5 else "memory",
-            "bound_share": round(max(compute_share, 1 - compute_share), 3), "of_limit": round(limit / measured, 4)}
+            "bound_share": round(max(compute_share, 1 - compute_share), 3), "of_limit": _figures(limit / measured)}
 
 
 def print_table(rows: list[dict], limits: dict) -> None:
