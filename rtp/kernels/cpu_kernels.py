@@ -59,6 +59,11 @@ def isa() -> str | None:
     return ops.ISAS[_ISA - 1] if _AVAILABLE else None
 
 
+def paths_here() -> tuple[str, ...]:
+    """The ISA paths this CPU can run (RTP_CPU_ISA may pick any of them), lowest first."""
+    return ops.ISAS[:_k.cpu_isa()] if _AVAILABLE else ()
+
+
 def has_op(name: str) -> bool:
     """Whether kernel op `name` runs on the selected path."""
     return _HAS[name]

@@ -198,6 +198,50 @@ def test_bf16_greedy_is_as_faithful_as_transformers_bf16(llm_bf16, hf_model, ref
     assert france[0].outputs[0].text == "The capital of France is Paris."
 
 
+_ON_A_LOWER_PATH = """
+import json, sys
+from rtp import LLM, SamplingParams
+from rtp.kernels import cpu_kernels
+llm = LLM(model=sys.argv[1], compile=False, max_model_len=512, max_num_seqs=8)
+prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True) for q in json.loads(sys.argv[2])]
+greedy = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True)
+alone = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
+batched = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+print(json.dumps({"isa": cpu_kernels.isa(), "graphs": llm.engine.runner.graph_steps,
+                  "blocks": llm.engine.model.model.layers[0].mlp.gate_up_proj.quant is not None,
+                  "alone": alone, "batched": batched}))
+"""
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+def test_a_lower_isa_path_is_as_faithful_as_transformers_bf16(path, default_gguf, llm_bf16, hf_model, reference):
+    """The engine on a lower ISA path's kernels (RTP_CPU_ISA, as on a CPU without AVX-512 BF16; avx512 runs
+    the avx2 variants for now): in its default dtype, the GGUF's blocks multiplied in place and the steps
+    replayed from CPU graphs, greedy output matches the fp32 reference at least as often as transformers'
+    bf16 does, and a request gets the same tokens alone as in a batch of eight."""
+    import copy
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if path not in cpu_kernels.paths_here():
+        pytest.skip(f"this CPU cannot run the {path} path")
+    out = subprocess.run([sys.executable, "-c", _ON_A_LOWER_PATH, str(default_gguf), json.dumps(QUESTIONS),
+                          str(NEW)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "RTP_CPU_ISA": path})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["isa"] == path and got["blocks"] and got["graphs"] > 0, got
+    assert got["alone"] == got["batched"]
+    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    eos = llm_bf16.engine.eos_token_ids
+    ours = sum(ids[: len(reference[q])] == reference[q] for q, ids in zip(QUESTIONS, got["alone"]))
+    theirs = sum(hf_greedy(hf_bf16, chat_ids(llm_bf16, q), eos) == reference[q] for q in QUESTIONS)
+    assert ours >= theirs, (ours, theirs)
+
+
 def test_cpu_graphs_give_the_eager_tokens(llm_bf16):
     """Decode steps replayed from CPU graphs (one row, and 8 rows through the tile kernels' graph) and
     the prefill steps replayed from the step graph give token for token what the same engine gives
