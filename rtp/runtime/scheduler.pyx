@@ -522,7 +522,9 @@ cdef class Scheduler:
                 e = self._rows(s, self.r_num_computed[s], n) - 1
                 extra += e
                 spare -= e
-            elif spare > 0 and self.r_spec[s]:
+            elif spare > 0 and self.r_spec[s] and self.r_num_computed[s] >= self.r_prompt_len[s]:
+                # (not after a prompt's lone last token: with drafts every row of a request is a decode
+                # row, and a prompt token takes prefill attention, docs/determinism.md)
                 if self.r_spec_pause[s] > 0:
                     self.r_spec_pause[s] -= 1
                 else:
@@ -626,102 +628,53 @@ cdef class Scheduler:
     cdef void _write_plan(self) noexcept:
         cdef StepPlan plan = self.plan
         cdef int k, s, n, j, pos, c, nb, row = 0, t = 0, samples = 0, pass_
-        cdef int bs = self.block_size, width = plan.width
+        cdef int bs = self.block_size
         cdef int32_t* toks
         cdef int32_t* blocks
-        cdef int32_t* bt_row
         plan.p_qsl[0] = 0
         # decode rows (a generated token each, or a request's drafts) first, then prompt chunks. A
         # prompt token always takes prefill attention and a generated one decode attention, so a
         # request's bits do not depend on where its chunks fall (docs/determinism.md): a prompt's lone
-        # last token (a prefix-cache hit up to it, or a chunk boundary before it) is a prompt chunk,
-        # and a preempted request's recompute gives each of its generated tokens a decode row
-        # (pass 0) and its prompt one prompt row (pass 1); its last row samples.
-        cdef int plen, g, e
+        # last token (a prefix-cache hit up to it, or a chunk boundary before it) is a prompt chunk
+        # (and is not drafted after), and a preempted request's recompute gives each of its generated
+        # tokens a decode row (pass 0) and its prompt one prompt row (pass 1); its last row samples.
+        # Drafts: its last token and each drafted one a decode row, each seeing the tokens before it,
+        # each sampling (the drafts sit in toks past the request's num_tokens, where they were written).
+        cdef int plen, g, e, d
         for pass_ in range(2):
             for k in range(self.n_sched):
                 n = self.sched_n[k]
                 s = self.sched_slot[k]
+                d = self.sched_draft[k]
                 c = self.r_num_computed[s]  # pass 1: already past the chunk where pass 0 took it whole
                 plen = self.r_prompt_len[s]
                 e = c + n
-                g = c if c > plen else plen  # its first generated token
-                if pass_ == 0 and self.sched_draft[k] == 0 and g < e:
-                    toks = self.r_tokens[s]
-                    blocks = self.r_blocks[s]
-                    nb = self.r_nblocks[s]
+                g = c if c > plen else plen  # its first generated token (drafts: c >= plen)
+                toks = self.r_tokens[s]
+                blocks = self.r_blocks[s]
+                nb = self.r_nblocks[s]
+                if pass_ == 0 and g < e:  # decode rows: generated tokens (recomputed or not) and drafts
                     for pos in range(g, e):
-                        plan.p_input_ids[t] = toks[pos]
-                        plan.p_positions[t] = pos
-                        plan.p_slot_mapping[t] = <int64_t>blocks[pos // bs] * bs + pos % bs
-                        bt_row = plan.p_block_tables + <int64_t>row * width
-                        memcpy(bt_row, blocks, nb * sizeof(int32_t))
-                        if plan.row_width[row] > nb:
-                            memset(bt_row + nb, 0, (plan.row_width[row] - nb) * sizeof(int32_t))
-                        plan.row_width[row] = nb
-                        plan.p_seq_lens[row] = pos + 1
+                        plan._put_token(t, toks[pos], pos, blocks, bs)
                         t += 1
-                        plan.p_qsl[row + 1] = t
-                        if pos + 1 == self.r_num_tokens[s]:
-                            plan.p_logits_indices[samples] = t - 1
-                            plan.p_sample_slots[samples] = s
-                            plan.p_sample_req_ids[samples] = self.r_id[s]
-                            plan.p_sample_offsets[samples] = 0
+                        plan._put_row(row, blocks, nb, pos + 1, t)
+                        if d > 0 or pos + 1 == self.r_num_tokens[s]:
+                            plan._put_sample(samples, t - 1, s, self.r_id[s], pos - g if d > 0 else 0)
                             samples += 1
                         row += 1
                     if c >= plen:
                         self.r_num_computed[s] = e
                     continue
-                if (self.sched_draft[k] > 0) != (pass_ == 0) or (pass_ == 1 and c >= plen):
+                if pass_ == 0 or c >= plen:
                     continue
-                if pass_ == 1 and e > plen:  # the prompt part; its generated tokens went in pass 0
+                if e > plen:  # the prompt part; its generated tokens went in pass 0
                     n = plen - c
-                toks = self.r_tokens[s]
-                blocks = self.r_blocks[s]
-                nb = self.r_nblocks[s]
-                if self.sched_draft[k] > 0:
-                    # its last token and each drafted one: a decode row apiece over the same blocks,
-                    # each seeing the tokens before it, each sampling (the drafts sit in toks past
-                    # the request's num_tokens, where _propose wrote them)
-                    for j in range(n):
-                        pos = c + j
-                        plan.p_input_ids[t] = toks[pos]
-                        plan.p_positions[t] = pos
-                        plan.p_slot_mapping[t] = <int64_t>blocks[pos // bs] * bs + pos % bs
-                        bt_row = plan.p_block_tables + <int64_t>row * width
-                        memcpy(bt_row, blocks, nb * sizeof(int32_t))
-                        if plan.row_width[row] > nb:
-                            memset(bt_row + nb, 0, (plan.row_width[row] - nb) * sizeof(int32_t))
-                        plan.row_width[row] = nb
-                        plan.p_seq_lens[row] = pos + 1
-                        t += 1
-                        plan.p_qsl[row + 1] = t
-                        plan.p_logits_indices[samples] = t - 1
-                        plan.p_sample_slots[samples] = s
-                        plan.p_sample_req_ids[samples] = self.r_id[s]
-                        plan.p_sample_offsets[samples] = j
-                        samples += 1
-                        row += 1
-                    self.r_num_computed[s] = c + n
-                    continue
                 for j in range(n):
-                    pos = c + j
-                    plan.p_input_ids[t] = toks[pos]
-                    plan.p_positions[t] = pos
-                    plan.p_slot_mapping[t] = <int64_t>blocks[pos // bs] * bs + pos % bs
+                    plan._put_token(t, toks[c + j], c + j, blocks, bs)
                     t += 1
-                bt_row = plan.p_block_tables + <int64_t>row * width
-                memcpy(bt_row, blocks, nb * sizeof(int32_t))
-                if plan.row_width[row] > nb:  # stale columns from a longer request
-                    memset(bt_row + nb, 0, (plan.row_width[row] - nb) * sizeof(int32_t))
-                plan.row_width[row] = nb
-                plan.p_seq_lens[row] = c + n
-                plan.p_qsl[row + 1] = t
+                plan._put_row(row, blocks, nb, c + n, t)
                 if c + n == self.r_num_tokens[s]:
-                    plan.p_logits_indices[samples] = t - 1
-                    plan.p_sample_slots[samples] = s
-                    plan.p_sample_req_ids[samples] = self.r_id[s]
-                    plan.p_sample_offsets[samples] = 0
+                    plan._put_sample(samples, t - 1, s, self.r_id[s], 0)
                     samples += 1
                 self.r_num_computed[s] = c + self.sched_n[k]
                 row += 1

@@ -21,5 +21,8 @@ cdef class StepPlan:
     cdef int32_t* p_sample_offsets
     cdef int32_t* row_width          # columns written in each row last time (to clear stale ones)
 
+    cdef void _put_token(self, int t, int32_t token, int pos, const int32_t* blocks, int block_size) noexcept nogil
+    cdef void _put_row(self, int row, const int32_t* blocks, int nb, int seq_len, int end) noexcept nogil
+    cdef void _put_sample(self, int k, int t, int slot, int64_t req_id, int offset) noexcept nogil
     cdef void _clear_tail(self, int num_tokens, int num_rows, int num_samples) noexcept nogil
     cdef int _check_extent(self, int num_tokens, int num_rows, int num_decode_rows, int num_samples) except -1

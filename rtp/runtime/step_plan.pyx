@@ -5,7 +5,7 @@ build theirs from."""
 
 from libc.stdint cimport int32_t, int64_t
 from libc.stdlib cimport free
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 import numpy as np
 cimport numpy as cnp
@@ -132,6 +132,30 @@ cdef class StepPlan:
             raise ValueError(f"a plan of {num_tokens} tokens, {num_rows} rows ({num_decode_rows} decode), "
                              f"{num_samples} samples does not fit this StepPlan")
         return 0
+
+    cdef void _put_token(self, int t, int32_t token, int pos, const int32_t* blocks, int block_size) noexcept nogil:
+        """Token t: its id at position pos of a sequence whose KV lies in blocks."""
+        self.p_input_ids[t] = token
+        self.p_positions[t] = pos
+        self.p_slot_mapping[t] = <int64_t>blocks[pos // block_size] * block_size + pos % block_size
+
+    cdef void _put_row(self, int row, const int32_t* blocks, int nb, int seq_len, int end) noexcept nogil:
+        """Row `row`: attends over the first seq_len tokens in blocks[:nb]; its tokens end at token `end`."""
+        cdef int32_t* bt_row = self.p_block_tables + <int64_t>row * self.width
+        memcpy(bt_row, blocks, nb * sizeof(int32_t))
+        if self.row_width[row] > nb:  # stale columns from a longer request
+            memset(bt_row + nb, 0, (self.row_width[row] - nb) * sizeof(int32_t))
+        self.row_width[row] = nb
+        self.p_seq_lens[row] = seq_len
+        self.p_qsl[row + 1] = end
+
+    cdef void _put_sample(self, int k, int t, int slot, int64_t req_id, int offset) noexcept nogil:
+        """Sampling row k: the logits of token t, for request req_id (in scheduler slot `slot`), its
+        offset-th sample of the step (drafts verified: 1, 2, ...)."""
+        self.p_logits_indices[k] = t
+        self.p_sample_slots[k] = slot
+        self.p_sample_req_ids[k] = req_id
+        self.p_sample_offsets[k] = offset
 
     cdef void _clear_tail(self, int num_tokens, int num_rows, int num_samples) noexcept nogil:
         """Zero what the previous step wrote past this step's extent."""

@@ -151,6 +151,19 @@ def test_n_gram_speculation_does_not_change_a_request(llm, default_gguf):
     assert_same_as_alone(speculating, llm, *mix(11, count=8, span=10, repeat=True), ("spec_accepted_tokens", 20))
 
 
+def test_speculation_leaves_a_prompts_last_token_to_prefill(llm, default_gguf):
+    """Prompts of 48 tokens cut 47 + 1 by the chunk budget, on an engine that drafts: the prompt's
+    lone last token is not drafted after (drafts make every row of a request a decode row, and that
+    token would take decode attention where alone it takes prefill attention: other bits); drafting
+    starts from its first generated token."""
+    speculating = LLM(model=str(default_gguf), max_model_len=512, max_num_seqs=16, speculative="ngram",
+                      num_speculative_tokens=4, speculative_measured=False, max_num_batched_tokens=47,
+                      enable_prefix_caching=False)
+    requests = [r for r in mix(12, count=12, repeat=True)[0] if len(r[0]) == 48][:4]
+    assert len(requests) == 4
+    assert_same_as_alone(speculating, llm, requests, [0, 4, 8, 12], ("spec_accepted_tokens", 4))
+
+
 def test_a_draft_models_speculation_does_not_change_a_request(llm, default_gguf):
     """The same with a draft model (the default GGUF drafting for itself, 4 tokens a step): its drafts are
     verified on the target's decode rows, so every request gets the bits it gets alone on a plain engine."""
