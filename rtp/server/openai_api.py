@@ -112,6 +112,13 @@ async def _until_disconnected(request: Request, work):
             job.cancel()
     if not job.done() or job.cancelled():
         raise _ClientGone()
+    if gone.done() and not gone.cancelled():
+        # both ended in one turn of the loop: the disconnect is read and will never come again, so a
+        # response would stream to nobody (its own watch for the disconnect waits forever) -- the
+        # work's result, a Stream already admitted, is closed (aborted) here instead
+        if job.exception() is None and hasattr(job.result(), "close"):
+            job.result().close()
+        raise _ClientGone()
     return job.result()
 
 
