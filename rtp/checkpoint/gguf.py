@@ -20,6 +20,10 @@ Three things llama.cpp's converter did are undone here:
   q/k rows for llama-arch models the converter permuted q_proj/k_proj rows from HF's
            rotate-half layout to interleaved pairs (llama.cpp's "normal" rope); see `_unpermute_qk`
 
+Mixture-of-experts files (qwen2moe, qwen3moe, Mixtral as llama with experts) stack a layer's
+experts per projection; rtp/checkpoint/gguf_moe.py reads their config and gives each expert a
+record of its own.
+
 `GGUFFile` (rtp/checkpoint/gguf_header.py, no torch) is the architecture-agnostic part (metadata,
 tokenizer fields) that the tokenizer uses; `GGUFCheckpoint` adds the architecture check, the
 config and tensors.
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from rtp.checkpoint.gguf_header import GGUFError, GGUFFile
+from rtp.checkpoint.gguf_moe import MOE_ARCHITECTURES, expert_records, is_expert_tensor, moe_layout
 from rtp.checkpoint.records import CheckpointError, TensorRecord
 from rtp.config import ModelConfig, size_limit
 
@@ -55,13 +60,17 @@ _ARCHITECTURES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 # the config.json key each GGUF count becomes (_build_config), whose limit it is held to
 _CONFIG_KEYS = {"embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
                 "attention.head_count_kv": "num_key_value_heads", "block_count": "num_hidden_layers",
                 "feed_forward_length": "intermediate_size", "attention.key_length": "head_dim",
                 "rope.dimension_count": "head_dim", "context_length": "max_position_embeddings",
-                "attention.sliding_window": "sliding_window"}
+                "attention.sliding_window": "sliding_window", "expert_count": "num_experts",
+                "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "moe_intermediate_size",
+                "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 # llama.cpp's converter permutes q/k rows only for models it converts through its
 # LlamaModel class (Llama, Mistral); Qwen uses NEOX-style rope and is written as is.
 _PERMUTED_QK = {"llama", "mistral"}
@@ -84,6 +93,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a sparse layer's router and shared expert (rtp/checkpoint/gguf_moe.py: the routed experts)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Where an architecture's layer tensor is another HF parameter: llama.cpp writes Phi-3's fused
 # gate_up_proj whole (gate rows, then up rows) as ffn_up.
@@ -181,8 +196,10 @@ class GGUFCheckpoint(GGUFFile):
         names = {t.name for _, t in self.all_tensors()}
         hidden = count("embedding_length")
         heads = count("attention.head_count")
-        required = {"embedding_length": hidden, "attention.head_count": heads,
-                    "block_count": count("block_count"), "feed_forward_length": count("feed_forward_length")}
+        moe = moe_layout(self.path, arch, self.all_tensors(), key, count) if arch in MOE_ARCHITECTURES else None
+        required = {"embedding_length": hidden, "attention.head_count": heads, "block_count": count("block_count"),
+                    # a sparse model's dense layers are this wide; with none, the file need not say it
+                    "feed_forward_length": count("feed_forward_length", moe.width if moe else None)}
         missing = [f"{arch}.{k}" for k, v in required.items() if v is None]
         if missing:
             raise GGUFError(f"{self.path}: metadata lacks {', '.join(missing)}")
@@ -212,7 +229,7 @@ class GGUFCheckpoint(GGUFFile):
             "model_type": model_type,
             "vocab_size": vocab,
             "hidden_size": hidden,
-            "intermediate_size": key("feed_forward_length"),
+            "intermediate_size": required["feed_forward_length"],
             "num_hidden_layers": key("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
@@ -226,6 +243,12 @@ class GGUFCheckpoint(GGUFFile):
         if model_type in ("llama", "mistral"):
             cfg["attention_bias"] = "blk.0.attn_q.bias" in names
             cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
+        if moe is not None:
+            renormalize = key("expert_weights_norm", MOE_ARCHITECTURES[arch])
+            cfg.update(moe.hf_config(arch, cfg["num_hidden_layers"], bool(renormalize),
+                                     count("feed_forward_length")))
+            if arch == "qwen2moe":
+                cfg["qkv_bias"] = "blk.0.attn_q.bias" in names
         if rope_dim and rope_dim != head_dim:  # Phi-4-mini rotates 96 of its 128 dims
             cfg["partial_rotary_factor"] = rope_dim / head_dim
         sliding = count("attention.sliding_window", minimum=0)
@@ -295,6 +318,9 @@ class GGUFCheckpoint(GGUFFile):
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         records = []
+        if any(is_expert_tensor(t.name) for _, t in self.all_tensors()):
+            log.info("%s: routed experts are dequantized to dense weights at load (multiplying them from "
+                     "their blocks is not done yet)", self.path.name)
         for path, t in self.all_tensors():
             if t.name in _SKIPPED:
                 log.warning("%s: skipping %s (no HF parameter; rope scaling from it is not applied)",
@@ -303,12 +329,20 @@ class GGUFCheckpoint(GGUFFile):
             if t.name in _ROPE_FACTORS:  # in the config already
                 continue
             _check_dequantizable(t, path)
-            name = hf_tensor_name(t.name, self.architecture)
-            begin, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
+            end = int(t.data_offset) + int(t.n_bytes)
             if end > sizes[path]:
-                raise CheckpointError(f"{path}: tensor {t.name} ({name}) lies at [{begin}, {end}), "
+                raise CheckpointError(f"{path}: tensor {t.name} lies at [{int(t.data_offset)}, {end}), "
                                       f"past the end of the file ({sizes[path]} bytes): truncated or corrupt")
+            if is_expert_tensor(t.name):  # each expert a record of its own, its bytes a run of whole blocks
+                for name, begin, end, shape in expert_records(t, self.architecture):
+                    decode = partial(_decode, qtype=t.tensor_type, shape=shape, name=t.name, unpermute_heads=None)
+                    records.append(TensorRecord(name, path, begin, end, shape, torch.float32, decode))
+                continue
+            name = hf_tensor_name(t.name, self.architecture)
+            begin = int(t.data_offset)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+                shape = (1, shape[0])  # llama.cpp's shape for it, [hidden]; a linear to one output here
             proj = name.rsplit(".", 2)[-2] if permute else None
             decode = partial(_decode, qtype=t.tensor_type, shape=shape, name=t.name,
                              unpermute_heads=heads.get(proj))
@@ -341,7 +375,7 @@ class GGUFCheckpoint(GGUFFile):
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         for _, t in self.all_tensors():
             if (t.tensor_type not in kinds or t.name in _SKIPPED or t.name in _ROPE_FACTORS
-                    or not t.name.endswith(".weight")):
+                    or not t.name.endswith(".weight") or is_expert_tensor(t.name)):
                 continue
             name = hf_tensor_name(t.name, self.architecture)
             rows = int(t.shape[-1]) if len(t.shape) > 1 else 1

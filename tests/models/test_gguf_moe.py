@@ -1,0 +1,220 @@
+"""Mixture-of-experts GGUFs against transformers: qwen2moe, qwen3moe, and Mixtral as llama.cpp
+writes it (architecture llama with experts).
+
+Each tiny random transformers model of tests/tiny_models.py (MOE_CONFIGS: a shared expert and
+a dense layer in Qwen2-MoE, renormalised top-k, a dense layer and q/k norm in Qwen3-MoE) is
+written as a GGUF the way llama.cpp's converter writes it: the experts of a layer stacked per
+projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps), the router as ffn_gate_inp, the shared
+expert and its gate as *_shexp, q/k rows permuted for llama, the counts in the metadata
+(expert_count, expert_used_count, expert_feed_forward_length, ...); in F32, or with every matrix
+whose rows split into blocks quantized by gguf.quants (transformers then runs on the same
+dequantized weights). rtp's loader reads it and its real runtime (paged KV cache, prefix cache,
+chunked prefill, batched) gives transformers' logits. A broken file is one error naming the file
+and the tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import MOE_CONFIGS, hf_reference, make_moe, prompts_of, run_rtp
+
+from rtp.checkpoint.gguf import GGUFCheckpoint, GGUFError
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation for llama (rotate-half halves interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(hf, arch: str, stacked: bool = True) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, array in torch order) of every tensor, as llama.cpp's converter names them."""
+    cfg = hf.config
+    out = []
+    for name, p in hf.state_dict().items():
+        w = p.detach().float().numpy()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        stem, _, suffix = name.rpartition(".")
+        if stem.endswith("mlp.experts"):  # transformers' fused experts: [E, 2 * width, hidden], gate rows first
+            layer = stem.split(".")[2]
+            if suffix == "gate_up_proj":
+                width = w.shape[1] // 2
+                parts = {"gate": w[:, :width], "up": w[:, width:]}
+            else:
+                parts = {"down": w}
+            for part, stack in parts.items():
+                if stacked:
+                    out.append((f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(stack)))
+                else:
+                    out += [(f"blk.{layer}.ffn_{part}.{e}.weight", np.ascontiguousarray(stack[e]))
+                            for e in range(stack.shape[0])]
+            continue
+        if stem in _NAMES:
+            gname = f"{_NAMES[stem]}.{suffix}"
+        else:
+            _, _, layer, rest = stem.split(".", 3)
+            gname = f"blk.{layer}.{_NAMES[rest]}.{suffix}"
+            if arch == "llama" and rest == "self_attn.q_proj":
+                w = _permute(w, cfg.num_attention_heads)
+            elif arch == "llama" and rest == "self_attn.k_proj":
+                w = _permute(w, cfg.num_key_value_heads)
+            elif rest == "mlp.shared_expert_gate":
+                w = w.reshape(-1)  # llama.cpp's {n_embd}
+        out.append((gname, w))
+    return out
+
+
+def _quantizable(w: np.ndarray, qtype) -> bool:
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return w.ndim >= 2 and w.shape[-1] % block == 0
+
+
+def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edit=None):
+    """hf as a GGUF of its llama.cpp architecture; matrices in qtype where their rows split into its
+    blocks (hf's own weights then replaced by what the file holds). `edit(writer, tensors)` may
+    change the metadata and the tensor list first."""
+    arch, cfg = ARCH[kind], hf.config
+    tensors = _gguf_tensors(hf, arch, stacked)
+    writer = gguf.GGUFWriter(str(path), arch)  # which writes general.architecture
+    writer.add_name(f"tiny {kind}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if edit is not None:
+        tensors = edit(writer, tensors)
+    for name, w in tensors:
+        if qtype is not None and _quantizable(w, qtype) and "norm" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if qtype is not None:
+        _round_like_the_file(hf, qtype)
+    return path
+
+
+def _round_like_the_file(hf, qtype) -> None:
+    """hf's weights replaced by what a file of qtype holds (each row's blocks quantized and back)."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            w = p.numpy()
+            if "norm" in name or "shared_expert_gate" in name or not _quantizable(w, qtype):  # the gate: 1-D in files
+                continue
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)))
+
+
+# -- logits --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [None, Q.Q8_0], ids=["f32", "q8_0"])
+@pytest.mark.parametrize("kind", list(MOE_CONFIGS))
+def test_logits_match_transformers(kind, qtype, tmp_path):
+    _, hf = make_moe(kind, tmp_path / "hf")
+    path = write_moe_gguf(tmp_path / f"{kind}.gguf", hf, kind, qtype)
+    prompts = prompts_of((5, 23, 40), seed=1)
+    worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts))
+    assert worst < 1e-4, f"{kind}: max abs logit difference {worst}"
+
+
+def test_config_reads_as_transformers_reads_the_twin(tmp_path):
+    for kind in MOE_CONFIGS:
+        _, hf = make_moe(kind, tmp_path / kind)
+        cfg = GGUFCheckpoint(write_moe_gguf(tmp_path / f"{kind}.gguf", hf, kind)).config
+        want = hf.config
+        assert cfg["architectures"] == want.architectures, kind
+        assert cfg["num_experts_per_tok"] == want.num_experts_per_tok
+        if kind == "mixtral":
+            assert cfg["num_local_experts"] == want.num_local_experts
+            assert cfg["intermediate_size"] == want.intermediate_size
+            continue
+        assert cfg["num_experts"] == want.num_experts
+        assert cfg["moe_intermediate_size"] == want.moe_intermediate_size
+        assert cfg["norm_topk_prob"] == (kind == "qwen3_moe")
+        dense = [i for i in range(want.num_hidden_layers)
+                 if i in want.mlp_only_layers or (i + 1) % want.decoder_sparse_step]
+        assert cfg["mlp_only_layers"] == dense, kind
+        assert cfg.get("shared_expert_intermediate_size", 0) == getattr(want, "shared_expert_intermediate_size", 0)
+
+
+def test_one_tensor_per_expert_as_early_mixtral_files_hold_them(tmp_path):
+    _, hf = make_moe("mixtral", tmp_path / "hf")
+    path = write_moe_gguf(tmp_path / "mixtral.gguf", hf, "mixtral", Q.Q8_0, stacked=False)
+    prompts = prompts_of((7, 30), seed=2)
+    worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts))
+    assert worst < 1e-4, worst
+
+
+# -- a broken file: one error naming the file and the tensor ----------------------------------------------
+
+
+def _drop(name):
+    def edit(writer, tensors):
+        return [(n, w) for n, w in tensors if n != name]
+    return edit
+
+
+def _metadata(key, value, kind="qwen2moe"):
+    def edit(writer, tensors):
+        writer.add_uint32(f"{kind}.{key}", value)  # written again: the later value stands
+        return tensors
+    return edit
+
+
+def _experts_cut(name, keep):
+    def edit(writer, tensors):
+        return [(n, w[:keep] if n == name else w) for n, w in tensors]
+    return edit
+
+
+@pytest.mark.parametrize("edit, says", [
+    (_drop("blk.2.ffn_up_exps.weight"), r"layer 2 has a router but no expert tensor blk\.2\.ffn_up_exps\.weight"),
+    (_experts_cut("blk.0.ffn_down_exps.weight", 6), r"blk\.0\.ffn_down_exps\.weight has shape \(6, 64, 32\): not 8"),
+    (_experts_cut("blk.2.ffn_gate_inp.weight", 6), r"router blk\.2\.ffn_gate_inp\.weight has shape \(6, 64\)"),
+    (_metadata("expert_count", 10), r"router blk\.0\.ffn_gate_inp\.weight has shape \(8, 64\), not \[10"),
+    (_metadata("expert_used_count", 9), r"qwen2moe\.expert_used_count = 9 is not between 1 and"),
+    (_metadata("expert_feed_forward_length", 48), r"expert_feed_forward_length = 48, but the expert tensors are 32"),
+    (_drop("blk.0.ffn_down_shexp.weight"), r"layer 0 has a shared expert but no blk\.0\.ffn_down_shexp\.weight"),
+    (_drop("blk.0.ffn_gate_inp.weight"), r"layer 0 holds expert tensors but no router blk\.0\.ffn_gate_inp"),
+], ids=["missing-expert-tensor", "fewer-experts-than-said", "router-of-fewer-experts", "router-of-more-experts-said",
+        "top-k-past-the-experts", "width-not-as-said", "shared-expert-part-missing", "experts-without-a-router"])
+def test_a_broken_moe_file_is_one_error_naming_the_tensor(edit, says, tmp_path):
+    _, hf = make_moe("qwen2_moe", tmp_path / "hf")
+    path = write_moe_gguf(tmp_path / "broken.gguf", hf, "qwen2_moe", edit=edit)
+    with pytest.raises(GGUFError, match=says) as e:
+        GGUFCheckpoint(path)
+    assert str(path) in str(e.value)
