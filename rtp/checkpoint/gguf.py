@@ -318,9 +318,6 @@ class GGUFCheckpoint(GGUFFile):
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         records = []
-        if any(is_expert_tensor(t.name) for _, t in self.all_tensors()):
-            log.info("%s: routed experts are dequantized to dense weights at load (multiplying them from "
-                     "their blocks is not done yet)", self.path.name)
         for path, t in self.all_tensors():
             if t.name in _SKIPPED:
                 log.warning("%s: skipping %s (no HF parameter; rope scaling from it is not applied)",
@@ -374,6 +371,12 @@ class GGUFCheckpoint(GGUFFile):
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         for _, t in self.all_tensors():
+            if t.tensor_type in kinds and is_expert_tensor(t.name):  # each expert's run of blocks
+                raw = t.data
+                for name, begin, end, shape in expert_records(t, self.architecture):
+                    lo = begin - int(t.data_offset)
+                    yield name, kinds[t.tensor_type](raw[lo:lo + end - begin], shape[0])
+                continue
             if (t.tensor_type not in kinds or t.name in _SKIPPED or t.name in _ROPE_FACTORS
                     or not t.name.endswith(".weight") or is_expert_tensor(t.name)):
                 continue

@@ -435,6 +435,13 @@ def _drop_dense_weights(model: torch.nn.Module) -> set[str]:
                   and not hasattr(m, "quant") and isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
     freed, dropped = 0, set()
     for name, module in model.named_modules():
+        if getattr(module, "blocks", None) is not None:  # a MoE layer's experts (FusedMoE)
+            for param in ("w13", "w2"):
+                weight = getattr(module, param)
+                freed += weight.numel() * weight.element_size()
+                setattr(module, param, torch.nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False))
+                dropped.add(f"{name}.{param}")
+            continue
         quant = getattr(module, "quant", None)
         if (quant is None or not quant.serves_every_batch or id(module.weight) in embeddings
                 or quant.kind == "bf16"):  # a dense layer's blocks are its weight
@@ -504,3 +511,34 @@ def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
             layer.quant = blocks.on_huge_pages().with_tile_layout(glu=getattr(layer, "silu_mul_after", False))
             attached += 1
     log.info("%s: %d layers also keep their GGUF blocks for small-batch decode", gguf.path.name, attached)
+    _attach_expert_blocks(model, fused, gguf.path.name)
+
+
+def _attach_expert_blocks(model: torch.nn.Module, fused: dict[str, dict], file: str) -> None:
+    """Serve each MoE layer's routed experts from the GGUF's blocks (rtp/models/expert_blocks.py), where
+    every expert of the layer came packed and its blocks serve every batch here; one rank only (expert
+    parallelism moves dense slots between ranks)."""
+    from rtp.distributed import ep_size
+    from rtp.models.expert_blocks import ExpertBlocks
+    from rtp.models.moe import ExpertShard, FusedMoE
+
+    served = dense = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE):
+            continue
+        w13, w2 = fused.get(f"{name}.w13", {}), fused.get(f"{name}.w2", {})
+        experts = range(module.num_experts)
+        parts = [[w13.get(ExpertShard(e, "gate")) for e in experts], [w13.get(ExpertShard(e, "up")) for e in experts],
+                 [w2.get(ExpertShard(e, "down")) for e in experts]]
+        blocks = None
+        if ep_size() == 1 and all(b is not None for part in parts for b in part):
+            blocks = ExpertBlocks.build(*parts, module.num_slots)
+        if blocks is None:
+            dense += 1
+            continue
+        module.blocks = blocks
+        served += 1
+    if served or dense:
+        log.info("%s: %d MoE layers serve their experts from the GGUF blocks%s", file, served,
+                 f", {dense} from dense weights (their experts are not all packed in kinds rtp's kernels "
+                 "multiply here)" if dense else "")

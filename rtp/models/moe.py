@@ -49,6 +49,7 @@ from torch import nn
 from rtp.config import ModelConfig
 from rtp.distributed import all_to_all, ep_rank, ep_size
 from rtp.kernels import hugepages
+from rtp.models.expert_blocks import ExpertBlocks
 from rtp.models.expert_parallel import make_exchange
 from rtp.models.layers import ReplicatedLinear, SiluAndMul, _copy_checked
 
@@ -178,6 +179,9 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.count_load = True
         self.exchange = make_exchange()
+        # a quantized GGUF's experts as its blocks (rtp/models/expert_blocks.py; set by the loader,
+        # which then drops w13 and w2 to the meta device): grouped() computes from these instead
+        self.blocks: ExpertBlocks | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: ExpertShard) -> None:
         """Copy one expert's gate, up or down projection into its home slot (slot = expert id),
@@ -220,7 +224,9 @@ class FusedMoE(nn.Module):
         # where each new slot's weights are now (an empty slot keeps slot 0's, never read)
         table_now = self.logical_to_physical.cpu()
         source = table_now[target.clamp_min(0), 0]
-        if self.local_slots == self.num_slots:  # one rank holds every slot
+        if self.blocks is not None:  # one rank (the loader serves blocks only then): references move
+            self.blocks.place(source, target >= 0)
+        elif self.local_slots == self.num_slots:  # one rank holds every slot
             # only slots that change expert are written (an emptied slot keeps its stale weights,
             # never read): rows gathered before any is overwritten, so sources may be moving too
             held = torch.full((self.num_slots,), -1, dtype=torch.int64)
@@ -245,13 +251,18 @@ class FusedMoE(nn.Module):
 
     def releasable(self, slot: int) -> int:
         """Bytes release(slot) gives back: the whole pages of this rank's slot `slot` (a local
-        index) in w13 and w2; 0 off the CPU or without madvise."""
+        index) in w13 and w2; 0 off the CPU or without madvise, or for experts served from their
+        blocks (a replica shares its expert's)."""
+        if self.blocks is not None:
+            return 0
         return hugepages.releasable(self.w13.data[slot]) + hugepages.releasable(self.w2.data[slot])
 
     @torch.no_grad()
     def release(self, slot: int) -> int:
         """Give an empty slot's whole pages (local index) back to the OS; it reads as zeros until
         place() writes an expert into it again. Returns the bytes released."""
+        if self.blocks is not None:
+            return 0
         return hugepages.release(self.w13.data[slot]) + hugepages.release(self.w2.data[slot])
 
     def _move_across_ranks(self, source: torch.Tensor, used: torch.Tensor) -> None:
@@ -282,6 +293,8 @@ class FusedMoE(nn.Module):
     def grouped(self, x: torch.Tensor, row_source: torch.Tensor, group_end: torch.Tensor) -> torch.Tensor:
         """The expert math of an exchange: row r is this rank's slot g's expert applied to
         x[row_source[r]], for the rows of group g (ending at group_end[g])."""
+        if self.blocks is not None:
+            return self.blocks.grouped(x, row_source, group_end, self.act)
         h = grouped_mm(x.index_select(0, row_source), self.w13, group_end)
         return grouped_mm(self.act(h), self.w2, group_end)
 

@@ -15,6 +15,8 @@ and the tensor.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -41,12 +43,14 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_tensors(hf, arch: str, stacked: bool = True) -> list[tuple[str, np.ndarray]]:
-    """(GGUF name, array in torch order) of every tensor, as llama.cpp's converter names them."""
+def _gguf_tensors(hf, arch: str, stacked: bool = True, arrays: dict | None = None) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, array in torch order) of every tensor, as llama.cpp's converter names them. `arrays`
+    replaces some parameters' weights by arrays of the same rows (a K-quant's raw blocks, a row's bytes
+    in place of its weights): every change made here moves whole rows, so it applies to those alike."""
     cfg = hf.config
     out = []
     for name, p in hf.state_dict().items():
-        w = p.detach().float().numpy()
+        w = p.detach().float().numpy() if arrays is None or name not in arrays else arrays[name]
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         stem, _, suffix = name.rpartition(".")
@@ -89,7 +93,9 @@ def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edi
     blocks (hf's own weights then replaced by what the file holds). `edit(writer, tensors)` may
     change the metadata and the tensor list first."""
     arch, cfg = ARCH[kind], hf.config
+    raw = _random_k_blocks(hf, qtype) if qtype in K_LAYOUTS else {}  # gguf.quants cannot make these
     tensors = _gguf_tensors(hf, arch, stacked)
+    raw_tensors = dict(_gguf_tensors(hf, arch, stacked, raw)) if raw else {}
     writer = gguf.GGUFWriter(str(path), arch)  # which writes general.architecture
     writer.add_name(f"tiny {kind}")
     writer.add_context_length(cfg.max_position_embeddings)
@@ -115,7 +121,11 @@ def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edi
     if edit is not None:
         tensors = edit(writer, tensors)
     for name, w in tensors:
-        if qtype is not None and _quantizable(w, qtype) and "norm" not in name:
+        if raw and raw_tensors[name].dtype == np.uint8:
+            writer.add_tensor(name, raw_tensors[name], raw_dtype=qtype)
+        elif raw:
+            writer.add_tensor(name, w)
+        elif qtype is not None and _quantizable(w, qtype) and "norm" not in name:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
@@ -123,9 +133,34 @@ def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edi
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    if qtype is not None:
+    if qtype is not None and not raw:
         _round_like_the_file(hf, qtype)
     return path
+
+
+# K-quants: bytes per block, weights per block, offsets of the fp16 scales (d, dmin)
+K_LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,))}
+
+
+def _random_k_blocks(hf, qtype) -> dict[str, np.ndarray]:
+    """Random K-quant blocks (small fp16 scales) for each of hf's matrices whose rows split into
+    them, hf's weights replaced by their dequantization; {name: raw [..., bytes per row]}."""
+    size, per, scales = K_LAYOUTS[qtype]
+    g = np.random.default_rng(0)
+    raw = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "shared_expert_gate" in name or p.dim() < 2 or p.shape[-1] % per:
+                continue
+            rows = int(np.prod(p.shape[:-1]))
+            blocks = g.integers(0, 256, size=(rows, p.shape[-1] // per, size), dtype=np.uint8)
+            for off in scales:
+                d = g.uniform(2e-5, 2e-4, (rows, p.shape[-1] // per)).astype(np.float16)
+                blocks[:, :, off:off + 2] = d[..., None].view(np.uint8)
+            blocks = blocks.reshape(*p.shape[:-1], -1)
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).reshape(p.shape))
+            raw[name] = blocks
+    return raw
 
 
 def _round_like_the_file(hf, qtype) -> None:
@@ -218,3 +253,92 @@ def test_a_broken_moe_file_is_one_error_naming_the_tensor(edit, says, tmp_path):
     with pytest.raises(GGUFError, match=says) as e:
         GGUFCheckpoint(path)
     assert str(path) in str(e.value)
+
+
+# -- experts served from their blocks (bf16 on a CPU with rtp's kernels) -----------------------------------
+
+K_QUANT_MOE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=64)
+
+
+def _blocks_model(kind, qtype, tmp_path, **override):
+    from tiny_models import MOE, random_hf_model
+
+    from rtp.checkpoint.loader import load_model
+    from rtp.kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("rtp's CPU kernels are not built for this machine")
+    cfg_cls, extra = MOE_CONFIGS[kind]
+    hf = random_hf_model(cfg_cls(**{**MOE, **extra, **override}))
+    path = write_moe_gguf(tmp_path / f"{kind}.gguf", hf, kind, qtype)
+    model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
+    return hf, model, path
+
+
+def _sparse(model):
+    from rtp.models.moe import FusedMoE
+
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+@pytest.mark.parametrize("kind, qtype, override", [
+    ("qwen3_moe", Q.Q8_0, {}), ("qwen2_moe", Q.Q8_0, {}), ("qwen3_moe", Q.Q4_0, {}), ("qwen3_moe", Q.Q4_1, {}),
+    ("qwen3_moe", Q.Q4_K, K_QUANT_MOE), ("qwen3_moe", Q.Q6_K, K_QUANT_MOE), ("qwen3_moe", Q.Q5_K, K_QUANT_MOE),
+], ids=["qwen3-q8_0", "qwen2-q8_0", "qwen3-q4_0", "qwen3-q4_1", "qwen3-q4_k", "qwen3-q6_k", "qwen3-q5_k"])
+def test_quantized_experts_are_served_from_their_blocks(kind, qtype, override, tmp_path):
+    """No dense copy of the experts (w13 and w2 on the meta device: nothing allocated, nothing read);
+    each layer's experts through the block kernels give what fp32 experts on the file's weights
+    give, to bf16's precision, at 1, 3, 17 and 64 tokens (one-row kernels and tile loops); and the
+    model's logits are transformers' on those weights."""
+    from rtp.checkpoint.loader import load_model
+
+    hf, model, path = _blocks_model(kind, qtype, tmp_path, **override)
+    sparse = _sparse(model)
+    assert sparse and all(m.blocks is not None and m.w13.device.type == m.w2.device.type == "meta" for m in sparse)
+    reference, _ = load_model(path, torch.float32, torch.device("cpu"))  # dense fp32 experts, same weights
+    g = torch.Generator().manual_seed(0)
+    for served, dense in zip(sparse, _sparse(reference)):
+        for tokens in (1, 3, 17, 64):
+            x = torch.randn(tokens, served.w13.shape[2], generator=g).bfloat16()
+            weights = torch.rand(tokens, 2, generator=g)
+            ids = torch.randint(0, served.num_experts, (tokens, 2), generator=g)
+            got, want = served(x, weights, ids).float(), dense(x.float(), weights, ids)
+            assert (got - want).abs().max() <= 0.02 * want.abs().max(), (tokens, (got - want).abs().max())
+    prompts = prompts_of((5, 23, 40), seed=1)
+    from tiny_models import run_model
+
+    refs = hf_reference(hf, prompts)
+    worst, _ = run_model(model, prompts, refs, kv_dtype=torch.bfloat16, num_blocks=256,
+                         max_num_seqs=4, max_batched=128, prefix_cache=False, warmup=False)
+    # as faithful as transformers in bf16 on the same tokens (a router's near tie can flip an expert in
+    # either), or within 3 % of the logits' range; gate and up swapped: tens of %
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs = max((hf16(torch.tensor([tokens])).logits[0].float() - logits).abs().max().item()
+                     for tokens, logits in refs)
+    scale = max(logits.abs().max().item() for _, logits in refs)
+    assert worst <= max(2 * theirs, 0.03 * scale), (worst, theirs, scale)
+
+
+def test_eplb_moves_and_replicates_block_experts_bit_for_bit(tmp_path):
+    """Two spare slots: experts moved and replicated by place() (references to the same blocks) leave
+    every output bit unchanged, the padded groups included."""
+    from rtp.checkpoint.loader import load_model
+    from rtp.kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("rtp's CPU kernels are not built for this machine")
+    _, hf = make_moe("qwen3_moe", tmp_path / "hf")
+    path = write_moe_gguf(tmp_path / "q.gguf", hf, "qwen3_moe", Q.Q8_0)
+    model, _ = load_model(path, torch.bfloat16, torch.device("cpu"), redundant_experts=2)
+    (experts,) = _sparse(model)
+    assert experts.blocks is not None and experts.num_slots == 10
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    weights, ids = torch.rand(40, 2, generator=g), torch.randint(0, 8, (40, 2), generator=g)
+    ids[:20, 0] = 3  # a hot expert, worth replicating
+    before = experts(x, weights, ids)
+    experts.place([7, 3, 0, 1, 2, 3, 4, 5, 6, 3])  # expert 3 in three slots, every expert moved
+    assert experts.replica_count[3] == 3 and experts.blocks.w13[1] is experts.blocks.w13[9]
+    assert torch.equal(experts(x, weights, ids), before)
+    assert experts.releasable(0) == 0
