@@ -246,3 +246,110 @@ def make_workload(ids, n: int, prompt_lens: tuple[int, int], output_lens: tuple[
     olens = rng.integers(output_lens[0], output_lens[1] + 1, size=n)
     prompts = [ids[rng.integers(0, len(ids), size=int(k))].tolist() for k in plens]
     return Workload(prompts, [int(k) for k in olens])
+
+
+# ---------------------------------------------------------------------------------------
+# Engines on one GGUF: rtp's decode and prompt figures, llama.cpp's on the same file, the
+# machine's streaming bandwidth, and random quant blocks to write files of any type with
+# ---------------------------------------------------------------------------------------
+
+PROMPT = 32  # tokens of each decode measurement's prompts
+
+
+def engine_figures(model: str, streams: list[int], tokens: int, prefill: int) -> dict:
+    """rtp's decode tok/s of each number of streams (`PROMPT`-token prompts; a step's time is
+    t(tokens) - t(1 token) over tokens - 1) and its prompt tok/s of one `prefill`-token prompt
+    (warm; a fresh prompt each run, no prefix-cache hit), both cores; the ISA path and the
+    kernels are what the process's environment selects."""
+    import numpy as np
+
+    from rtp import LLM, SamplingParams
+    from rtp.kernels import cpu_kernels
+
+    llm = LLM(model=model, compile=False, max_model_len=max(prefill + 8, PROMPT + tokens + 8),
+              max_num_seqs=max(streams))
+    g = np.random.default_rng(0)
+    prompts = [g.integers(100, 40000, size=PROMPT).tolist() for _ in range(max(streams))]
+
+    def seconds(batch, n):
+        start = time.perf_counter()
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - start
+
+    out = {"isa": cpu_kernels.isa() or "torch"}
+    for b in streams:
+        seconds(prompts[:b], 2)  # warm
+        step = (seconds(prompts[:b], tokens) - seconds(prompts[:b], 1)) / (tokens - 1)
+        out[f"decode_{b}_tok_s"] = b / step
+    # a fresh prompt each time: the prefix cache would serve a repeated one
+    seconds([g.integers(100, 40000, size=prefill).tolist()], 1)
+    out[f"pp{prefill}_tok_s"] = prefill / min(seconds([g.integers(100, 40000, size=prefill).tolist()], 1)
+                                              for _ in range(2))
+    return out
+
+
+def llama_cpp_figures(bench: str | None, batched: str | None, model: str, streams: list[int], tokens: int,
+                      prefill: int) -> dict:
+    """The same figures from llama.cpp on the same file: llama-bench's pp and tg (one stream), and
+    llama-batched-bench's S_TG for each number of streams past one (`PROMPT`-token prompts)."""
+    import json
+    import subprocess
+
+    out = {}
+    if bench:
+        done = subprocess.run([bench, "-m", model, "-t", "2", "-p", str(prefill), "-n", str(tokens), "-r", "3",
+                               "-o", "json"], capture_output=True, text=True, timeout=1800)
+        try:
+            for r in json.loads(done.stdout):
+                key = f"pp{prefill}_tok_s" if r["n_prompt"] else "decode_1_tok_s"
+                out[key] = float(r["avg_ts"])
+        except (ValueError, KeyError):
+            print(f"llama-bench failed: {done.stderr[-400:]}", file=sys.stderr)
+    if batched:
+        for b in [s for s in streams if s > 1]:
+            done = subprocess.run([batched, "-m", model, "-t", "2", "-tb", "2", "-c", str(b * (PROMPT + tokens + 16)),
+                                   "-b", "2048", "-ub", "512", "-npp", str(PROMPT), "-ntg", str(tokens), "-npl", str(b),
+                                   "--output-format", "jsonl"], capture_output=True, text=True, timeout=1800)
+            lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("{") and "speed_tg" in ln]
+            if lines:
+                out[f"decode_{b}_tok_s"] = float(json.loads(lines[-1])["speed_tg"])
+            else:
+                print(f"llama-batched-bench failed: {done.stderr[-400:]}", file=sys.stderr)
+    return out
+
+
+def stream_gbps(mib: int, repeats: int = 5) -> float:
+    """GB/s of rtp's streaming-read kernel over a buffer of `mib` MiB, both cores (best of repeats)."""
+    import torch
+
+    from rtp.kernels import cpu_kernels
+
+    buf = torch.empty((mib << 20) + 64, dtype=torch.uint8)
+    off = (-buf.data_ptr()) % 64
+    view = buf[off: off + (mib << 20)]
+    view.fill_(1)  # fault every page in before timing
+    cpu_kernels.stream_read(view)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        cpu_kernels.stream_read(view)
+        best = min(best, time.perf_counter() - t)
+    return (mib << 20) / best / 1e9
+
+
+# bytes per block, weights per block, offsets of the fp16 scale fields in a block
+BLOCKS = {"Q4_0": (18, 32, (0,)), "Q4_1": (20, 32, (0, 2)), "Q5_0": (22, 32, (0,)), "Q5_1": (24, 32, (0, 2)),
+          "Q8_0": (34, 32, (0,)), "Q4_K": (144, 256, (0, 2)), "Q5_K": (176, 256, (0, 2)), "Q6_K": (210, 256, (208,))}
+
+
+def random_blocks(g, qtype: str, rows: int, cols: int):
+    """[rows, bytes] of random `qtype` blocks (a numpy Generator's) whose fp16 scales are small positive
+    numbers: sane weights of that type without quantizing any."""
+    import numpy as np
+
+    size, per, scales = BLOCKS[qtype]
+    raw = g.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+    for off in scales:
+        scale = g.uniform(2e-4, 2e-3, (rows, cols // per)).astype(np.float16)
+        raw[:, :, off:off + 2] = scale[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)

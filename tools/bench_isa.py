@@ -30,64 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: F401 - this checkout's rtp first on sys.path
-
-PROMPT = 32  # tokens of each decode measurement's prompts
-
-
-def measure(model: str, streams: list[int], tokens: int, prefill: int) -> dict:
-    """In the child: the figures for the path its environment selects."""
-    import numpy as np
-
-    from rtp import LLM, SamplingParams
-    from rtp.kernels import cpu_kernels
-
-    llm = LLM(model=model, compile=False, max_model_len=max(prefill + 8, PROMPT + tokens + 8),
-              max_num_seqs=max(streams))
-    g = np.random.default_rng(0)
-    prompts = [g.integers(100, 40000, size=PROMPT).tolist() for _ in range(max(streams))]
-
-    def seconds(batch, n):
-        start = time.perf_counter()
-        llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        return time.perf_counter() - start
-
-    out = {"isa": cpu_kernels.isa() or "torch"}
-    for b in streams:
-        seconds(prompts[:b], 2)  # warm
-        step = (seconds(prompts[:b], tokens) - seconds(prompts[:b], 1)) / (tokens - 1)
-        out[f"decode_{b}_tok_s"] = b / step
-    # a fresh prompt each time: the prefix cache would serve a repeated one
-    seconds([g.integers(100, 40000, size=prefill).tolist()], 1)
-    out[f"pp{prefill}_tok_s"] = prefill / min(seconds([g.integers(100, 40000, size=prefill).tolist()], 1)
-                                              for _ in range(2))
-    return out
-
-
-def llama_cpp(bench: str | None, batched: str | None, model: str, streams: list[int], tokens: int,
-              prefill: int) -> dict:
-    out = {}
-    if bench:
-        done = subprocess.run([bench, "-m", model, "-t", "2", "-p", str(prefill), "-n", str(tokens), "-r", "3",
-                               "-o", "json"], capture_output=True, text=True, timeout=1800)
-        try:
-            for r in json.loads(done.stdout):
-                key = f"pp{prefill}_tok_s" if r["n_prompt"] else "decode_1_tok_s"
-                out[key] = float(r["avg_ts"])
-        except (ValueError, KeyError):
-            print(f"llama-bench failed: {done.stderr[-400:]}", file=sys.stderr)
-    if batched:
-        for b in [s for s in streams if s > 1]:
-            done = subprocess.run([batched, "-m", model, "-t", "2", "-tb", "2", "-c", str(b * (PROMPT + tokens + 16)),
-                                   "-b", "2048", "-ub", "512", "-npp", str(PROMPT), "-ntg", str(tokens), "-npl", str(b),
-                                   "--output-format", "jsonl"], capture_output=True, text=True, timeout=1800)
-            lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("{") and "speed_tg" in ln]
-            if lines:
-                out[f"decode_{b}_tok_s"] = float(json.loads(lines[-1])["speed_tg"])
-            else:
-                print(f"llama-batched-bench failed: {done.stderr[-400:]}", file=sys.stderr)
-    return out
-
+import _common  # this checkout's rtp first on sys.path
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,7 +51,7 @@ def main() -> int:
 
     model = args.model or str(default_model_path())
     if args.child:
-        print(json.dumps(measure(model, streams, args.tokens, args.prefill)))
+        print(json.dumps(_common.engine_figures(model, streams, args.tokens, args.prefill)))
         return 0
 
     from rtp.kernels import cpu_kernels, ops
@@ -128,8 +71,8 @@ def main() -> int:
             print(f"rtp on {path} failed: {done.stderr[-800:]}", file=sys.stderr)
     if args.llama_bench or args.llama_batched_bench:
         _common.note("llama.cpp")
-        rows.append({"engine": "llama.cpp", **llama_cpp(args.llama_bench, args.llama_batched_bench, model, streams,
-                                                         args.tokens, args.prefill)})
+        rows.append({"engine": "llama.cpp", **_common.llama_cpp_figures(args.llama_bench, args.llama_batched_bench, model,
+                                                                 streams, args.tokens, args.prefill)})
     keys = [f"decode_{b}_tok_s" for b in streams] + [f"pp{args.prefill}_tok_s"]
     llama = next((r for r in rows if r["engine"] == "llama.cpp"), None)
     print(f"{'engine':<18}" + "".join(f"{k.removesuffix('_tok_s'):>14}" for k in keys)

@@ -39,21 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-import _common  # noqa: F401 - this checkout's rtp first on sys.path
-
-# bytes per block, weights per block, offsets of the fp16 scale fields in a block
-BLOCKS = {"Q4_0": (18, 32, (0,)), "Q4_1": (20, 32, (0, 2)), "Q5_0": (22, 32, (0,)), "Q5_1": (24, 32, (0, 2)),
-          "Q8_0": (34, 32, (0,)), "Q4_K": (144, 256, (0, 2)), "Q5_K": (176, 256, (0, 2)), "Q6_K": (210, 256, (208,))}
-
-
-def random_blocks(g: np.random.Generator, qtype: str, rows: int, cols: int) -> np.ndarray:
-    size, per, scales = BLOCKS[qtype]
-    raw = g.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
-    for off in scales:
-        scale = g.uniform(2e-4, 2e-3, (rows, cols // per)).astype(np.float16)
-        raw[:, :, off:off + 2] = scale[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
-
+import _common  # this checkout's rtp first on sys.path
 
 def llama_bench(binary: str, path: Path, tokens: int) -> float | None:
     """llama.cpp's one-row decode tok/s on the GGUF (llama-bench tg, both cores), None if it fails."""
@@ -123,7 +109,7 @@ def write_model(path: Path, qtype: str, args, tokenizer: dict) -> int:
                 w.add_tensor(f"blk.{i}.{name}.weight", bits.view(np.uint8).reshape(rows, -1),
                              raw_dtype=gguf.GGMLQuantizationType.BF16)
             else:
-                w.add_tensor(f"blk.{i}.{name}.weight", random_blocks(g, qtype, rows, cols),
+                w.add_tensor(f"blk.{i}.{name}.weight", _common.random_blocks(g, qtype, rows, cols),
                              raw_dtype=gguf.GGMLQuantizationType[qtype])
     w.write_header_to_file()
     w.write_kv_data_to_file()

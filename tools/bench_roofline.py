@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import CpuWatch, allowed_token_ids, bench_matmul, make_workload, note
+from _common import CpuWatch, allowed_token_ids, bench_matmul, make_workload, note, stream_gbps
 from rtp.kernels import cpu_kernels
 
 STREAM_MIB = (32, 128, 512, 2048)   # streaming-read buffer sizes; 2 GiB is past any L3 seen here
@@ -84,21 +84,6 @@ def bench_int8_matmul(n: int = 2048, repeats: int = 6) -> float | None:
         torch._int_mm(a, b)
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
-
-
-def bench_stream(mib: int, repeats: int = 5) -> float:
-    """GB/s of rtp's streaming-read kernel over a buffer of `mib` MiB, both cores (best of repeats)."""
-    buf = torch.empty((mib << 20) + 64, dtype=torch.uint8)
-    off = (-buf.data_ptr()) % 64
-    view = buf[off: off + (mib << 20)]
-    view.fill_(1)  # fault every page in before timing
-    cpu_kernels.stream_read(view)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        cpu_kernels.stream_read(view)
-        best = min(best, time.perf_counter() - t)
-    return (mib << 20) / best / 1e9
 
 
 def weight_memory(model: torch.nn.Module) -> dict[str, float]:
@@ -536,7 +521,7 @@ def main() -> None:
     note("measuring this machine: bf16 and int8 matmul, streaming reads")
     limits["bf16_gflops"] = bench_matmul(2048, torch.bfloat16)
     limits["int8_gops"] = bench_int8_matmul()
-    limits["stream_gb_s"] = {m: bench_stream(m) for m in STREAM_MIB}
+    limits["stream_gb_s"] = {m: stream_gbps(m) for m in STREAM_MIB}
     timer = ForwardTimer(engine.runner, args.repeats)
     cost = ModelCost.of(engine.model, engine.runner.kv_caches)
     rng = np.random.default_rng(args.seed)

@@ -522,6 +522,8 @@ def _attach_expert_blocks(model: torch.nn.Module, fused: dict[str, dict], file: 
     from rtp.models.expert_blocks import ExpertBlocks
     from rtp.models.moe import ExpertShard, FusedMoE
 
+    if os.environ.get("RTP_EXPERT_BLOCKS", "1") == "0":  # dense experts, as before (tools/bench_moe.py)
+        return
     served = dense = 0
     for name, module in model.named_modules():
         if not isinstance(module, FusedMoE):

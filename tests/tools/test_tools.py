@@ -136,6 +136,19 @@ def test_bench_quant_times_each_type_and_prints_a_json_last_line(tmp_path, defau
     assert not list(tmp_path.glob("*.gguf"))  # each model removed once measured
 
 
+def test_bench_moe_measures_blocks_and_dense_experts_and_prints_a_json_last_line(tmp_path, default_gguf):
+    out = subprocess.run([sys.executable, "tools/bench_moe.py", "--layers", "1", "--experts", "8", "--streams", "1,2",
+                          "--tokens", "3", "--prefill", "16", "--dir", str(tmp_path)], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {r["engine"]: r for r in figures["rows"]}
+    assert set(rows) == {"rtp blocks", "rtp dense"}
+    assert all(r["decode_1_tok_s"] > 0 and r["decode_2_tok_s"] > 0 and r["pp16_tok_s"] > 0 for r in rows.values())
+    assert figures["one_stream_bytes"] > 0 and (figures["stream_gbps"] is not None) == cpu_kernels.tiles_available()
+    assert "one stream reads" in out.stdout
+
+
 @pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs a CPU with AVX-512 BF16 (the streaming-read kernel)")
 def test_bench_roofline_sets_every_shape_against_its_limit(default_gguf):
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_roofline.py"), "--rows", "3", "--contexts", "20",
