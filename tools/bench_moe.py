@@ -171,7 +171,9 @@ def main() -> int:
     print(f"{'engine':<14}" + "".join(f"{k.removesuffix('_tok_s'):>16}" for k in keys)
           + "   (tok/s; x: against llama.cpp, else against rtp dense)")
     for r in rows:
-        base = llama if llama is not None and r is not llama else dense if r is not dense else None
+        # rtp's rows against llama.cpp where it ran, else blocks against dense; llama.cpp's row alone
+        base = (None if r is llama or r is dense and llama is None
+                else llama if llama is not None else dense)
         cells = []
         for k in keys:
             v = r.get(k)
