@@ -342,3 +342,42 @@ def test_eplb_moves_and_replicates_block_experts_bit_for_bit(tmp_path):
     assert experts.replica_count[3] == 3 and experts.blocks.w13[1] is experts.blocks.w13[9]
     assert torch.equal(experts(x, weights, ids), before)
     assert experts.releasable(0) == 0
+
+
+def test_a_requests_tokens_do_not_depend_on_its_neighbours_with_block_experts(tmp_path, default_gguf):
+    """A Q8_0 Qwen3-MoE GGUF with the default model's tokenizer through rtp.LLM in its default dtype
+    (experts from their blocks): each of 8 prompts gets the same greedy tokens and logprobs batched
+    with the others (its experts then multiply rows of other requests beside its own) as alone."""
+    from tiny_models import MOE, random_hf_model
+
+    from rtp import LLM, SamplingParams
+    from rtp.checkpoint.gguf import GGUFFile
+    from rtp.kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("rtp's CPU kernels are not built for this machine")
+    tok = GGUFFile(default_gguf).tokenizer_metadata
+    cfg_cls, extra = MOE_CONFIGS["qwen3_moe"]
+    hf = random_hf_model(cfg_cls(**{**MOE, **extra, "vocab_size": len(tok["tokens"])}))
+
+    def with_tokenizer(writer, tensors):
+        writer.add_tokenizer_model(tok["model"])
+        writer.add_tokenizer_pre(tok.get("pre") or "default")
+        writer.add_token_list(tok["tokens"])
+        writer.add_token_types(tok["token_type"])
+        writer.add_token_merges(tok["merges"])
+        writer.add_bos_token_id(tok["bos_token_id"])
+        writer.add_eos_token_id(tok["eos_token_id"])
+        return tensors
+
+    path = write_moe_gguf(tmp_path / "moe.gguf", hf, "qwen3_moe", Q.Q8_0, edit=with_tokenizer)
+    llm = LLM(model=str(path), max_model_len=256, max_num_seqs=8)
+    assert all(m.blocks is not None for m in _sparse(llm.engine.model))
+    g = np.random.default_rng(3)
+    prompts = [g.integers(100, 40000, size=int(n)).tolist() for n in g.integers(3, 60, size=8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    together = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, together):
+        (alone,) = llm.generate([prompt], params)
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+        assert alone.outputs[0].logprobs == out.outputs[0].logprobs

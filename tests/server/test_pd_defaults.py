@@ -105,8 +105,8 @@ STORM_PROMPTS = ["hi", "The capital of France is", "word " * 300, "Count with me
 
 
 async def _storm(url: str, clients: int, seed: int) -> list[int]:
-    """Streaming clients that each leave at a random time in the first 2 s, many before their first
-    token; what each read (data lines)."""
+    """Streaming clients that each leave at a random time in the first 2 s, a third of them within
+    50 ms (before their first token however fast the machine); what each read (data lines)."""
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=60, headers=AUTH, limits=httpx.Limits(max_connections=clients + 4)) as client:
 
@@ -123,7 +123,7 @@ async def _storm(url: str, clients: int, seed: int) -> list[int]:
                         lines += line.startswith("data:")
 
             try:
-                await asyncio.wait_for(read(), rng.uniform(0.02, 2.0))
+                await asyncio.wait_for(read(), rng.uniform(0.005, 0.05) if i % 3 == 0 else rng.uniform(0.02, 2.0))
             except asyncio.TimeoutError:
                 pass
             return lines
