@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from rtp._libc import malloc_trim
 from rtp.checkpoint import Checkpoint, CheckpointError, TensorRecord, open_checkpoint, stream_tensors
 from rtp.checkpoint.records import is_gguf
 from rtp.checkpoint.prefault import Prefault
@@ -392,6 +393,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, options: Lo
     if dtype == torch.bfloat16 and device.type == "cpu":
         _attach_dense(model)
     _pack_cpu_weights(model)
+    if device.type == "cpu" and malloc_trim is not None:
+        # the GGUF blocks' repacks and the copies tile layouts were made from, freed, are holes in
+        # the heap that glibc keeps: a 4-layer Qwen3-30B-A3B-shaped Q4_K file held 5.1 GB resident
+        # after loading, 2.6 GB after this
+        malloc_trim(0)
     log.info("loaded %.2f GB in %.2f s (%.2f GB/s): %s (%s, %.1f M params), ready in %.1f s", total / 1e9, read_s,
              total / 1e9 / max(read_s, 1e-9), path.name, config.architecture,
              sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - start)

@@ -164,6 +164,8 @@ class BlockQuantized:
     # or "prefill", a step's prompt rows but not its decode rows (int8-prefill); Q4_1 and Q8_0 on a CPU with
     # AVX-512 VNNI and no AMX (rtp/kernels/csrc/vnni_gemm.c); elsewhere it changes nothing
     int8_rows: str | None = None
+    # keep_only_tiles() ran: qs, d, m and native are gone, the tiles take every batch, and `shape` is this
+    only_tiles: tuple[int, int] | None = None
 
     @property
     def tile_kind(self) -> int:
@@ -183,6 +185,8 @@ class BlockQuantized:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.only_tiles is not None:
+            return self.only_tiles
         per_byte = 2 if self.kind == "q4_1" else 1
         return self.qs.shape[0], self.qs.shape[1] * per_byte
 
@@ -367,10 +371,22 @@ class BlockQuantized:
         """This, its arrays moved onto transparent huge pages (rtp/kernels/hugepages.py) like the AMX
         records: a one-row step streams every block, and with 4 KiB pages every 4 KiB of the
         stream is a TLB miss (the LM head's one-row product: 3.1-3.2 -> 2.2-2.7 ms)."""
+        if self.only_tiles is not None:  # tile_layout put the tiles there already
+            return self
         self.qs, self.d = hugepages.copy(self.qs), hugepages.copy(self.d)
         self.m = None if self.m is None else hugepages.copy(self.m)
         if self.native is not None:
             self.native = tuple(hugepages.copy(t) for t in self.native)
+        return self
+
+    def keep_only_tiles(self) -> "BlockQuantized":
+        """This, holding its tiles alone (where it has them): they then take every batch, one row
+        included, whatever --no-deterministic says, and the other layouts' memory goes (for weights
+        nothing else reads: a MoE expert's, rtp/models/expert_blocks.py, where the blocks, a Q4_K
+        file's own super-blocks and the tiles together were 2.1 bytes a weight, the tiles 0.75)."""
+        if self.tiles is not None:
+            self.only_tiles = self.shape
+            self.qs = self.d = self.m = self.native = None
         return self
 
     def with_tile_layout(self, glu: bool = False) -> "BlockQuantized":
@@ -408,13 +424,16 @@ class BlockQuantized:
         the block kernels take every batch): the layer needs no dense copy."""
         return self.tiles is not None or not cpu_kernels.tiles_available() and self.runs_here
 
+    def _tiles_take(self, rows: int) -> bool:
+        return self.only_tiles is not None or _tiles_take(rows)
+
     def takes(self, rows: int) -> bool:
         """Whether a batch of `rows` rows is multiplied from the blocks (else from dense bf16 weights)."""
         if not cpu_kernels.tiles_available():  # the avx2 path: the block kernels are its only linears
             return True
         if self.tiles is not None:
             # interleaved tiles serve silu_mul only: a plain product is the one-row kernel's
-            return not _tiles_take(rows) if self.glu else True
+            return not self._tiles_take(rows) if self.glu else True
         # no tiles (N not a multiple of 16): the block kernels treat rows independently, so
         # deterministic they take every batch; else the dense weights' GEMM past a few rows
         return _deterministic or rows <= max(QUANT_MAX_ROWS, _exact_rows)
@@ -422,7 +441,7 @@ class BlockQuantized:
     def takes_silu_mul(self, rows: int) -> bool:
         """Whether silu_mul serves a batch of `rows` rows (tiles made with glu: every batch when deterministic,
         else TILE_MIN_ROWS rows or more)."""
-        return self.glu and _tiles_take(rows)
+        return self.glu and self._tiles_take(rows)
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """silu(gate) * up of these [gate | up] blocks (glu tiles) for x, bf16 [M, N/2], one kernel."""
@@ -434,7 +453,7 @@ class BlockQuantized:
         """x @ W.T (+ bias) in out_dtype, through the kernel this batch takes (each a torch custom op,
         so compiled graphs call it as one node)."""
         b = None if bias is None else bias.float()
-        if self.tiles is not None and _tiles_take(x.shape[0]):
+        if self.tiles is not None and self._tiles_take(x.shape[0]):
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
             kind, bf16_rows, decode = self._tile_rows(x.shape[0])
@@ -456,7 +475,7 @@ class BlockQuantized:
     def linear_into(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """linear() written into out ([M, N] with contiguous rows: a fused layer's columns), eagerly."""
         b = None if bias is None else bias.float()
-        if self.tiles is not None and _tiles_take(x.shape[0]):
+        if self.tiles is not None and self._tiles_take(x.shape[0]):
             kind, bf16_rows, decode = self._tile_rows(x.shape[0])
             return cpu_kernels.linear_tiles_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16),
                                                kind, self.tiles, b, out, bf16_rows=bf16_rows, bf16_rows_decode=decode)

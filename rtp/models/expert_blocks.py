@@ -5,8 +5,10 @@ which the experts' bf16 copy alone would be 57 GB): FusedMoE's stacked dense w13
 hold them on a CPU host. ExpertBlocks keeps each expert as the file's blocks (rtp/kernels/quant.py:
 BlockQuantized, the layouts the dense layers' GGUF blocks take), per local slot a [gate | up]
 block matrix laid out for the fused SiLU-and-mul and a down block matrix, and computes
-FusedMoE.grouped's rows group by group: each slot's rows through the kernels a dense layer's
-blocks take for that many rows (the one-row kernels for a few, the tile loops past that).
+FusedMoE.grouped's rows group by group through the block kernels. Where the CPU has the tile
+kernels (AVX-512 BF16, AMX) an expert holds its tiles alone (BlockQuantized.keep_only_tiles: 0.75
+bytes a Q4_K weight, where blocks, super-blocks and tiles together were 2.1), which take every
+batch; on the avx2 path, its blocks.
 
 The groups are walked on the host (their ends read once a layer), so a layer served this way
 runs eagerly, as MoE layers on a CPU do today; EPLB's placements move slot references
@@ -42,8 +44,10 @@ class ExpertBlocks:
             fused = BlockQuantized.cat([g, u])
             if fused is None:
                 return None
-            fused = fused.on_huge_pages().with_tile_layout(glu=True)
-            d = d.on_huge_pages().with_tile_layout()
+            # tiles alone where the CPU takes them (they serve every batch; nothing else reads an expert),
+            # the blocks on the avx2 path
+            fused = fused.with_tile_layout(glu=True).keep_only_tiles().on_huge_pages()
+            d = d.with_tile_layout().keep_only_tiles().on_huge_pages()
             if not (fused.runs_here and d.runs_here and fused.serves_every_batch and d.serves_every_batch):
                 return None
             w13.append(fused)

@@ -295,6 +295,11 @@ def test_quantized_experts_are_served_from_their_blocks(kind, qtype, override, t
     hf, model, path = _blocks_model(kind, qtype, tmp_path, **override)
     sparse = _sparse(model)
     assert sparse and all(m.blocks is not None and m.w13.device.type == m.w2.device.type == "meta" for m in sparse)
+    from rtp.kernels import cpu_kernels
+
+    if cpu_kernels.tiles_available():  # each expert holds one layout: its tiles, which take every batch
+        assert all(w.tiles is not None and w.qs is None and w.native is None
+                   for m in sparse for w in m.blocks.w13 + m.blocks.w2)
     reference, _ = load_model(path, torch.float32, torch.device("cpu"))  # dense fp32 experts, same weights
     g = torch.Generator().manual_seed(0)
     for served, dense in zip(sparse, _sparse(reference)):
