@@ -88,7 +88,7 @@ def _quantizable(w: np.ndarray, qtype) -> bool:
     return w.ndim >= 2 and w.shape[-1] % block == 0
 
 
-def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edit=None):
+def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edit=None, split_max_tensors: int = 0):
     """hf as a GGUF of its llama.cpp architecture; matrices in qtype where their rows split into its
     blocks (hf's own weights then replaced by what the file holds). `edit(writer, tensors)` may
     change the metadata and the tensor list first."""
@@ -96,7 +96,7 @@ def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edi
     raw = _random_k_blocks(hf, qtype) if qtype in K_LAYOUTS else {}  # gguf.quants cannot make these
     tensors = _gguf_tensors(hf, arch, stacked)
     raw_tensors = dict(_gguf_tensors(hf, arch, stacked, raw)) if raw else {}
-    writer = gguf.GGUFWriter(str(path), arch)  # which writes general.architecture
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)  # writes general.architecture
     writer.add_name(f"tiny {kind}")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -214,6 +214,28 @@ def test_one_tensor_per_expert_as_early_mixtral_files_hold_them(tmp_path):
     assert worst < 1e-4, worst
 
 
+def test_a_split_moe_gguf_loads_as_one_and_serves_its_experts_from_blocks(tmp_path):
+    """llama.cpp's gguf-split layout (NAME-0000k-of-0000N.gguf), a few tensors a part, so that a
+    layer's stacked experts lie in other files than its router: transformers' logits in fp32, and in
+    bf16 the experts from their blocks."""
+    from rtp.checkpoint.loader import load_model
+
+    _, hf = make_moe("qwen2_moe", tmp_path / "hf")
+    write_moe_gguf(tmp_path / "moe.gguf", hf, "qwen2_moe", Q.Q8_0, split_max_tensors=5)
+    parts = sorted(tmp_path.glob("moe-*-of-*.gguf"))
+    assert len(parts) > 3
+    ckpt = GGUFCheckpoint(parts[0])
+    assert len({r.path for r in ckpt.records() if ".experts." in r.name}) > 1  # a layer's experts across files
+    prompts = prompts_of((5, 23, 40), seed=4)
+    worst, _ = run_rtp(parts[0], prompts, hf_reference(hf, prompts))
+    assert worst < 1e-4, worst
+    model, _ = load_model(parts[0], torch.bfloat16, torch.device("cpu"))
+    from rtp.kernels import cpu_kernels
+
+    if cpu_kernels.available():
+        assert all(m.blocks is not None for m in _sparse(model))
+
+
 # -- a broken file: one error naming the file and the tensor ----------------------------------------------
 
 
@@ -283,8 +305,10 @@ def _sparse(model):
 
 @pytest.mark.parametrize("kind, qtype, override", [
     ("qwen3_moe", Q.Q8_0, {}), ("qwen2_moe", Q.Q8_0, {}), ("qwen3_moe", Q.Q4_0, {}), ("qwen3_moe", Q.Q4_1, {}),
+    ("qwen3_moe", Q.Q5_0, {}), ("qwen3_moe", Q.Q5_1, {}),
     ("qwen3_moe", Q.Q4_K, K_QUANT_MOE), ("qwen3_moe", Q.Q6_K, K_QUANT_MOE), ("qwen3_moe", Q.Q5_K, K_QUANT_MOE),
-], ids=["qwen3-q8_0", "qwen2-q8_0", "qwen3-q4_0", "qwen3-q4_1", "qwen3-q4_k", "qwen3-q6_k", "qwen3-q5_k"])
+], ids=["qwen3-q8_0", "qwen2-q8_0", "qwen3-q4_0", "qwen3-q4_1", "qwen3-q5_0", "qwen3-q5_1", "qwen3-q4_k",
+        "qwen3-q6_k", "qwen3-q5_k"])
 def test_quantized_experts_are_served_from_their_blocks(kind, qtype, override, tmp_path):
     """No dense copy of the experts (w13 and w2 on the meta device: nothing allocated, nothing read);
     each layer's experts through the block kernels give what fp32 experts on the file's weights
