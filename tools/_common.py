@@ -288,6 +288,31 @@ def engine_figures(model: str, streams: list[int], tokens: int, prefill: int) ->
     return out
 
 
+def child_figures(argv: list[str], env: dict, what: str, timeout: float) -> dict | None:
+    """The JSON object a child Python process (argv: a script and its arguments, in `env`) prints as
+    its last stdout line; None, with its stderr's end, when it failed."""
+    import json
+    import subprocess
+
+    done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        print(f"{what} failed: {done.stderr[-800:]}", file=sys.stderr)
+        return None
+
+
+def add_tokenizer(writer, tok: dict) -> None:
+    """A GGUF tokenizer's metadata (GGUFFile.tokenizer_metadata) written by a gguf.GGUFWriter."""
+    writer.add_tokenizer_model(tok["model"])
+    writer.add_tokenizer_pre(tok.get("pre") or "default")
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["token_type"])
+    writer.add_token_merges(tok["merges"])
+    writer.add_bos_token_id(tok["bos_token_id"])
+    writer.add_eos_token_id(tok["eos_token_id"])
+
+
 def llama_cpp_figures(bench: str | None, batched: str | None, model: str, streams: list[int], tokens: int,
                       prefill: int) -> dict:
     """The same figures from llama.cpp on the same file: llama-bench's pp and tg (one stream), and

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -62,13 +60,11 @@ def main() -> int:
     for path in paths:
         env = dict(os.environ, **({"RTP_CPU_KERNELS": "0"} if path == "torch" else {"RTP_CPU_ISA": path}))
         _common.note(f"rtp on {path}")
-        done = subprocess.run([sys.executable, __file__, "--child", "--model", model, "--streams", args.streams,
-                               "--tokens", str(args.tokens), "--prefill", str(args.prefill)],
-                              env=env, capture_output=True, text=True, timeout=3600)
-        try:
-            rows.append({"engine": f"rtp {path}", **json.loads(done.stdout.strip().splitlines()[-1])})
-        except (ValueError, IndexError):
-            print(f"rtp on {path} failed: {done.stderr[-800:]}", file=sys.stderr)
+        figures = _common.child_figures([__file__, "--child", "--model", model, "--streams", args.streams,
+                                         "--tokens", str(args.tokens), "--prefill", str(args.prefill)],
+                                        env, f"rtp on {path}", timeout=3600)
+        if figures is not None:
+            rows.append({"engine": f"rtp {path}", **figures})
     if args.llama_bench or args.llama_batched_bench:
         _common.note("llama.cpp")
         rows.append({"engine": "llama.cpp", **_common.llama_cpp_figures(args.llama_bench, args.llama_batched_bench, model,

@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -71,13 +69,7 @@ def write_model(path: Path, layers: int, qtype: str, seed: int) -> dict[str, int
     out.add_rope_freq_base(1e6)
     out.add_layer_norm_rms_eps(1e-6)
     out.add_vocab_size(vocab)
-    out.add_tokenizer_model(tok["model"])
-    out.add_tokenizer_pre(tok.get("pre") or "default")
-    out.add_token_list(tok["tokens"])
-    out.add_token_types(tok["token_type"])
-    out.add_token_merges(tok["merges"])
-    out.add_bos_token_id(tok["bos_token_id"])
-    out.add_eos_token_id(tok["eos_token_id"])
+    _common.add_tokenizer(out, tok)
     read = {"attention": 0, "experts_all": 0, "router_norms": 0, "lm_head": 0}
     q = gguf.GGMLQuantizationType
 
@@ -147,13 +139,11 @@ def main() -> int:
     for config in args.configs.split(","):
         env = dict(os.environ, RTP_EXPERT_BLOCKS="0" if config == "dense" else "1")
         _common.note(f"rtp {config}")
-        done = subprocess.run([sys.executable, __file__, "--child", str(path), "--streams", args.streams,
-                               "--tokens", str(args.tokens), "--prefill", str(args.prefill)],
-                              env=env, capture_output=True, text=True, timeout=5400)
-        try:
-            rows.append({"engine": f"rtp {config}", **json.loads(done.stdout.strip().splitlines()[-1])})
-        except (ValueError, IndexError):
-            print(f"rtp {config} failed: {done.stderr[-800:]}", file=sys.stderr)
+        figures = _common.child_figures([__file__, "--child", str(path), "--streams", args.streams,
+                                         "--tokens", str(args.tokens), "--prefill", str(args.prefill)],
+                                        env, f"rtp {config}", timeout=5400)
+        if figures is not None:
+            rows.append({"engine": f"rtp {config}", **figures})
     if args.llama_bench or args.llama_batched_bench:
         _common.note("llama.cpp")
         rows.append({"engine": "llama.cpp", **_common.llama_cpp_figures(

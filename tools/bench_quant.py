@@ -88,13 +88,7 @@ def write_model(path: Path, qtype: str, args, tokenizer: dict) -> int:
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_tokenizer_model(tokenizer["model"])
-    w.add_tokenizer_pre(tokenizer.get("pre") or "default")
-    w.add_token_list(tokenizer["tokens"])
-    w.add_token_types(tokenizer["token_type"])
-    w.add_token_merges(tokenizer["merges"])
-    w.add_bos_token_id(tokenizer["bos_token_id"])
-    w.add_eos_token_id(tokenizer["eos_token_id"])
+    _common.add_tokenizer(w, tokenizer)
     matrices = {"attn_q": (heads * head_dim, h), "attn_k": (kv * head_dim, h), "attn_v": (kv * head_dim, h),
                 "attn_output": (h, heads * head_dim), "ffn_gate": (ffn, h), "ffn_up": (ffn, h), "ffn_down": (h, ffn)}
     w.add_tensor("token_embd.weight", (g.standard_normal((vocab, h)) * 0.02).astype(np.float32))

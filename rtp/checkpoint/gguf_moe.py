@@ -59,7 +59,6 @@ class MoELayout:
     width: int                 # an expert's intermediate size
     shared_width: int          # the shared expert's (0: none)
     sparse_layers: frozenset[int]
-    stacked: bool              # experts stacked per projection (else one tensor per expert)
 
     def hf_config(self, arch: str, num_layers: int, renormalize: bool, dense_width: int | None) -> dict[str, Any]:
         """The config.json keys of this MoE for transformers' class of the architecture."""
@@ -128,7 +127,7 @@ def moe_layout(path: Path, arch: str, tensors: list, key, count) -> MoELayout | 
         raise GGUFError(f"{path}: metadata {arch}.expert_feed_forward_length = {said}, but the expert tensors are "
                         f"{width} wide")
     shared = _shared_width(path, by_name, routers, arch, count)
-    return MoELayout(num_experts, top_k, width, shared, frozenset(routers), stacked)
+    return MoELayout(num_experts, top_k, width, shared, frozenset(routers))
 
 
 def _torch_shape(t) -> tuple[int, ...]:
