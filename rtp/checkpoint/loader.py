@@ -440,21 +440,24 @@ def _drop_dense_weights(model: torch.nn.Module) -> set[str]:
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Module)
                   and not hasattr(m, "quant") and isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
     freed, dropped = 0, set()
+
+    def drop(name: str, module: torch.nn.Module, param: str) -> None:
+        nonlocal freed
+        weight = getattr(module, param)
+        freed += weight.numel() * weight.element_size()
+        setattr(module, param, torch.nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False))
+        dropped.add(f"{name}.{param}")
+
     for name, module in model.named_modules():
         if getattr(module, "blocks", None) is not None:  # a MoE layer's experts (FusedMoE)
-            for param in ("w13", "w2"):
-                weight = getattr(module, param)
-                freed += weight.numel() * weight.element_size()
-                setattr(module, param, torch.nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False))
-                dropped.add(f"{name}.{param}")
+            drop(name, module, "w13")
+            drop(name, module, "w2")
             continue
         quant = getattr(module, "quant", None)
         if (quant is None or not quant.serves_every_batch or id(module.weight) in embeddings
                 or quant.kind == "bf16"):  # a dense layer's blocks are its weight
             continue
-        freed += module.weight.numel() * module.weight.element_size()
-        module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
-        dropped.add(f"{name}.weight")
+        drop(name, module, "weight")
     if freed:
         log.info("no dense copy of %.1f MB of weights that the GGUF blocks replace", freed / 1e6)
     return dropped
