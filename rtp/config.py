@@ -349,9 +349,25 @@ class CacheConfig(msgspec.Struct, kw_only=True, frozen=True):
                                 "the tokens in --kv-cache-memory and half the bytes decode attention reads (CPU, "
                                 "not MLA models nor --role prefill/decode yet)",
                            choices=["auto", "bf16", "int8"]) = "auto"
+    kv_host_cache_gb: _field(float, "a host RAM tier under the prefix cache: the KV of finished requests' "
+                                    "prefixes is kept in this many GiB after the pool lets it go, and loaded "
+                                    "back where that measures cheaper than recomputing it (0: off; "
+                                    "docs/kv_tiers.md)", metavar="GIB") = 0.0
+    kv_disk_cache: _field(str | None, "a disk tier under the host tier: a directory of checksummed KV block "
+                                      "files that survives restarts and can be shared by several servers of "
+                                      "the same model (default: off)", metavar="DIR") = None
+    kv_disk_cache_gb: _field(float, "most GiB --kv-disk-cache holds for this model (least recently used files "
+                                    "go first)", metavar="GIB") = 16.0
 
     def validate(self) -> None:
         _positive(self, "block_size")
+        if not 0.0 <= self.kv_host_cache_gb < float("inf"):
+            raise ValueError(f"--kv-host-cache-gb must be 0 (off) or a positive number, got {self.kv_host_cache_gb}")
+        if not 0.0 < self.kv_disk_cache_gb < float("inf"):
+            raise ValueError(f"--kv-disk-cache-gb must be a positive number, got {self.kv_disk_cache_gb}")
+        if (self.kv_host_cache_gb or self.kv_disk_cache) and not self.enable_prefix_caching:
+            raise ValueError("the KV cache tiers (--kv-host-cache-gb, --kv-disk-cache) extend the prefix cache: "
+                             "not with --no-enable-prefix-caching")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.kv_cache_dtype not in ("auto", "bf16", "int8"):

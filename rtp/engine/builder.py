@@ -36,6 +36,7 @@ from rtp.engine.expert_balancer import ExpertBalancer, eplb_slots, lendable_kv_b
 from rtp.engine.grammar import GrammarLimits
 from rtp.engine.grammar.component import Grammars
 from rtp.engine.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
+from rtp.engine.kv_tiers import build_kv_tiers
 from rtp.engine.output import OutputProcessor
 from rtp.engine.prefill_budget import PrefillBudget
 from rtp.engine.requests import Requests
@@ -43,7 +44,7 @@ from rtp.engine.runner import ModelRunner
 from rtp.engine.sampler import Sampler, SlotSettings
 from rtp.engine.speculation_governor import SpeculationGovernor
 from rtp.engine.tensor_parallel import PlanChannel, follow as follow_steps, start_ranks
-from rtp.kernels import quant
+from rtp.kernels import cpu_kernels, quant
 from rtp.kernels.quant import BlockQuantized
 from rtp.models import model_class
 from rtp.models.moe import FusedMoE
@@ -184,6 +185,11 @@ def build_parts(config: EngineConfig) -> Parts:
                           policy=sched.scheduling_policy, num_speculative_tokens=spec.draft_tokens,
                           spec_ngram_min=spec.prompt_lookup_min, spec_ngram_max=spec.prompt_lookup_max,
                           spec_max_running=spec.max_running, external_drafts=drafter is not None)
+    if (cache.kv_host_cache_gb or cache.kv_disk_cache) and (world_size() > 1 or m.device.type != "cpu"):
+        raise ValueError("the KV cache tiers (--kv-host-cache-gb, --kv-disk-cache) run on one CPU process: "
+                         "not with --tp or --ep above 1, nor on CUDA yet")
+    tiers = build_kv_tiers(cache, model_path=m.path, model_config=mc, runner=m.runner, scheduler=scheduler,
+                           cache=radix, dtype=m.dtype, kv_dtype=m.kv_dtype, isa=cpu_kernels.isa())
     s = config.structured
     grammars = Grammars(tok, mc.vocab_size, eos, num_slots=scheduler.max_requests, max_rows=sched.max_num_seqs,
                         limits=GrammarLimits(max_bytes=s.max_bytes, max_choices=s.max_choices,
@@ -197,6 +203,7 @@ def build_parts(config: EngineConfig) -> Parts:
         drafter,
         grammars,
         KVHandoff(scheduler, m.runner),
+        tiers,
         m.balancer,
     ) if c is not None]
     sampling = SlotSettings(scheduler.max_requests)  # each request's settings, by its runtime slot

@@ -394,13 +394,15 @@ cdef class RadixCache(BlockCache):
 
     # -- Python surface ------------------------------------------------------------------
 
-    def match_prefix(self, tokens, bint leave_last=True):
+    def match_prefix(self, tokens, bint leave_last=True, bint count=True):
         """Longest cached prefix of tokens, as (block ids, number of tokens matched).
 
         With leave_last (the default, for a request about to be computed) the match
         stops before the last token, rounded down to a block boundary, so at least
         one token is left to compute and produce logits. Does not take refs: call
-        lock(blocks) to keep the matched blocks from eviction.
+        lock(blocks) to keep the matched blocks from eviction. `count=False`: a look
+        that is not a request's query (a cache tier copying blocks out), kept out of
+        the hit-rate counters.
         """
         arr = _int32_array(tokens, "tokens")
         cdef int n = arr.size
@@ -408,7 +410,8 @@ cdef class RadixCache(BlockCache):
         cdef int m = 0
         if out.size:
             m = self._match(_as_int32_ptr(arr), out.size, _as_int32_ptr(out))
-        self._count_query(n, m)
+        if count:
+            self._count_query(n, m)
         return out[:m].copy(), m * self.block_size
 
     def insert(self, tokens, blocks):

@@ -24,6 +24,7 @@ cdef enum:
     _HELD = 3        # prefill-only and done: holds its blocks until release()
     _RESERVED = 4    # decode side: blocks reserved for a prompt whose KV another node computes
     _READY = 5       # decode side: KV arrived, first token given; joins the batch at the next schedule()
+    _DEFERRED = 6    # out of the queue until undefer(): something it needs first (its KV from a cache tier)
 
 # Waiting-queue policies (POLICY_* in scheduler.pyx).
 cdef enum:
@@ -87,6 +88,7 @@ cdef class Scheduler:
     cdef int32_t* ready              # _READY slots, oldest first
     cdef readonly int num_ready
     cdef readonly int num_reserved
+    cdef readonly int num_deferred
     cdef dict slot_of
     # this step
     cdef int32_t* sched_slot

@@ -44,6 +44,7 @@ class Scheduler:
     num_held: int
     num_reserved: int   # decode side: blocks reserved, KV not yet arrived
     num_ready: int      # decode side: resumed, joining the batch at the next schedule()
+    num_deferred: int   # out of the queue until undefer() (their KV read from a cache tier)
     in_flight: bool
     step_count: int
     num_preemptions: int
@@ -78,6 +79,8 @@ class Scheduler:
                 min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
                 ignore_eos: bool = False, speculate: bool = False) -> IntArray: ...   # MemoryError: pool short
     def resume(self, req_id: int, first_token: int) -> None: ...
+    def defer(self, req_id: int) -> None: ...     # waiting -> deferred (KeyError otherwise)
+    def undefer(self, req_id: int) -> None: ...   # deferred -> first in the queue
     def release(self, req_id: int) -> None: ...
     def schedule(self) -> int: ...
     def set_drafts(self, draft_token_ids: npt.ArrayLike) -> None: ...   # per sampling row; between schedule and forward

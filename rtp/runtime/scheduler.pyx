@@ -23,7 +23,8 @@ FINISH_REASONS = {_FINISH_NONE: None, _FINISH_STOP: "stop", _FINISH_LENGTH: "len
                   _FINISH_ABORT: "abort", _FINISH_REMOTE: "remote"}
 
 STATE_NAMES = {_FREE: "free", _WAITING: "waiting", _RUNNING: "running", _HELD: "held",
-               _RESERVED: "reserved", _READY: "ready"}
+               _RESERVED: "reserved", _READY: "ready",
+               _DEFERRED: "deferred"}
 
 POLICY_FCFS = _POLICY_FCFS
 POLICY_LPM = _POLICY_LPM
@@ -304,6 +305,30 @@ cdef class Scheduler:
         self.ready[self.num_ready] = s
         self.num_ready += 1
 
+    def defer(self, int64_t req_id):
+        """Take a waiting request out of the queue until undefer(): a component prepares something
+        it needs first (rtp/engine/kv_tiers/: its prefix's KV, read from a cache tier off the step).
+        It holds no blocks meanwhile and abort() drops it as usual. KeyError unless it waits."""
+        slot = self.slot_of.get(req_id)
+        if slot is None or self.r_state[<int>slot] != _WAITING:
+            raise KeyError(f"request {req_id} is not waiting")
+        cdef int s = slot, i
+        for i in range(self.num_waiting):
+            if self.waiting[i] == s:
+                self._remove_waiting(i)
+                break
+        self.r_state[s] = _DEFERRED
+        self.num_deferred += 1
+
+    def undefer(self, int64_t req_id):
+        """Queue a deferred request again, first in line: what it waited for is ready (and kept
+        only as long as the pool does not need its blocks). KeyError unless it is deferred."""
+        slot = self.slot_of.get(req_id)
+        if slot is None or self.r_state[<int>slot] != _DEFERRED:
+            raise KeyError(f"request {req_id} is not deferred")
+        self.num_deferred -= 1
+        self._enqueue(<int>slot, True)
+
     def release(self, int64_t req_id):
         """Free the blocks of a prefill-only request once its KV has been sent elsewhere."""
         slot = self.slot_of.get(req_id)
@@ -423,6 +448,8 @@ cdef class Scheduler:
             self._remove_running(s)
         elif state == _HELD:
             self.num_held -= 1
+        elif state == _DEFERRED:
+            self.num_deferred -= 1
         elif state == _READY:
             for i in range(self.num_ready):
                 if self.ready[i] == s:
@@ -434,7 +461,7 @@ cdef class Scheduler:
             self.num_reserved -= 1
             self.allocator._release_path(self.r_blocks[s], self.r_nblocks[s])
             self.r_nblocks[s] = 0
-        elif state != _WAITING:
+        elif state != _WAITING and state != _DEFERRED:
             self._free_blocks(s)
         free(self.r_tokens[s]); free(self.r_blocks[s]); free(self.r_stop_ids[s])
         self.r_tokens[s] = NULL
@@ -943,6 +970,7 @@ cdef class Scheduler:
             "num_held": self.num_held,
             "num_reserved": self.num_reserved,
             "num_ready": self.num_ready,
+            "num_deferred": self.num_deferred,
             "queued_prompt_tokens": self.queued_prompt_tokens,
             "num_blocks": a.num_blocks - 1,
             "free_blocks": a.n_list - a.n_cached_in_list,
@@ -963,7 +991,7 @@ cdef class Scheduler:
 
     @property
     def has_unfinished(self):
-        return self.num_running > 0 or self.num_waiting > 0 or self.num_ready > 0
+        return self.num_running > 0 or self.num_waiting > 0 or self.num_ready > 0 or self.num_deferred > 0
 
     @property
     def oldest_waiting_step(self):
@@ -984,7 +1012,7 @@ cdef class Scheduler:
         else:
             alloc.check_integrity()
         holders = np.zeros(alloc.num_blocks, dtype=np.int64)
-        counted = {"running": 0, "waiting": 0, "held": 0, "reserved": 0, "ready": 0}
+        counted = {"running": 0, "waiting": 0, "held": 0, "reserved": 0, "ready": 0, "deferred": 0}
         queued = 0
         for s in range(self.max_requests):
             if self.r_state[s] == _FREE:
@@ -998,6 +1026,9 @@ cdef class Scheduler:
                 queued += self.r_num_tokens[s]
                 assert self.r_nblocks[s] == 0, f"waiting slot {s} holds blocks"
                 assert self.r_num_computed[s] == 0, f"waiting slot {s} keeps a stale computed count"
+            elif self.r_state[s] == _DEFERRED:
+                counted["deferred"] += 1
+                assert self.r_nblocks[s] == 0 and self.r_num_computed[s] == 0, f"deferred slot {s} holds blocks"
             else:
                 counted[STATE_NAMES[self.r_state[s]]] += 1
                 assert self.r_nblocks[s] == _cdiv(self.r_num_computed[s], self.block_size), \
@@ -1011,6 +1042,7 @@ cdef class Scheduler:
         assert counted["held"] == self.num_held, "held count drifted"
         assert counted["reserved"] == self.num_reserved, "reserved count drifted"
         assert counted["ready"] == self.num_ready, "ready count drifted"
+        assert counted["deferred"] == self.num_deferred, "deferred count drifted"
         assert len({self.ready[i] for i in range(self.num_ready)}) == self.num_ready, "request twice in ready"
         assert queued == self.queued_prompt_tokens, "queued prompt tokens drifted"
         assert n_live == len(self.slot_of) == self.max_requests - self.n_free_slots, "slots leaked"

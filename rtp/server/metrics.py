@@ -178,6 +178,42 @@ class _EngineCollector:
         eplb = s.get("eplb")
         if eplb:  # --enable-eplb on a MoE model (rtp/engine/expert_balancer.py)
             yield from self._eplb(eplb, name, gauge, counter)
+        tiers = s.get("kv_tiers")
+        if tiers:  # --kv-host-cache-gb / --kv-disk-cache (rtp/engine/kv_tiers/)
+            yield from self._kv_tiers(tiers, name, gauge, counter)
+
+    def _kv_tiers(self, t: dict, name: list[str], gauge, counter):
+        def by_tier(metric, doc, kind, values):
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                f"rtp:{metric}", doc, labels=["model_name", "tier"])
+            for tier, value in values.items():
+                family.add_metric([*name, tier], value)
+            return family
+
+        disk = t.get("disk", {})
+        yield by_tier("kv_tier_hit_tokens", "Prompt tokens found in each KV cache tier (the pool: before the tiers "
+                      "were looked up) and loaded from it.", "counter",
+                      {"pool": t["pool_tokens"], "host": t["host_tokens"], "disk": t["disk_tokens"]})
+        yield counter("kv_tier_miss_tokens", "Prompt tokens past every tier's hit (computed).", t["missed_tokens"])
+        yield by_tier("kv_tier_loaded_bytes", "Bytes of KV loaded from a tier (disk: read into host memory; host: "
+                      "copied into the pool).", "counter", {"host": t["host_bytes_loaded"], "disk": t["disk_bytes_read"]})
+        yield by_tier("kv_tier_load_seconds", "Seconds spent loading KV from a tier.", "counter",
+                      {"host": t["host_seconds"], "disk": t["disk_seconds"]})
+        yield by_tier("kv_tier_stored_bytes", "Bytes of KV each tier holds now.", "gauge",
+                      {"host": t["host"]["bytes"], **({"disk": disk["bytes"]} if disk else {})})
+        d = CounterMetricFamily("rtp:kv_tier_decisions", "Requests whose tier hit was loaded or recomputed, by which "
+                                "measured cheaper.", labels=["model_name", "decision"])
+        d.add_metric([*name, "load"], t["decided_load"])
+        d.add_metric([*name, "recompute"], t["decided_recompute"])
+        yield d
+        if disk:
+            yield counter("kv_tier_disk_written_bytes", "Bytes of KV block files written.", disk["bytes_written"])
+            yield counter("kv_tier_disk_corrupt_files", "Block files skipped as corrupt, truncated or foreign "
+                          "(their tokens recomputed).", disk["corrupt_skipped"])
+            yield counter("kv_tier_disk_write_errors", "Block file writes that failed (the first turns writing off).",
+                          disk["write_errors"])
+            yield gauge("kv_tier_disk_writable", "1 while the disk tier stores blocks, 0 once a write failed.",
+                        1.0 if disk["writable"] else 0.0)
 
     def _grammar(self, g: dict, name: list[str], counter):
         from rtp.engine.grammar import COMPILE_BUCKETS

@@ -502,3 +502,31 @@ def test_a_step_written_from_python_takes_its_extent_and_clears_the_last_ones_ta
     with pytest.raises(ValueError, match="does not fit"):
         plan.take(3, 5, 0, 0)
     assert (plan.num_tokens, plan.num_rows) == (3, 2)
+
+
+def test_a_deferred_request_waits_out_of_the_queue_until_undeferred():
+    s = make_scheduler()
+    r = ToyRunner(s, VOCAB)
+    a, b = list(range(1, 10)), list(range(20, 30))
+    s.add_request(1, a, max_tokens=3)
+    s.add_request(2, b, max_tokens=3)
+    s.defer(1)
+    assert (s.num_waiting, s.num_deferred, s.request_state(1)["state"]) == (1, 1, "deferred")
+    s.check_integrity()
+    with pytest.raises(KeyError):
+        s.defer(1)          # not waiting
+    with pytest.raises(KeyError):
+        s.undefer(2)        # not deferred
+    out = {}
+    for _ in range(20):  # 2 runs to its end; 1 never runs: it waits for undefer()
+        for rid, tok, _ in r.step():
+            out.setdefault(rid, []).append(tok)
+        s.check_integrity()
+    assert out == {2: expected(b, 3, 64)} and s.has_unfinished and s.num_deferred == 1
+    s.undefer(1)
+    assert run_to_completion(r) == {1: expected(a, 3, 64)}
+    s.add_request(3, a, max_tokens=3)
+    s.defer(3)
+    assert s.abort(3) and s.num_deferred == 0 and not s.has_unfinished
+    s.check_integrity()
+    assert s.allocator.num_used == 0
