@@ -9,6 +9,7 @@ feature is a new file with a subclass; the core does not change.
     hook                   when                                  what components do there
     admit(request)         a request's choices got runtime slots  take what they need of it (a matcher)
     before_schedule(core)  before the scheduler plans             set its knobs (prefill budget, drafting cap)
+    after_schedule(core)   the scheduler planned (rows or none)   let go what was held for its planning
     before_forward(step)   the plan is made, the model not run    drafts, KV taps, mask prefetch, plan broadcast
     after_forward(step)    logits are out                         disarm taps
     after_sample(step)     tokens are sampled, not yet applied    judge them: report finishes (grammars)
@@ -42,6 +43,9 @@ class Component:
         pass
 
     def before_schedule(self, core) -> None:
+        pass
+
+    def after_schedule(self, core) -> None:
         pass
 
     def before_forward(self, step: Step) -> None:

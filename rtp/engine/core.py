@@ -50,7 +50,10 @@ class EngineCore:
         for c in self.components:
             c.before_schedule(self)
         s = self.scheduler
-        if not s.schedule():
+        rows = s.schedule()
+        for c in self.components:
+            c.after_schedule(self)
+        if not rows:
             s.update(_NO_TOKENS)  # nothing to run: the step still applies aborts made meanwhile
             return None
         plan = s.plan

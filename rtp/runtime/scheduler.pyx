@@ -329,6 +329,32 @@ cdef class Scheduler:
         self.num_deferred -= 1
         self._enqueue(<int>slot, True)
 
+    def extend(self, int64_t req_id, int upto_blocks):
+        """A running request's KV for its first upto_blocks blocks of tokens comes from elsewhere (a cache
+        tier): its computed count jumps to upto_blocks * block_size, blocks are allocated for the new
+        ones, and the ids of every block from the one its computed tokens ended in are returned (in
+        token order): the caller writes their KV before the next step (the partial block's computed
+        tokens with the same bits they hold). Between steps only; at least one token must be left to
+        compute. MemoryError (nothing changed) when the pool has too few free or evictable blocks."""
+        if self.in_flight:
+            raise RuntimeError("extend() while a step is in flight")
+        slot = self.slot_of.get(req_id)
+        if slot is None or self.r_state[<int>slot] != _RUNNING or self.r_aborted[<int>slot]:
+            raise KeyError(f"request {req_id} is not running")
+        cdef int s = slot, bs = self.block_size
+        cdef int c = self.r_num_computed[s], nb = self.r_nblocks[s]
+        if upto_blocks * bs <= c or upto_blocks * bs > self.r_num_tokens[s] - 1:
+            raise ValueError(f"request {req_id} has {c} of {self.r_num_tokens[s]} tokens computed: cannot "
+                             f"extend to {upto_blocks} blocks")
+        if upto_blocks - nb > self.allocator.n_list:
+            raise MemoryError(f"{upto_blocks - nb} blocks needed, {self.allocator.n_list} free or evictable")
+        self.allocator._alloc(upto_blocks - nb, self.r_blocks[s] + nb)
+        self.r_nblocks[s] = upto_blocks
+        self.r_num_computed[s] = upto_blocks * bs
+        blocks = np.empty(upto_blocks - c // bs, dtype=np.int32)
+        memcpy(_as_int32_ptr(blocks), self.r_blocks[s] + c // bs, blocks.size * sizeof(int32_t))
+        return blocks
+
     def release(self, int64_t req_id):
         """Free the blocks of a prefill-only request once its KV has been sent elsewhere."""
         slot = self.slot_of.get(req_id)

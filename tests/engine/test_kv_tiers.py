@@ -163,6 +163,11 @@ def test_aborts_and_preemption_while_blocks_load_leak_nothing(reference, tmp_pat
     out = _steps(engine)
     assert out["loads"] == reference[1][0]
     assert engine.scheduler.stats()["num_preemptions"] > 0
+    s = tiers.stats()
+    assert s["reloads"] > 0  # preempted requests took their prompts back from the host tier
+    alone = LLM(**ENGINE)
+    for i, f in enumerate(FILLERS):  # and generated what they generate alone
+        assert out[f"long{i}"] == alone.generate([f[:400]], long)[0].outputs[0].token_ids
     tiers.flush()
     assert engine.allocator.num_used == 0 and engine.scheduler.num_deferred == 0
     assert not tiers._reads and not tiers._orphans and not tiers._prompts
@@ -318,3 +323,23 @@ def test_no_torn_read_under_concurrent_writers(tmp_path):
             w.join(30)
     assert reader.corrupt == 0 and reads > 100
     assert all(w.exitcode == 0 for w in writers)
+
+
+def test_a_hit_waits_for_room_in_the_pool_rather_than_be_computed(reference, tmp_path):
+    from rtp import SamplingParams
+
+    llm = LLM(kv_host_cache_gb=0.1, **ENGINE)
+    engine, tiers = llm.engine, _tiers(llm)
+    _run(llm, A)
+    _push_out_of_pool(llm)
+    engine.add_request("big", FILLERS[0] + FILLERS[1][:300], SamplingParams(max_tokens=100, temperature=0,
+                                                                          ignore_eos=True))
+    for _ in range(4):  # its prompt computed: it holds 57 of the 79 blocks, growing
+        engine.step()
+    engine.add_request("hit", TURNS[3], PARAMS)
+    out = _steps(engine)
+    assert out["hit"] == reference[3][0]
+    s = tiers.stats()
+    hit = tiers.decisions[-1]  # (the big one's prompt began with a filler, found in the host tier too)
+    assert s["waited_for_room"] == 1 and hit["host_tokens"] == hit["loaded_tokens"] == 31 * BS
+    assert engine.scheduler.stats()["num_preemptions"] == 0

@@ -530,3 +530,29 @@ def test_a_deferred_request_waits_out_of_the_queue_until_undeferred():
     assert s.abort(3) and s.num_deferred == 0 and not s.has_unfinished
     s.check_integrity()
     assert s.allocator.num_used == 0
+
+
+def test_extend_gives_a_running_request_computed_blocks_from_elsewhere():
+    s = make_scheduler(max_num_batched_tokens=6)
+    r = ToyRunner(s, VOCAB)
+    prompt = list(range(1, 30))
+    s.add_request(1, prompt, max_tokens=4)
+    r.step()  # 6 of 29 prompt tokens computed: its blocks end inside the second block
+    assert s.request_state(1)["num_computed_tokens"] == 6
+    with pytest.raises(ValueError):
+        s.extend(1, 1)   # not past what is computed
+    with pytest.raises(ValueError):
+        s.extend(1, 8)   # 32 tokens: none left to compute
+    before = s.allocator.num_used
+    blocks = s.extend(1, 5)  # up to token 20: the partial block and three new ones
+    st = s.request_state(1)
+    assert st["num_computed_tokens"] == 20 and len(blocks) == 4 and list(blocks) == list(st["block_ids"][1:])
+    assert s.allocator.num_used == before + 3
+    s.check_integrity()
+    for t in range(4, 20):  # the caller writes their KV (the partial block's computed tokens the same)
+        slot = int(st["block_ids"][t // 4]) * 4 + t % 4
+        r.kv_token[slot], r.kv_pos[slot] = prompt[t], t
+    assert run_to_completion(r) == {1: expected(prompt, 4, 64)}
+    assert s.allocator.num_used == 0
+    with pytest.raises(KeyError):
+        s.extend(1, 2)

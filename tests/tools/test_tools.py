@@ -224,3 +224,18 @@ def test_bench_startup_times_a_server_from_command_to_health(default_gguf):
     # every phase seen, in order, before /health answered; the process's own CPU time measured
     assert 0 < m["loaded"] <= m["engine ready"] <= m["serving"] <= m["ready_s"] and m["cpu_s"] > 0
     assert "/health answers" in out.stdout
+
+
+def test_bench_kv_tiers_runs_every_tier_and_a_restart_and_prints_a_json_last_line(tmp_path):
+    out = subprocess.run([sys.executable, "tools/bench_kv_tiers.py", "--conversations", "3", "--turns", "2",
+                          "--turn-tokens", "300", "--answer-tokens", "4", "--pool-conversations", "1",
+                          "--host-gb", "0.2", "--disk-gb", "0.5", "--drive-mib", "16", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {r["config"]: r for r in figures["rows"]}
+    assert set(rows) == {"off", "host", "disk"}
+    assert rows["host"]["host_tokens"] > 0 and rows["disk"]["disk_tokens"] + rows["disk"]["host_tokens"] > 0
+    restart = figures["restart"]
+    assert restart["disk_tokens"] > 0 and restart["loads"] == 3 and restart["cold_ttft_p50_s"] > 0
+    assert figures["drive_read_gbps"] > 0 and "restart:" in out.stdout

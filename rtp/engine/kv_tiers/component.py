@@ -1,13 +1,15 @@
 """KVTiers: the engine component that keeps prefixes past the KV pool, in host RAM and on disk.
 
-    admit(request)        note its prompt, to be looked up before the next schedule
+    admit(request)        note its prompt
     before_schedule       land finished disk reads (host rows registered; the request's blocks into
-                          the pool; the request queued again); look the new prompts up: past the
-                          pool's match, the run of blocks the host tier holds, then the disk tier;
-                          load them if that measures cheaper than recomputing them, else recompute
-    after_emit            note each request's generated tokens; those that finished
-    after_step            copy the finished requests' cached blocks into the host tier (and queue
-                          their disk writes); measure what a prompt token costs to compute
+                          the pool; the request queued again); look up the requests the scheduler
+                          admits next (new, or back in the queue after a preemption), and again
+                          whenever the pool lost what it held for one: past the pool's match, the
+                          run of blocks the host tier holds, then the disk tier; load them if that
+                          measures cheaper than recomputing them, else recompute
+    after_emit            note each request's generated tokens; whose prompt is done, which finished
+    after_step            copy those requests' cached blocks into the host tier (and queue their disk
+                          writes); measure what a prompt token costs to compute
     finished(rid)         forget it (a read in flight lands in the host tier all the same)
 
 Loading is always host -> pool: a disk hit is first read into host rows on the reader thread while
@@ -39,6 +41,7 @@ log = logging.getLogger("rtp.kv_tiers")
 
 _GIB = 1 << 30
 _STAGING_GIB = 0.25  # the host rows a disk tier reads through when no host tier is asked for
+_NEXT = 4  # how far into the waiting queue requests are looked up (those the scheduler admits soon)
 
 
 class Costs:
@@ -75,11 +78,12 @@ class _Read:
     """Disk blocks on their way into host rows for a deferred request."""
 
     rid: int
-    prompt: np.ndarray
-    keys: list[bytes]                  # the prompt's chain (the blocks read are keys[start:start + len(rows)])
+    prompt: np.ndarray                 # the request's tokens
+    keys: list[bytes]                  # their chain (the blocks read are keys[start:start + len(rows)])
     start: int
     rows: list[int]
     future: Future
+    decision: dict                     # the look-up's record: what loading took is added when it lands
     gone: bool = False                 # the request finished meanwhile: land the rows, place nothing
     started: float = field(default_factory=time.monotonic)
 
@@ -98,11 +102,17 @@ class KVTiers(Component):
         self.core = None
         self._reader = ThreadPoolExecutor(1, "rtp-kv-read") if disk is not None else None
         self._writer = ThreadPoolExecutor(1, "rtp-kv-write") if disk is not None else None
-        self._new: dict[int, np.ndarray] = {}         # rid -> prompt, not looked up yet
         self._prompts: dict[int, np.ndarray] = {}     # rid -> prompt, while it runs
         self._keys: dict[int, list[bytes]] = {}       # rid -> its chain so far
         self._generated: dict[int, list[int]] = {}    # rid -> tokens sampled so far
         self._ended: list[int] = []                   # rids that finished this step
+        self._prompted: list[int] = []                # rids whose first token came this step
+        self._seen: dict[int, int] = {}               # rid -> the pool's blocks for it after its last look-up
+        self._counted: set[int] = set()               # rids looked up once (their hits and misses counted)
+        self._claimed = 0
+        self._held: list[np.ndarray] = []             # matched paths held while the scheduler plans
+        self._prefilling: set[int] = set()            # rids admitted or queued that still compute tokens
+        self._awaiting: dict[int, np.ndarray] = {}    # deferred until the pool has room for their hit
         self._reads: dict[int, _Read] = {}            # deferred requests' disk reads
         self._orphans: list[_Read] = []               # reads of requests gone meanwhile
         self._writes: deque[tuple[Future, int]] = deque()  # disk writes in flight, their pinned rows
@@ -110,29 +120,113 @@ class KVTiers(Component):
         self.counts = {"lookups": 0, "pool_tokens": 0, "host_tokens": 0, "disk_tokens": 0, "missed_tokens": 0,
                        "decided_load": 0, "decided_recompute": 0, "placed_blocks": 0, "place_failed": 0,
                        "host_bytes_loaded": 0, "host_seconds": 0.0, "disk_bytes_read": 0, "disk_seconds": 0.0,
-                       "host_blocks_stored": 0, "disk_writes_queued": 0}
+                       "host_blocks_stored": 0, "disk_writes_queued": 0, "reloads": 0, "extended_tokens": 0, "waited_for_room": 0}
 
     # -- hooks ------------------------------------------------------------------------------------
 
     def admit(self, request) -> None:
         prompt = np.asarray(request.prompt_ids, dtype=np.int32)
         for rid in request.rids:
-            self._new[rid] = prompt
             self._prompts[rid] = prompt
             self._generated[rid] = []
+            self._prefilling.add(rid)
 
     def before_schedule(self, core) -> None:
         self.core = core
         self._unpin_written()
+        s = self.scheduler
         if self._reads or self._orphans:
-            s = self.scheduler
-            idle = s.num_running == 0 and s.num_waiting == 0 and s.num_ready == 0
-            self._land(wait=idle and not self._new)
-        if self._new:
-            new, self._new = self._new, {}
-            for rid, prompt in new.items():
-                if self.scheduler.has_request(rid) and self.scheduler.request_state(rid)["state"] == "waiting":
-                    self._look_up(rid, prompt)
+            self._land(wait=s.num_running == 0 and s.num_waiting == 0 and s.num_ready == 0)
+        self._claimed = 0  # blocks this step's placements (and their first chunks) count on
+        for rid, tokens in list(self._awaiting.items()):  # oldest first; the first that does not fit waits on
+            if not self._room_for(tokens):
+                break
+            del self._awaiting[rid]
+            s.undefer(rid)
+            self._look_up(rid, tokens)
+            self._hold(tokens)
+        if self._prefilling:
+            self._extend_running()
+        if not s.num_waiting:
+            return
+        # the requests the scheduler admits next (new ones, and preempted ones back in the queue), each
+        # once more whenever the pool has lost some of what it matched for them the last time (an
+        # earlier look found the pool holding a prefix that it evicted before the request's turn)
+        for i, rid in enumerate(s.waiting_request_ids()[:_NEXT]):
+            prompt = self._prompts.get(rid)
+            if prompt is None:
+                continue
+            generated = self._generated[rid]
+            tokens = np.concatenate([prompt, np.asarray(generated, dtype=np.int32)]) if generated else prompt
+            self._prefilling.add(rid)  # new, or preempted: what it computes next may be in a tier
+            if self._look_up(rid, tokens) or i == 0:
+                # the allocations of this schedule for the running requests must not evict what it
+                # matches before it is admitted: held until the scheduler has planned
+                self._hold(tokens)
+
+    def _extend_running(self) -> None:
+        """Running requests still computing their tokens (admitted when the pool had no room to load
+        their prefix, or past what was loaded) take their next blocks from the host tier as the pool
+        makes room: Scheduler.extend, then the rows copied in."""
+        s, bs = self.scheduler, self.block_size
+        for rid in list(self._prefilling):
+            if not s.has_request(rid):
+                self._prefilling.discard(rid)
+                continue
+            state = s.request_state(rid)
+            if state["state"] != "running":
+                continue
+            c, tokens = state["num_computed_tokens"], state["token_ids"]
+            n = (len(tokens) - 1) // bs
+            j = c // bs
+            if j >= n:
+                continue
+            keys = self._chain(rid, tokens, n)
+            rows = []
+            room = self.allocator.num_free - s.num_running - self._claimed + -(-c // bs) - j
+            while j + len(rows) < n and len(rows) < room and (row := self.host.get(keys[j + len(rows)])) is not None:
+                rows.append(row)
+            k = j + len(rows)
+            if k * bs <= c:
+                continue
+            load_s = self.costs.load(len(rows) * self.host.block_bytes, 0)
+            recompute_s = self.costs.recompute(k * bs - c)
+            if load_s > recompute_s:
+                continue
+            started = time.monotonic()
+            blocks = s.extend(rid, k)
+            self.copier.to_pool(self.host.rows, np.asarray(rows), blocks)
+            self._claimed += len(rows)
+            seconds = time.monotonic() - started
+            nbytes = len(rows) * self.host.block_bytes
+            self.costs.loaded("host", nbytes, seconds)
+            self.counts["extended_tokens"] += k * bs - c
+            self.counts["host_tokens"] += k * bs - c
+            self.counts["host_bytes_loaded"] += nbytes
+            self.counts["host_seconds"] += seconds
+            self.decisions.append({"rid": rid, "running": True, "pool_tokens": c, "host_tokens": k * bs - c,
+                                   "disk_tokens": 0, "load_seconds": load_s, "recompute_seconds": recompute_s,
+                                   "load": True, "loaded_tokens": k * bs - c, "loaded_seconds": seconds})
+            self._notify(rid, blocks)
+
+    def _notify(self, rid: int, blocks: np.ndarray) -> None:
+        """The other components learn that these blocks' KV came from outside the model."""
+        if self.core is None:
+            return
+        request = self.core.requests.of(rid)
+        for c in self.core.components:
+            if c is not self:
+                c.reserved(request, blocks)
+
+    def after_schedule(self, core) -> None:
+        while self._held:
+            self.allocator.free(self._held.pop())
+
+    def _hold(self, tokens: np.ndarray) -> None:
+        matched, _ = self.cache.match_prefix(tokens, count=False)
+        if len(matched):
+            self.allocator.acquire(matched)
+            self._held.append(matched)
 
     def after_emit(self, step) -> None:
         s, n = self.scheduler, step.events
@@ -144,14 +238,21 @@ class KVTiers(Component):
             tokens = generated.get(rid)
             if tokens is not None:
                 tokens.append(token)
+                self._prefilling.discard(rid)  # its tokens are computed: it samples
                 if finish:
                     self._ended.append(rid)
+                elif len(tokens) == 1:
+                    self._prompted.append(rid)  # its prompt is computed and in the radix tree
 
     def after_step(self, step) -> None:
         plan = step.plan
         prompt_tokens = plan.num_tokens - plan.num_decode_rows
         if prompt_tokens >= 4 * self.block_size and prompt_tokens >= 0.75 * plan.num_tokens:
             self.costs.computed(plan.num_tokens, step.seconds)
+        if self._prompted:
+            prompted, self._prompted = self._prompted, []
+            for rid in prompted:
+                self._save(rid)
         if self._ended:
             ended, self._ended = self._ended, []
             for rid in ended:
@@ -159,7 +260,7 @@ class KVTiers(Component):
                 self._drop(rid)
 
     def finished(self, rid: int) -> None:
-        self._new.pop(rid, None)
+        self._awaiting.pop(rid, None)
         read = self._reads.pop(rid, None)
         if read is not None:
             read.gone = True
@@ -168,6 +269,9 @@ class KVTiers(Component):
             self._drop(rid)
 
     def _drop(self, rid: int) -> None:
+        self._seen.pop(rid, None)
+        self._prefilling.discard(rid)
+        self._counted.discard(rid)
         self._prompts.pop(rid, None)
         self._keys.pop(rid, None)
         self._generated.pop(rid, None)
@@ -178,18 +282,31 @@ class KVTiers(Component):
         keys = self._keys.setdefault(rid, [])
         return extend_chain(keys, tokens, nblocks, self.block_size, self.seed)
 
-    def _look_up(self, rid: int, prompt: np.ndarray) -> None:
+    def _look_up(self, rid: int, tokens: np.ndarray) -> bool:
+        """The blocks of a waiting request's tokens past the pool's match: loaded from the tiers where
+        that measures cheaper than computing them. Nothing when the pool still holds all it held for
+        the request at its last look-up. True when blocks were placed in the pool for it now."""
         bs = self.block_size
-        n = (len(prompt) - 1) // bs  # at least the last token is computed (its logits)
+        n = (len(tokens) - 1) // bs  # at least the last token is computed (its logits)
         if n == 0:
-            return
-        matched, _ = self.cache.match_prefix(prompt, count=False)
+            return False
+        matched, _ = self.cache.match_prefix(tokens, count=False)
         m = len(matched)
-        self.counts["lookups"] += 1
-        self.counts["pool_tokens"] += m * bs
+        seen = self._seen.get(rid)
+        if seen is not None and m >= seen:
+            return False
+        again = rid in self._counted
+        if not again:
+            self._counted.add(rid)
+            self.counts["lookups"] += 1
+            self.counts["pool_tokens"] += m * bs
         if m >= n:
-            return
-        keys = self._chain(rid, prompt, n)
+            self._seen[rid] = m
+            return False
+        keys = self._chain(rid, tokens, n)
+        if again and keys[m] not in self.host and (self.disk is None or not self.disk.contains(keys[m])):
+            self._seen[rid] = m
+            return False
         j = m
         while j < n and keys[j] in self.host:
             j += 1
@@ -198,9 +315,20 @@ class KVTiers(Component):
             while d < n and self.disk.contains(keys[d]):
                 d += 1
         disk_blocks = d - j
-        self.counts["missed_tokens"] += (n - d) * bs
+        if not again:
+            self.counts["missed_tokens"] += (n - d) * bs
         if not host_blocks + disk_blocks:
-            return
+            self._seen[rid] = m
+            return False
+        if self._room(len(tokens), m, host_blocks + disk_blocks) < host_blocks + disk_blocks:
+            # the pool has no room for the hit now: the request waits out of the queue until it has
+            # (admitted now it would compute what the tier holds, a chunk at a time, evicting others)
+            self.scheduler.defer(rid)
+            self._awaiting[rid] = tokens
+            self.counts["waited_for_room"] += 1
+            self._seen.pop(rid, None)
+            return False
+        self._seen[rid] = m
         bb = self.host.block_bytes
         load_s = self.costs.load(host_blocks * bb, disk_blocks * bb)
         recompute_s = self.costs.recompute((host_blocks + disk_blocks) * bs)
@@ -217,28 +345,61 @@ class KVTiers(Component):
         self.decisions.append(decision)
         log.debug("KV tiers: %s", decision)
         if not load:
-            return
+            return False
         if host_blocks:
             self.counts["host_tokens"] += host_blocks * bs
-        if not disk_blocks:
-            self._place(rid, prompt, keys[:n])
-            return
+        if again:
+            self.counts["reloads"] += 1
         rows = []
         while len(rows) < disk_blocks and (row := self.host.take()) is not None:
             rows.append(row)
         if not rows:
-            self._place(rid, prompt, keys[:n])
-            return
+            started = time.monotonic()
+            decision["loaded_tokens"] = self._place(rid, tokens, keys[:n]) * bs
+            decision["loaded_seconds"] = time.monotonic() - started
+            return decision["loaded_tokens"] > 0
         start = m + host_blocks
         self.scheduler.defer(rid)
-        tokens = [prompt[(start + i) * bs:(start + i + 1) * bs] for i in range(len(rows))]
-        future = self._reader.submit(self._read, keys[start:start + len(rows)], tokens, rows)
-        self._reads[rid] = _Read(rid, prompt, keys[:n], start, rows, future)
+        own = [tokens[(start + i) * bs:(start + i + 1) * bs] for i in range(len(rows))]
+        future = self._reader.submit(self._read, keys[start:start + len(rows)], own, rows)
+        self._reads[rid] = _Read(rid, tokens, keys[:n], start, rows, future, decision)
+        return False  # deferred: placed when its blocks are read
+
+    def _room_for(self, tokens: np.ndarray) -> bool:
+        """Whether a request waiting for room can have its hit placed now (without claiming it)."""
+        bs = self.block_size
+        n = (len(tokens) - 1) // bs
+        matched, _ = self.cache.match_prefix(tokens, count=False)
+        claimed = self._claimed
+        fits = self._room(len(tokens), len(matched), n - len(matched)) == n - len(matched)
+        self._claimed = claimed
+        return fits or (self.scheduler.num_running == 0 and not self._held)
+
+    def _room(self, num_tokens: int, matched: int, blocks: int) -> int:
+        """How many of a request's `blocks` loaded blocks the pool can take now beside its matched ones,
+        the first chunk after them and a block for each running request: past that, the scheduler
+        would not admit it now and the blocks would be evicted before it is (0: none)."""
+        s = self.scheduler
+        if s.num_running >= s.max_num_seqs:
+            return 0
+        bs = self.block_size
+        room = self.allocator.num_free - self._claimed - s.num_running - matched
+        for k in (blocks, room - 1, room // 2):
+            k = min(k, blocks)
+            if k <= 0:
+                return 0
+            chunk = min(s.max_num_batched_tokens, max(1, num_tokens - (matched + k) * bs))
+            need = k + -(-chunk // bs)
+            if need <= room:
+                self._claimed += matched + need  # the next request's placement must not evict these
+                return k
+        return 0
 
     def _read(self, keys: list[bytes], tokens: list[np.ndarray], rows: list[int]) -> tuple[int, float]:
         """Reader thread: blocks into their rows, in order, up to the first that fails."""
         started, done = time.monotonic(), 0
         try:
+            self.disk.prefetch(keys)
             for key, toks, row in zip(keys, tokens, rows):
                 if not self.disk.read(key, toks, self.host.rows[row]):
                     break
@@ -260,7 +421,10 @@ class KVTiers(Component):
             wait = False
             del self._reads[rid]
             self._rows_in(read)
-            self._place(rid, read.prompt, read.keys)
+            placed = self._place(rid, read.prompt, read.keys)
+            read.decision["loaded_tokens"] = placed * self.block_size
+            # from the look-up to the request queued again: the read, the wait for the step in flight, the copy
+            read.decision["loaded_seconds"] = time.monotonic() - read.started
             self.scheduler.undefer(rid)
 
     def _rows_in(self, read: _Read) -> None:
@@ -304,16 +468,14 @@ class KVTiers(Component):
             self.cache.insert(prompt[:len(path) * self.block_size], path)
         finally:
             alloc.free(path)
+        self._seen[rid] = len(path)
         seconds = time.monotonic() - started
         nbytes = len(rows) * self.host.block_bytes
         self.costs.loaded("host", nbytes, seconds)
         self.counts["placed_blocks"] += len(rows)
         self.counts["host_bytes_loaded"] += nbytes
         self.counts["host_seconds"] += seconds
-        request = self.core.requests.of(rid) if self.core is not None else None
-        for c in (self.core.components if self.core is not None else ()):
-            if c is not self:
-                c.reserved(request, blocks)  # their KV came from outside the model
+        self._notify(rid, blocks)
         return len(rows)
 
     # -- saving -----------------------------------------------------------------------------------
