@@ -15,7 +15,7 @@ turn of each conversation alone, against an engine without tiers computing the s
 The drive's sequential read rate is measured beside the disk tier's own.
 
 Examples:
-  python tools/bench_kv_tiers.py                       # 16 conversations x 10 turns of ~780 tokens
+  python tools/bench_kv_tiers.py                       # 16 conversations x 10 turns of 700 + 32 tokens
   python tools/bench_kv_tiers.py --conversations 4 --turns 3 --turn-tokens 200   # a quick look
 """
 
@@ -146,7 +146,8 @@ def restart_turn(eng, args, histories) -> list[float]:
     params = SamplingParams(max_tokens=1, temperature=0)
     out = []
     for c in range(args.conversations):
-        prompt = histories[c] + user_turn(c, args.turns, args.turn_tokens)
+        room = eng.max_model_len - len(histories[c]) - 1
+        prompt = histories[c] + user_turn(c, args.turns, min(args.turn_tokens, room))
         if eng.cache is not None:
             eng.cache.evict(eng.allocator.num_blocks)  # cold: nothing of it in the pool
         started = time.monotonic()
@@ -161,7 +162,7 @@ def main() -> None:
     ap = parser_from_doc(__doc__)
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--turn-tokens", type=int, default=750)
+    ap.add_argument("--turn-tokens", type=int, default=700)
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("--pool-conversations", type=float, default=2.0)
     ap.add_argument("--host-gb", type=float, default=4.0)
@@ -192,6 +193,7 @@ def main() -> None:
             if s["disk_seconds"]:
                 row["disk_tier_read_gbps"] = s["disk_bytes_read"] / s["disk_seconds"] / 1e9
         rows.append(row)
+        note(f"tiers {name}: {json.dumps(row)}")
         del eng, t
         gc.collect()
 
