@@ -145,7 +145,8 @@ class KVTiers(Component):
         self._claimed = 0
         self._held: list[np.ndarray] = []             # matched paths held while the scheduler plans
         self._prefilling: set[int] = set()            # rids admitted or queued that still compute tokens
-        self._awaiting: dict[int, tuple] = {}         # deferred until the pool has room: (tokens, disk read landed)
+        self._awaiting: dict[int, tuple] = {}         # deferred until the pool has room: (tokens, disk
+        #                                               read landed, waits at most until then)
         self._reads: dict[int, _Read] = {}            # deferred requests' disk reads
         self._orphans: list[_Read] = []               # reads of requests gone meanwhile
         self._writes: deque[tuple[Future, int]] = deque()  # disk writes in flight, their pinned rows
@@ -172,15 +173,17 @@ class KVTiers(Component):
         if self._reads or self._orphans:
             self._land(wait=s.num_running == 0 and s.num_waiting == 0 and s.num_ready == 0)
         self._claimed = 0  # blocks this step's placements (and their first chunks) count on
-        for rid, (tokens, read) in list(self._awaiting.items()):  # oldest first; one that does not fit stops
-            if not self._room_for(tokens):
-                break
+        now = time.monotonic()
+        for rid, (tokens, read, until) in list(self._awaiting.items()):  # oldest first
+            fits = self._room_for(tokens)
+            if not fits and now < until:
+                break  # it waits on, and those after it too (first come, first served)
             del self._awaiting[rid]
             s.undefer(rid)
-            if read:  # its disk blocks are in host rows now: the load it was deferred for, placed
+            if read and fits:  # its disk blocks are in host rows now: the load it was deferred for, placed
                 self._place(rid, tokens, self._chain(rid, tokens, (len(tokens) - 1) // self.block_size))
-            else:
-                self._look_up(rid, tokens)
+            else:  # looked up again: all of its hit placed when it fits, else (it waited long enough) what fits
+                self._look_up(rid, tokens, patient=False)
             self._hold(tokens)
         if self._prefilling:
             self._extend_running()
@@ -316,7 +319,7 @@ class KVTiers(Component):
         keys = self._keys.setdefault(rid, [])
         return extend_chain(keys, tokens, nblocks, self.block_size, self.seed)
 
-    def _look_up(self, rid: int, tokens: np.ndarray) -> bool:
+    def _look_up(self, rid: int, tokens: np.ndarray, patient: bool = True) -> bool:
         """The blocks of a waiting request's tokens past the pool's match: loaded from the tiers where
         that measures cheaper than computing them. Nothing when the pool still holds all it held for
         the request at its last look-up. True when blocks were placed in the pool for it now."""
@@ -354,14 +357,25 @@ class KVTiers(Component):
         if not host_blocks + disk_blocks:
             self._seen[rid] = m
             return False
-        if self._room(len(tokens), m, host_blocks + disk_blocks) < host_blocks + disk_blocks:
-            # the pool has no room for the hit now: the request waits out of the queue until it has
-            # (admitted now it would compute what the tier holds, a chunk at a time, evicting others)
-            self.scheduler.defer(rid)
-            self._awaiting[rid] = (tokens, False)
-            self.counts["waited_for_room"] += 1
-            self._seen.pop(rid, None)
-            return False
+        claimed = self._claimed
+        fit = self._room(len(tokens), m, host_blocks + disk_blocks)
+        if fit < host_blocks + disk_blocks:
+            if not patient:  # it waited as long as computing the hit takes: what fits now, the rest computed
+                if not fit:
+                    self._seen[rid] = m
+                    return False
+                host_blocks, disk_blocks = min(host_blocks, fit), max(0, fit - host_blocks)
+            else:
+                # no room for the hit now: the request waits out of the queue until there is (admitted
+                # now it would compute what the tier holds a chunk at a time, preempting others as it
+                # grows), at most as long as computing the hit would take
+                self._claimed = claimed
+                self.scheduler.defer(rid)
+                patience = self.costs.recompute((host_blocks + disk_blocks) * bs)
+                self._awaiting[rid] = (tokens, False, time.monotonic() + patience)
+                self.counts["waited_for_room"] += 1
+                self._seen.pop(rid, None)
+                return False
         self._seen[rid] = m
         bb = self.host.block_bytes
         load_s = self.costs.load(host_blocks * bb, disk_blocks * bb)
@@ -460,7 +474,7 @@ class KVTiers(Component):
             read.decision["loaded_seconds"] = time.monotonic() - read.started
             read.decision["loaded_tokens"] = read.future.result()[0] * self.block_size
             # placed (and queued again) as the requests waiting for room are, when the pool has it
-            self._awaiting[rid] = (read.prompt, True)
+            self._awaiting[rid] = (read.prompt, True, read.started + read.decision["recompute_seconds"])
             self._seen.pop(rid, None)
 
     def _rows_in(self, read: _Read) -> None:
