@@ -24,6 +24,7 @@ marks its own KV there stale).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -145,8 +146,10 @@ class KVTiers(Component):
         self._claimed = 0
         self._held: list[np.ndarray] = []             # matched paths held while the scheduler plans
         self._prefilling: set[int] = set()            # rids admitted or queued that still compute tokens
-        self._awaiting: dict[int, tuple] = {}         # deferred until the pool has room: (tokens, disk
-        #                                               read landed, waits at most until then)
+        self._awaiting: dict[int, tuple] = {}         # deferred until the pool has room, in arrival order:
+        #                                               (tokens, its disk read landed)
+        self._order: dict[int, int] = {}              # rid -> arrival number
+        self._arrivals = itertools.count()
         self._reads: dict[int, _Read] = {}            # deferred requests' disk reads
         self._orphans: list[_Read] = []               # reads of requests gone meanwhile
         self._writes: deque[tuple[Future, int]] = deque()  # disk writes in flight, their pinned rows
@@ -165,6 +168,7 @@ class KVTiers(Component):
             self._prompts[rid] = prompt
             self._generated[rid] = []
             self._prefilling.add(rid)
+            self._order[rid] = next(self._arrivals)
 
     def before_schedule(self, core) -> None:
         self.core = core
@@ -173,18 +177,24 @@ class KVTiers(Component):
         if self._reads or self._orphans:
             self._land(wait=s.num_running == 0 and s.num_waiting == 0 and s.num_ready == 0)
         self._claimed = 0  # blocks this step's placements (and their first chunks) count on
-        now = time.monotonic()
-        for rid, (tokens, read, until) in list(self._awaiting.items()):  # oldest first
-            fits = self._room_for(tokens)
-            if not fits and now < until:
-                break  # it waits on, and those after it too (first come, first served)
+        for rid, (tokens, read) in list(self._awaiting.items()):  # first come, first served
+            if not self._room_for(tokens):
+                break
             del self._awaiting[rid]
             s.undefer(rid)
-            if read and fits:  # its disk blocks are in host rows now: the load it was deferred for, placed
+            if read:  # its disk blocks are in host rows now: the load it was deferred for, placed
                 self._place(rid, tokens, self._chain(rid, tokens, (len(tokens) - 1) // self.block_size))
-            else:  # looked up again: all of its hit placed when it fits, else (it waited long enough) what fits
-                self._look_up(rid, tokens, patient=False)
+            else:
+                self._look_up(rid, tokens)
             self._hold(tokens)
+        if self._awaiting:
+            # while the oldest waits for room, requests that came after it wait too, or they would take
+            # the room it waits for, one after another (requests preempted meanwhile are older: they run)
+            first = self._order[next(iter(self._awaiting))]
+            for rid in s.waiting_request_ids():
+                if self._order.get(rid, -1) > first:
+                    s.defer(rid)
+                    self._await(rid, self._tokens(rid), False)
         if self._prefilling:
             self._extend_running()
         if not s.num_waiting:
@@ -193,11 +203,9 @@ class KVTiers(Component):
         # once more whenever the pool has lost some of what it matched for them the last time (an
         # earlier look found the pool holding a prefix that it evicted before the request's turn)
         for i, rid in enumerate(s.waiting_request_ids()[:_NEXT]):
-            prompt = self._prompts.get(rid)
-            if prompt is None:
+            if rid not in self._prompts:
                 continue
-            generated = self._generated[rid]
-            tokens = np.concatenate([prompt, np.asarray(generated, dtype=np.int32)]) if generated else prompt
+            tokens = self._tokens(rid)
             self._prefilling.add(rid)  # new, or preempted: what it computes next may be in a tier
             if self._look_up(rid, tokens) or i == 0:
                 # the allocations of this schedule for the running requests must not evict what it
@@ -307,6 +315,7 @@ class KVTiers(Component):
 
     def _drop(self, rid: int) -> None:
         self._seen.pop(rid, None)
+        self._order.pop(rid, None)
         self._prefilling.discard(rid)
         self._counted.discard(rid)
         self._prompts.pop(rid, None)
@@ -319,7 +328,7 @@ class KVTiers(Component):
         keys = self._keys.setdefault(rid, [])
         return extend_chain(keys, tokens, nblocks, self.block_size, self.seed)
 
-    def _look_up(self, rid: int, tokens: np.ndarray, patient: bool = True) -> bool:
+    def _look_up(self, rid: int, tokens: np.ndarray) -> bool:
         """The blocks of a waiting request's tokens past the pool's match: loaded from the tiers where
         that measures cheaper than computing them. Nothing when the pool still holds all it held for
         the request at its last look-up. True when blocks were placed in the pool for it now."""
@@ -358,24 +367,14 @@ class KVTiers(Component):
             self._seen[rid] = m
             return False
         claimed = self._claimed
-        fit = self._room(len(tokens), m, host_blocks + disk_blocks)
-        if fit < host_blocks + disk_blocks:
-            if not patient:  # it waited as long as computing the hit takes: what fits now, the rest computed
-                if not fit:
-                    self._seen[rid] = m
-                    return False
-                host_blocks, disk_blocks = min(host_blocks, fit), max(0, fit - host_blocks)
-            else:
-                # no room for the hit now: the request waits out of the queue until there is (admitted
-                # now it would compute what the tier holds a chunk at a time, preempting others as it
-                # grows), at most as long as computing the hit would take
-                self._claimed = claimed
-                self.scheduler.defer(rid)
-                patience = self.costs.recompute((host_blocks + disk_blocks) * bs)
-                self._awaiting[rid] = (tokens, False, time.monotonic() + patience)
-                self.counts["waited_for_room"] += 1
-                self._seen.pop(rid, None)
-                return False
+        if self._room(len(tokens), m, host_blocks + disk_blocks) < host_blocks + disk_blocks:
+            # no room for the hit now: the request waits out of the queue until there is (admitted now it
+            # would compute what the tier holds a chunk at a time, preempting others as it grows)
+            self._claimed = claimed
+            self.scheduler.defer(rid)
+            self._await(rid, tokens, False)
+            self.counts["waited_for_room"] += 1
+            return False
         self._seen[rid] = m
         bb = self.host.block_bytes
         load_s = self.costs.load(host_blocks * bb, disk_blocks * bb)
@@ -412,6 +411,17 @@ class KVTiers(Component):
         future = _Parts(self._reader, _READERS, self._read, keys[start:start + len(rows)], own, rows)
         self._reads[rid] = _Read(rid, tokens, keys[:n], start, rows, future, decision)
         return False  # deferred: placed when its blocks are read
+
+    def _await(self, rid: int, tokens: np.ndarray, read: bool) -> None:
+        """A deferred request waits for room in the pool, in arrival order."""
+        self._seen.pop(rid, None)
+        self._awaiting[rid] = (tokens, read)
+        if len(self._awaiting) > 1 and self._order[rid] < self._order[next(reversed(self._awaiting))]:
+            self._awaiting = dict(sorted(self._awaiting.items(), key=lambda item: self._order[item[0]]))
+
+    def _tokens(self, rid: int) -> np.ndarray:
+        prompt, generated = self._prompts[rid], self._generated[rid]
+        return np.concatenate([prompt, np.asarray(generated, dtype=np.int32)]) if generated else prompt
 
     def _room_for(self, tokens: np.ndarray) -> bool:
         """Whether a request waiting for room can have its hit placed now (without claiming it)."""
@@ -474,8 +484,7 @@ class KVTiers(Component):
             read.decision["loaded_seconds"] = time.monotonic() - read.started
             read.decision["loaded_tokens"] = read.future.result()[0] * self.block_size
             # placed (and queued again) as the requests waiting for room are, when the pool has it
-            self._awaiting[rid] = (read.prompt, True, read.started + read.decision["recompute_seconds"])
-            self._seen.pop(rid, None)
+            self._await(rid, read.prompt, True)
 
     def _rows_in(self, read: _Read) -> None:
         done, seconds = read.future.result()
