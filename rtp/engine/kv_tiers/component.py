@@ -147,7 +147,7 @@ class KVTiers(Component):
         self._held: list[np.ndarray] = []             # matched paths held while the scheduler plans
         self._prefilling: set[int] = set()            # rids admitted or queued that still compute tokens
         self._awaiting: dict[int, tuple] = {}         # deferred until the pool has room, in arrival order:
-        #                                               (tokens, its disk read landed)
+        #                                               (tokens, the host rows its disk read filled or None)
         self._order: dict[int, int] = {}              # rid -> arrival number
         self._arrivals = itertools.count()
         self._reads: dict[int, _Read] = {}            # deferred requests' disk reads
@@ -177,13 +177,14 @@ class KVTiers(Component):
         if self._reads or self._orphans:
             self._land(wait=s.num_running == 0 and s.num_waiting == 0 and s.num_ready == 0)
         self._claimed = 0  # blocks this step's placements (and their first chunks) count on
-        for rid, (tokens, read) in list(self._awaiting.items()):  # first come, first served
+        for rid, (tokens, rows) in list(self._awaiting.items()):  # first come, first served
             if not self._room_for(tokens):
                 break
             del self._awaiting[rid]
             s.undefer(rid)
-            if read:  # its disk blocks are in host rows now: the load it was deferred for, placed
+            if rows is not None:  # its disk blocks are in host rows now: the load it was deferred for, placed
                 self._place(rid, tokens, self._chain(rid, tokens, (len(tokens) - 1) // self.block_size))
+                self._unpin(rows)
             else:
                 self._look_up(rid, tokens)
             self._hold(tokens)
@@ -194,7 +195,7 @@ class KVTiers(Component):
             for rid in s.waiting_request_ids():
                 if self._order.get(rid, -1) > first:
                     s.defer(rid)
-                    self._await(rid, self._tokens(rid), False)
+                    self._await(rid, self._tokens(rid), None)
         if self._prefilling:
             self._extend_running()
         if not s.num_waiting:
@@ -305,7 +306,9 @@ class KVTiers(Component):
                 self._drop(rid)
 
     def finished(self, rid: int) -> None:
-        self._awaiting.pop(rid, None)
+        waiting = self._awaiting.pop(rid, None)
+        if waiting is not None and waiting[1]:
+            self._unpin(waiting[1])
         read = self._reads.pop(rid, None)
         if read is not None:
             read.gone = True
@@ -372,7 +375,7 @@ class KVTiers(Component):
             # would compute what the tier holds a chunk at a time, preempting others as it grows)
             self._claimed = claimed
             self.scheduler.defer(rid)
-            self._await(rid, tokens, False)
+            self._await(rid, tokens, None)
             self.counts["waited_for_room"] += 1
             return False
         self._seen[rid] = m
@@ -412,10 +415,11 @@ class KVTiers(Component):
         self._reads[rid] = _Read(rid, tokens, keys[:n], start, rows, future, decision)
         return False  # deferred: placed when its blocks are read
 
-    def _await(self, rid: int, tokens: np.ndarray, read: bool) -> None:
-        """A deferred request waits for room in the pool, in arrival order."""
+    def _await(self, rid: int, tokens: np.ndarray, rows: list[int] | None) -> None:
+        """A deferred request waits for room in the pool, in arrival order; `rows`: the host rows its
+        disk read filled, pinned until placed (else the host tier's saves meanwhile could evict them)."""
         self._seen.pop(rid, None)
-        self._awaiting[rid] = (tokens, read)
+        self._awaiting[rid] = (tokens, rows)
         if len(self._awaiting) > 1 and self._order[rid] < self._order[next(reversed(self._awaiting))]:
             self._awaiting = dict(sorted(self._awaiting.items(), key=lambda item: self._order[item[0]]))
 
@@ -484,7 +488,15 @@ class KVTiers(Component):
             read.decision["loaded_seconds"] = time.monotonic() - read.started
             read.decision["loaded_tokens"] = read.future.result()[0] * self.block_size
             # placed (and queued again) as the requests waiting for room are, when the pool has it
-            self._await(rid, read.prompt, True)
+            rows = [self.host.index[k] for k in read.keys[read.start:read.start + read.future.result()[0]]
+                    if k in self.host.index]
+            for row in rows:
+                self.host.pin(row)
+            self._await(rid, read.prompt, rows)
+
+    def _unpin(self, rows: list[int]) -> None:
+        for row in rows:
+            self.host.unpin(row)
 
     def _rows_in(self, read: _Read) -> None:
         done, seconds = read.future.result()
