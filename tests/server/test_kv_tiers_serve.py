@@ -24,7 +24,11 @@ def _ask(server: Server) -> str:
 def _series(url: str, name: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {labels: float(value) for labels, value in
-            re.findall(rf"^rtp:{name}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, flags=re.M)}
+            re.findall(rf"^rtp:{name}(?:_total)?\{{([^}}]*)\}} ([0-9.e+-]+)$", text, flags=re.M)}
+
+
+def _label(labels: str, name: str) -> str:
+    return re.search(rf'{name}="([^"]*)"', labels).group(1)
 
 
 def test_a_restarted_server_answers_from_the_disk_tier(tmp_path):
@@ -41,9 +45,9 @@ def test_a_restarted_server_answers_from_the_disk_tier(tmp_path):
     second = Server(*ARGS, "--kv-disk-cache", directory).wait_ready()
     try:
         assert _ask(second) == cold
-        hits = {k.split('tier="')[1].rstrip('"'): v for k, v in _series(second.url, "kv_tier_hit_tokens").items()}
+        hits = {_label(k, "tier"): v for k, v in _series(second.url, "kv_tier_hit_tokens").items()}
         assert hits["disk"] >= 20 * 16 and hits["host"] == 0
-        decisions = {k.split('decision="')[1].rstrip('"'): v for k, v in _series(second.url, "kv_tier_decisions").items()}
+        decisions = {_label(k, "decision"): v for k, v in _series(second.url, "kv_tier_decisions").items()}
         assert decisions == {"load": 1.0, "recompute": 0.0}
         assert sum(_series(second.url, "kv_tier_loaded_bytes").values()) > 0
     finally:
