@@ -124,12 +124,12 @@ class _Read:
 class KVTiers(Component):
     name = "kv_tiers"
 
-    def __init__(self, *, scheduler, cache, tensors, block_size: int, seed: bytes, host: HostTier,
+    def __init__(self, *, scheduler, cache, copier: BlockCopier, block_size: int, seed: bytes, host: HostTier,
                  disk: DiskTier | None):
         self.scheduler, self.cache, self.allocator = scheduler, cache, cache.allocator
         self.block_size, self.seed, self.host, self.disk = block_size, seed, host, disk
-        self.copier = BlockCopier(tensors)
-        if self.copier.block_bytes != host.block_bytes:
+        self.copier = copier
+        if copier.block_bytes != host.block_bytes:
             raise ValueError("the host tier's rows are not the size of a KV block")
         self.costs = Costs()
         self.core = None
@@ -243,26 +243,28 @@ class KVTiers(Component):
             blocks = s.extend(rid, k)
             self.copier.to_pool(self.host.rows, np.asarray(rows), blocks)
             self._claimed += len(rows)
-            seconds = time.monotonic() - started
-            nbytes = len(rows) * self.host.block_bytes
-            self.costs.loaded("host", nbytes, seconds)
+            seconds = self._copied_in(rid, blocks, len(rows), started)
             self.counts["extended_tokens"] += k * bs - c
             self.counts["host_tokens"] += k * bs - c
-            self.counts["host_bytes_loaded"] += nbytes
-            self.counts["host_seconds"] += seconds
             self.decisions.append({"rid": rid, "running": True, "pool_tokens": c, "host_tokens": k * bs - c,
                                    "disk_tokens": 0, "load_seconds": load_s, "recompute_seconds": recompute_s,
                                    "load": True, "loaded_tokens": k * bs - c, "loaded_seconds": seconds})
-            self._notify(rid, blocks)
 
-    def _notify(self, rid: int, blocks: np.ndarray) -> None:
-        """The other components learn that these blocks' KV came from outside the model."""
-        if self.core is None:
-            return
-        request = self.core.requests.of(rid)
-        for c in self.core.components:
-            if c is not self:
-                c.reserved(request, blocks)
+    def _copied_in(self, rid: int, blocks: np.ndarray, num_rows: int, started: float) -> float:
+        """Host rows were copied into a request's pool blocks since `started`: the host tier's measured
+        cost and counters, and the other components told that these blocks' KV came from outside the
+        model (a draft model marks its own KV there stale). Returns the seconds it took."""
+        seconds = time.monotonic() - started
+        nbytes = num_rows * self.host.block_bytes
+        self.costs.loaded("host", nbytes, seconds)
+        self.counts["host_bytes_loaded"] += nbytes
+        self.counts["host_seconds"] += seconds
+        if self.core is not None:
+            request = self.core.requests.of(rid)
+            for c in self.core.components:
+                if c is not self:
+                    c.reserved(request, blocks)
+        return seconds
 
     def after_schedule(self, core) -> None:
         while self._held:
@@ -483,13 +485,12 @@ class KVTiers(Component):
                 continue
             wait = False
             del self._reads[rid]
-            self._rows_in(read)
+            done = self._rows_in(read)
             # from the look-up to the blocks in host rows: the read, and the wait for the step in flight
             read.decision["loaded_seconds"] = time.monotonic() - read.started
-            read.decision["loaded_tokens"] = read.future.result()[0] * self.block_size
+            read.decision["loaded_tokens"] = done * self.block_size
             # placed (and queued again) as the requests waiting for room are, when the pool has it
-            rows = [self.host.index[k] for k in read.keys[read.start:read.start + read.future.result()[0]]
-                    if k in self.host.index]
+            rows = [self.host.index[k] for k in read.keys[read.start:read.start + done] if k in self.host.index]
             for row in rows:
                 self.host.pin(row)
             self._await(rid, read.prompt, rows)
@@ -498,7 +499,8 @@ class KVTiers(Component):
         for row in rows:
             self.host.unpin(row)
 
-    def _rows_in(self, read: _Read) -> None:
+    def _rows_in(self, read: _Read) -> int:
+        """A finished read's rows registered in the host tier (those it did not fill freed); how many it filled."""
         done, seconds = read.future.result()
         for i, row in enumerate(read.rows):
             if i < done:
@@ -511,6 +513,7 @@ class KVTiers(Component):
         if not read.gone:
             self.counts["disk_tokens"] += done * self.block_size
         self.costs.loaded("disk", nbytes, seconds)
+        return done
 
     def _place(self, rid: int, prompt: np.ndarray, keys: list[bytes]) -> int:
         """The host tier's run of blocks past the pool's match, into pool blocks and the radix tree
@@ -540,13 +543,8 @@ class KVTiers(Component):
         finally:
             alloc.free(path)
         self._seen[rid] = len(path)
-        seconds = time.monotonic() - started
-        nbytes = len(rows) * self.host.block_bytes
-        self.costs.loaded("host", nbytes, seconds)
+        self._copied_in(rid, blocks, len(rows), started)
         self.counts["placed_blocks"] += len(rows)
-        self.counts["host_bytes_loaded"] += nbytes
-        self.counts["host_seconds"] += seconds
-        self._notify(rid, blocks)
         return len(rows)
 
     # -- saving -----------------------------------------------------------------------------------
@@ -554,11 +552,9 @@ class KVTiers(Component):
     def _save(self, rid: int) -> None:
         """A finished request's cached blocks (prompt and generated tokens) into the host tier, the
         new ones on to the disk tier."""
-        prompt = self._prompts.get(rid)
-        if prompt is None:
+        if rid not in self._prompts:
             return
-        generated = self._generated.get(rid) or []
-        tokens = np.concatenate([prompt, np.asarray(generated, dtype=np.int32)]) if generated else prompt
+        tokens = self._tokens(rid)
         blocks, _ = self.cache.match_prefix(tokens, leave_last=False, count=False)
         if not len(blocks):
             return
@@ -592,15 +588,10 @@ class KVTiers(Component):
             self.host.unpin(row)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued disk write is done (tools, tests, shutdown)."""
+        """Wait until every queued disk write is done (tools, tests; at exit the interpreter waits for them)."""
         for future, _ in list(self._writes):
             future.result(timeout)
         self._unpin_written()
-
-    def close(self) -> None:
-        for pool in (self._reader, self._writer):
-            if pool is not None:
-                pool.shutdown(wait=True)
 
     def check_integrity(self) -> None:
         self.host.check_integrity()
@@ -640,4 +631,4 @@ def build_kv_tiers(cache_config, *, model_path, model_config, runner, scheduler,
         disk = DiskTier(disk_dir, seed, int(cache_config.kv_disk_cache_gb * _GIB), copier.block_bytes, bs)
     log.info("KV cache tiers: host %d blocks (%.2f GiB)%s", rows, rows * copier.block_bytes / _GIB,
              f", disk {disk.dir} ({cache_config.kv_disk_cache_gb:g} GiB, {len(disk.index)} blocks found)" if disk else "")
-    return KVTiers(scheduler=scheduler, cache=cache, tensors=tensors, block_size=bs, seed=seed, host=host, disk=disk)
+    return KVTiers(scheduler=scheduler, cache=cache, copier=copier, block_size=bs, seed=seed, host=host, disk=disk)
