@@ -343,6 +343,17 @@ def llama_cpp_figures(bench: str | None, batched: str | None, model: str, stream
     return out
 
 
+def evict_from_page_cache(files) -> None:
+    """Files out of the page cache (posix_fadvise DONTNEED), so that their next read comes from the drive;
+    what was written must be on the drive first (fsync, or os.sync())."""
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def stream_gbps(mib: int, repeats: int = 5) -> float:
     """GB/s of rtp's streaming-read kernel over a buffer of `mib` MiB, both cores (best of repeats)."""
     import torch

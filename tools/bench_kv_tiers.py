@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import cpu_description, note, parser_from_doc
+from _common import cpu_description, evict_from_page_cache, note, parser_from_doc
 
 BLOCK_BYTES = 368640  # one 16-token block of SmolLM2-135M's bf16 KV (30 layers, 3 KV heads of 64)
 
@@ -95,9 +95,9 @@ def run_workload(eng, args) -> dict:
             "tokens": sum(len(v) for v in out.values())}
 
 
-def tier_stats(eng) -> dict | None:
-    tiers = eng._component_named("kv_tiers")
-    return None if tiers is None else tiers
+def tiers_of(eng):
+    """The engine's KV tiers component (None with tiers off)."""
+    return eng._component_named("kv_tiers")
 
 
 def load_checks(tiers) -> dict:
@@ -112,13 +112,7 @@ def load_checks(tiers) -> dict:
 def drop_page_cache(root: Path) -> None:
     """Written files out of the page cache, so that their next read comes from the drive."""
     os.sync()
-    for f in root.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    evict_from_page_cache(f for f in root.rglob("*") if f.is_file())
 
 
 def drive_read_gbps(directory: Path, mib: int = 512) -> float:
@@ -182,7 +176,7 @@ def main() -> None:
         eng = engine(args, **tiers)
         r = run_workload(eng, args)
         histories = r["history"]
-        t = tier_stats(eng)
+        t = tiers_of(eng)
         row = {"config": name, "wall_s": r["wall_s"], "ttft_p50_s": pct(r["warm_ttft"], 50),
                "ttft_p99_s": pct(r["warm_ttft"], 99), "turns_per_s": args.conversations * args.turns / r["wall_s"]}
         if t is not None:
@@ -201,7 +195,7 @@ def main() -> None:
     drop_page_cache(disk_dir)
     eng = engine(args, kv_disk_cache=str(disk_dir), kv_disk_cache_gb=args.disk_gb)
     warm = restart_turn(eng, args, histories)
-    t = tier_stats(eng)
+    t = tiers_of(eng)
     s = t.stats()
     restart = {"ttft_p50_s": statistics.median(warm), "disk_tokens": s["disk_tokens"], **load_checks(t),
                "disk_tier_read_gbps": s["disk_bytes_read"] / s["disk_seconds"] / 1e9 if s["disk_seconds"] else None}

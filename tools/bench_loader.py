@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from _common import CpuWatch, cpu_description, error_text, note
+from _common import CpuWatch, cpu_description, error_text, evict_from_page_cache, note
 from rtp.cli_options import byte_size
 
 TARGET_VS_BASELINE = 2.0
@@ -112,15 +112,6 @@ def write_checkpoint(directory: Path, layers: int, shards: int) -> list[Path]:
                 **SHAPE).save_pretrained(directory)
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return [directory / f for f in files]
-
-
-def evict(files: list[Path]) -> None:
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def tensor_bytes(files: list[Path]) -> int:
@@ -208,7 +199,7 @@ def transformers_load(directory: Path) -> None:
 # ---------------------------------------------------------------------------------------
 
 def measure(name: str, files: list[Path], nbytes: int, fn) -> dict:
-    evict(files)
+    evict_from_page_cache(files)
     gc.collect()
     note(f"{name} ...")
     try:

@@ -132,12 +132,8 @@ def _steps(engine, check=True):
                 outputs.setdefault(delta.request_id, []).extend(c.token_ids or ())
         if check:
             engine.scheduler.check_integrity()
-            _tiers_of(engine).check_integrity()
+            engine._component_named("kv_tiers").check_integrity()
     return outputs
-
-
-def _tiers_of(engine):
-    return engine._component_named("kv_tiers")
 
 
 def test_aborts_and_preemption_while_blocks_load_leak_nothing(reference, tmp_path):
