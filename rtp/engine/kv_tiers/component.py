@@ -371,11 +371,9 @@ class KVTiers(Component):
         if not host_blocks + disk_blocks:
             self._seen[rid] = m
             return False
-        claimed = self._claimed
-        if self._room(len(tokens), m, host_blocks + disk_blocks) < host_blocks + disk_blocks:
+        if not self._fits(len(tokens), m, host_blocks + disk_blocks):
             # no room for the hit now: the request waits out of the queue until there is (admitted now it
             # would compute what the tier holds a chunk at a time, preempting others as it grows)
-            self._claimed = claimed
             self.scheduler.defer(rid)
             self._await(rid, tokens, None)
             self.counts["waited_for_room"] += 1
@@ -431,33 +429,27 @@ class KVTiers(Component):
 
     def _room_for(self, tokens: np.ndarray) -> bool:
         """Whether a request waiting for room can have its hit placed now (without claiming it)."""
-        bs = self.block_size
-        n = (len(tokens) - 1) // bs
+        n = (len(tokens) - 1) // self.block_size
         matched, _ = self.cache.match_prefix(tokens, count=False)
         claimed = self._claimed
-        fits = self._room(len(tokens), len(matched), n - len(matched)) == n - len(matched)
+        fits = n <= len(matched) or self._fits(len(tokens), len(matched), n - len(matched))
         self._claimed = claimed
         return fits or (self.scheduler.num_running == 0 and not self._held)
 
-    def _room(self, num_tokens: int, matched: int, blocks: int) -> int:
-        """How many of a request's `blocks` loaded blocks the pool can take now beside its matched ones,
-        the first chunk after them and a block for each running request: past that, the scheduler
-        would not admit it now and the blocks would be evicted before it is (0: none)."""
-        s = self.scheduler
+    def _fits(self, num_tokens: int, matched: int, blocks: int) -> bool:
+        """Whether the pool can take a request's `blocks` loaded blocks now beside its matched ones, the
+        first chunk after them and a block for each running request (else the scheduler would not admit
+        it now and the blocks would be evicted before it is); if so, they are claimed for this step."""
+        s, bs = self.scheduler, self.block_size
         if s.num_running >= s.max_num_seqs:
-            return 0
-        bs = self.block_size
+            return False
         room = self.allocator.num_free - self._claimed - s.num_running - matched
-        for k in (blocks, room - 1, room // 2):
-            k = min(k, blocks)
-            if k <= 0:
-                return 0
-            chunk = min(s.max_num_batched_tokens, max(1, num_tokens - (matched + k) * bs))
-            need = k + -(-chunk // bs)
-            if need <= room:
-                self._claimed += matched + need  # the next request's placement must not evict these
-                return k
-        return 0
+        chunk = min(s.max_num_batched_tokens, max(1, num_tokens - (matched + blocks) * bs))
+        need = blocks + -(-chunk // bs)
+        if need > room:
+            return False
+        self._claimed += matched + need  # the next request's placement must not evict these
+        return True
 
     def _read(self, keys: list[bytes], tokens: list[np.ndarray], rows: list[int]) -> tuple[list[bool], float, float]:
         """A reader thread: its share of a run of blocks into their rows; which were read whole."""
