@@ -244,10 +244,12 @@ class Master:
         if why is not None:
             self._mark_down(w, why)
             return
-        w.view.apply_report(WorkerReport(
+        self.router.report(w.view, WorkerReport(
             total_blocks=s.total_blocks, free_blocks=s.free_blocks, block_size=s.block_size,
             queued_prompt_tokens=s.queued_prompt_tokens, running=s.num_running, waiting=s.num_waiting,
-            prefill_tokens_per_ms=s.prefill_tokens_per_ms, cached_blocks=s.cached_blocks))
+            prefill_tokens_per_ms=s.prefill_tokens_per_ms, cached_blocks=s.cached_blocks,
+            host_blocks=s.host_blocks, host_saving=s.host_saving, disk_id=s.disk_id, disk_blocks=s.disk_blocks,
+            disk_saving=s.disk_saving))
         w.down_why = None
         if not w.view.healthy:
             log.info("worker %s (%s) is up: %d KV blocks of %d tokens", w.url, w.role, s.total_blocks, s.block_size)

@@ -11,7 +11,12 @@ The view of one worker (`WorkerView`):
 - queued prompt tokens Q: the master's own in-flight accounting (tokens routed
   whose prefill has not finished) or the worker's report, whichever is larger;
 - mu: measured prefill tokens per ms (a moving average);
-- free KV tokens and the expected KV growth of the requests decoding there.
+- free KV tokens and the expected KV growth of the requests decoding there;
+- the KV tiers under its pool, when it has them (--kv-host-cache-gb, --kv-disk-cache): its host
+  tier, and the disk directory it shares with the workers that report the same one (`TierView`).
+
+A prefix a worker holds only in a tier below its pool counts for less than one in the pool: each
+such token counts the share of its prefill time a load saves there, as the worker measures it.
 
 FlexLB's prefill choice maximises
 
@@ -54,6 +59,11 @@ class WorkerReport:
     waiting: int = 0
     prefill_tokens_per_ms: float = 0.0   # 0: not measured yet
     cached_blocks: int | None = None     # blocks in its prefix cache, when reported
+    host_blocks: int = 0                 # its host KV tier's size (0: none)
+    host_saving: float = 0.0             # share of a prompt token's compute time a host-tier load saves
+    disk_id: str = ""                    # its disk KV tier: the directory's identity and the model's ("" none)
+    disk_blocks: int = 0
+    disk_saving: float = 0.0
 
 
 class Pool:
@@ -99,6 +109,24 @@ class Pool:
         return ok
 
 
+class TierView:
+    """The master's picture of a KV tier below the pool: one worker's host tier, or a disk directory
+    shared by every worker that reports its id. Like a worker's tree, a mirror of the prompts routed
+    to it, least recently used evicted at its size."""
+
+    def __init__(self, blocks: int, block_size: int):
+        self.blocks, self.block_size = blocks, block_size
+        self.tree = RadixCache(BlockAllocator(max(blocks, 2), block_size))
+        self.members: set[WorkerView] = set()   # the workers reading it
+
+    def fits(self, blocks: int, block_size: int) -> bool:
+        return blocks <= self.blocks and block_size == self.block_size
+
+    def match(self, tokens) -> int:
+        _blocks, n = self.tree.match_prefix(tokens, leave_last=False)
+        return int(n)
+
+
 class _PoolField:
     """A WorkerView attribute stored in its pool's array."""
 
@@ -135,6 +163,11 @@ class WorkerView:
         self.block_size = block_size
         self.total_blocks = total_blocks
         self.tree = RadixCache(BlockAllocator(max(total_blocks, 2), block_size))
+        # its KV tiers, once it reports them; a token found only there counts the share of its prefill
+        # time that loading it instead saves, as the worker measures it
+        self.host: TierView | None = None
+        self.disk: TierView | None = None
+        self.saving = {"host": 0.0, "disk": 0.0}
         self.pool = Pool(role)           # replaced when a Router adopts the view
         self.index = self.pool.add(self)
         self.healthy = True
@@ -155,10 +188,24 @@ class WorkerView:
     def queue_ms(self) -> float:
         return float(self.pool.queue_ms()[self.index])
 
-    def match(self, tokens) -> int:
-        """Tokens of `tokens` this worker is believed to have cached."""
+    def match(self, tokens) -> float:
+        """Tokens of `tokens` this worker is believed to have cached: those in its pool, plus those only
+        its KV tiers hold, each counted at the share of its prefill time a load from there saves."""
         _blocks, n = self.tree.match_prefix(tokens, leave_last=False)
-        return int(n)
+        hit = covered = int(n)
+        for name, tier in (("host", self.host), ("disk", self.disk)):
+            if tier is not None:
+                more = tier.match(tokens) - covered
+                if more > 0:
+                    hit += self.saving[name] * more
+                    covered += more
+        return hit
+
+    def record(self, tokens) -> None:
+        """A prompt sent here: its prefix is in the pool, and on its way into the tiers below."""
+        for tree in (self.tree, self.host and self.host.tree, self.disk and self.disk.tree):
+            if tree is not None:
+                tree.record(tokens)
 
     def apply_report(self, report: WorkerReport) -> None:
         """Refresh the view from the worker's own stats."""
@@ -174,6 +221,11 @@ class WorkerView:
         if report.cached_blocks is not None and self.tree.num_cached_blocks > report.cached_blocks:
             # the worker evicted more than our mirror did (other traffic, a restart): follow it
             self.tree.evict(self.tree.num_cached_blocks - report.cached_blocks)
+        if not report.host_blocks:
+            self.host = None
+        elif self.host is None or (self.host.blocks, self.host.block_size) != (report.host_blocks, report.block_size):
+            self.host = TierView(report.host_blocks, report.block_size)
+        self.saving = {"host": _share(report.host_saving), "disk": _share(report.disk_saving)}
 
 
 @dataclass
@@ -186,6 +238,10 @@ class RouterStats:
     @property
     def hit_ratio(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _share(x: float) -> float:
+    return min(1.0, max(0.0, float(x)))
 
 
 def _first_block(tokens, block_size: int) -> bytes | None:
@@ -256,6 +312,7 @@ class Router:
         self.balance_rel_threshold = balance_rel_threshold
         self.workers: dict[str, WorkerView] = {}
         self.pools: dict[str, Pool] = {}
+        self.disks: dict[str, TierView] = {}   # disk KV tiers by id: one for the workers sharing a directory
         self._mean_output = 0.0          # running average of actual output lengths
         self._outputs_seen = 0
         self.stats = RouterStats()
@@ -269,6 +326,26 @@ class Router:
         view._join(pool)
         self.workers[view.name] = view
         return view
+
+    def report(self, view: WorkerView, report: WorkerReport) -> None:
+        """A worker's stats: its view refreshed, and joined to the disk tier it reads from (the one
+        other workers reporting the same directory read, which holds what was routed to any of them)."""
+        view.apply_report(report)
+        disk = self.disks.get(report.disk_id) if report.disk_id else None
+        if report.disk_id and (disk is None or not disk.fits(report.disk_blocks, report.block_size)):
+            # the first worker reporting it, or one with a larger budget: the mirror starts again
+            disk = TierView(report.disk_blocks, report.block_size)
+            if report.disk_id in self.disks:
+                for other in self.workers.values():
+                    if other.disk is self.disks[report.disk_id]:
+                        other.disk = disk
+                disk.members = self.disks[report.disk_id].members
+            self.disks[report.disk_id] = disk
+        if view.disk is not None and view.disk is not disk:
+            view.disk.members.discard(view)
+        view.disk = disk
+        if disk is not None:
+            disk.members.add(view)
 
     def set_healthy(self, name: str, healthy: bool) -> None:
         w = self.workers[name]
@@ -377,10 +454,13 @@ class Router:
 
     def prefill_started(self, w: WorkerView, tokens, hit: int) -> None:
         """R was sent to w: its prompt joins w's tree and w's queue."""
-        w.tree.record(tokens)
+        w.record(tokens)
         key = _first_block(tokens, w.block_size)
         if key is not None:
-            w.pool.first_block.setdefault(key, set()).add(w.index)
+            holders = w.pool.first_block.setdefault(key, set())
+            holders.add(w.index)
+            if w.disk is not None:  # the workers sharing its disk tier will find it there
+                holders.update(v.index for v in w.disk.members if v.pool is w.pool)
         w.inflight_queue += len(tokens) - hit
         s = self.stats
         s.requests += 1

@@ -87,6 +87,12 @@ class WorkerStats(Struct, kw_only=True):
     decode_step_ms: float         # measured (moving average) over decode-only steps; 0 until one ran
     kv_cache_usage: float
     kv_layout: KVLayout           # a prefill node hands KV only to a decode node of the same layout
+    # its KV tiers (--kv-host-cache-gb, --kv-disk-cache), which a router counts prefix hits in
+    host_blocks: int = 0          # host tier size (0: none)
+    host_saving: float = 0.0      # share of a prompt token's compute time a load from there saves
+    disk_id: str = ""             # the disk tier's directory and model ("" none): the same for workers sharing it
+    disk_blocks: int = 0
+    disk_saving: float = 0.0
 
 
 class ReserveRequest(Struct, kw_only=True):

@@ -95,6 +95,30 @@ def test_a_prefix_gets_the_same_tokens_from_every_tier_and_after_a_restart(refer
     assert s["decided_load"] == 1 and tiers.decisions[-1]["load_seconds"] < tiers.decisions[-1]["recompute_seconds"]
 
 
+def test_an_int8_cache_keeps_its_int8_blocks_and_scales_in_every_tier(tmp_path):
+    """--kv-cache-dtype int8: the tiers hold the pool's own int8 blocks (K rotated as the cache rotates
+    it) with their scales, about half a bf16 block's bytes, and a hit gives the tokens recomputing gives."""
+    engine = dict(ENGINE, kv_cache_memory=80 * 368640 * 68 // 128, kv_cache_dtype="int8")
+    plain = LLM(**engine)
+    refs = []
+    for p in (A, TURNS[0], TURNS[1]):
+        plain.engine.cache.evict(plain.engine.allocator.num_blocks)
+        refs.append(_run(plain, p))
+    del plain
+    llm = LLM(kv_host_cache_gb=0.1, kv_disk_cache=str(tmp_path / "kv"), **engine)
+    tiers = _tiers(llm)
+    assert tiers.host.block_bytes == 30 * 16 * 3 * 2 * (64 + 4)   # layers, tokens, kv heads, K and V, D + scale
+    assert _run(llm, A) == refs[0]
+    tiers.flush()
+    llm.engine.cache.evict(llm.engine.allocator.num_blocks)
+    assert _run(llm, TURNS[0]) == refs[1]                     # from the host tier
+    llm.engine.cache.evict(llm.engine.allocator.num_blocks)
+    _drop_host(tiers)
+    assert _run(llm, TURNS[1]) == refs[2]                     # from the disk tier
+    s = tiers.stats()
+    assert s["host_tokens"] == 31 * BS and s["disk_tokens"] == 31 * BS and s["disk"]["corrupt_skipped"] == 0
+
+
 def test_one_hit_spans_the_pool_the_host_and_the_disk(reference, tmp_path):
     llm = LLM(kv_host_cache_gb=0.1, kv_disk_cache=str(tmp_path / "kv"), **ENGINE)
     tiers, engine = _tiers(llm), llm.engine

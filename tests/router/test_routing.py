@@ -190,3 +190,68 @@ def test_rtp_simulate_prints_a_table_and_a_json_line():
     rows = report["traces"]["conversational"]["table"]
     assert len(rows) == 9 and all(r["finished"] == 800 and r["seeds"] == 2 for r in rows)  # pooled
     assert SMOLLM2_135M.name == report["model"]
+
+
+def _tiers(total=64, host=0, host_saving=0.0, disk_id="", disk_blocks=0, disk_saving=0.0, cached=None):
+    return WorkerReport(total_blocks=total, free_blocks=total, block_size=BS, cached_blocks=cached,
+                        host_blocks=host, host_saving=host_saving, disk_id=disk_id, disk_blocks=disk_blocks,
+                        disk_saving=disk_saving)
+
+
+def test_a_prefix_in_a_kv_tier_counts_at_what_loading_it_saves_and_a_shared_disk_serves_every_worker():
+    r = make_router(prefill=3, blocks=64)
+    p0, p1, p2 = (r.workers[f"p{k}"] for k in range(3))
+    r.report(p0, _tiers(host=64, host_saving=0.9, disk_id="a/model", disk_blocks=1000, disk_saving=0.5))
+    r.report(p1, _tiers())                                                          # no tiers
+    r.report(p2, _tiers(disk_id="a/model", disk_blocks=500, disk_saving=0.4))       # shares p0's directory
+    assert p0.disk is p2.disk and p0.disk.blocks == 1000 and p1.disk is None and p2.host is None
+    system = prompt(11, 32 * BS)
+    r.prefill_started(p0, system, 0)
+    follow_up = np.concatenate([system, prompt(12, 40)])
+    # the pool's hit counts whole; the shared disk's counts its saving (p2's own, 0.4) on p2, nothing on p1
+    assert p0.match(follow_up) == 32 * BS and p1.match(follow_up) == 0
+    assert p2.match(follow_up) == pytest.approx(0.4 * 32 * BS)
+    assert r.choose_prefill(follow_up) == (p0, 32 * BS)      # equal queues: the pool hit wins
+    # a long queue on p0: the prefix goes to p2, which reads it from the disk, not to p1 (an equal queue)
+    p0.reported_queue = 20_000
+    w, hit = r.choose_prefill(follow_up)
+    assert w is p2 and hit == pytest.approx(0.4 * 32 * BS)
+    # p0's pool evicted it: its host tier still holds it, at the host's saving
+    r.report(p0, _tiers(host=64, host_saving=0.9, disk_id="a/model", disk_blocks=1000, disk_saving=0.5, cached=0))
+    assert p0.tree.num_cached_blocks == 0 and p0.match(follow_up) == pytest.approx(0.9 * 32 * BS)
+    # past the host tier's size only the disk's share is left; the disk as a whole follows its largest budget
+    r.prefill_started(p0, prompt(13, 63 * BS), 0)
+    assert p0.match(follow_up) == pytest.approx(0.5 * 32 * BS)
+    r.report(p2, _tiers(disk_id="a/model", disk_blocks=4000, disk_saving=0.4))
+    assert p0.disk is p2.disk and p2.disk.blocks == 4000 and p2.disk.members == {p0, p2}
+    # a loading slower than recompute (saving 0) counts nothing; a worker that stops reporting a tier loses it
+    r.prefill_started(p2, system, 0)
+    r.report(p0, _tiers(disk_id="a/model", disk_blocks=1000, disk_saving=0.0, cached=0))
+    assert p0.host is None and p0.match(follow_up) == 0
+    r.report(p2, _tiers(cached=0))
+    assert p2.disk is None and p2.match(follow_up) == 0 and r.disks["a/model"].members == {p0}
+
+
+def test_flexlb_choice_with_tiers_equals_scoring_every_worker():
+    """Workers sharing a disk can hold a prefix none of them was sent: the search must still find them."""
+    rng = np.random.default_rng(8)
+    systems = [prompt(200 + k, int(rng.integers(64, 400))) for k in range(6)]
+    for trial in range(30):
+        r = make_router(beta=float(rng.choice([0.2, 0.5, 0.65, 0.9])), prefill=6, blocks=16)
+        views = list(r.workers.values())
+        for k, v in enumerate(views):
+            r.report(v, _tiers(total=16, host=int(rng.choice([0, 24])), host_saving=float(rng.uniform(0, 1)),
+                               disk_id=str(rng.choice(["", "x", "y"])), disk_blocks=int(rng.integers(0, 200)),
+                               disk_saving=float(rng.uniform(0, 1))))
+        for v in views:
+            for s in rng.choice(len(systems), size=3):
+                r.prefill_started(v, systems[s], 0)
+            v.inflight_queue = float(rng.integers(0, 4000))
+            v.mu = float(rng.uniform(5, 20))
+        q = np.concatenate([systems[int(rng.integers(len(systems)))], prompt(trial, 30)])
+        chosen, hit = r.choose_prefill(q)
+        queue = np.array([v.queue_ms for v in views])
+        unit = max(len(q) / np.mean([v.mu for v in views]), queue.mean())
+        scores = [r.beta * v.match(q) / len(q) - (1 - r.beta) * qm / unit for v, qm in zip(views, queue)]
+        assert scores[views.index(chosen)] == pytest.approx(max(scores), abs=1e-9)
+        assert hit == pytest.approx(chosen.match(q))

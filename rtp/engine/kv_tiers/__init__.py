@@ -18,6 +18,7 @@ the queue (Scheduler.defer) and the other requests keep stepping.
     blocks.py      the fingerprint, the hash chain, block copies between the pool and host memory
     host.py        tier 1: a bounded RAM store of blocks, least recently used evicted
     disk.py        tier 2: one checksummed file per block, content-addressed, atomic writes
+    costs.py       what a load from each tier and a recomputed token measure here
     component.py   the engine component: look-ups, cost decisions, loads, saves, counters
 """
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from rtp.engine.component import Component
 from rtp.engine.kv_tiers.blocks import BlockCopier, extend_chain, fingerprint
+from rtp.engine.kv_tiers.costs import Costs
 from rtp.engine.kv_tiers.disk import DiskTier
 from rtp.engine.kv_tiers.host import HostTier
 
@@ -53,35 +54,6 @@ def _lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except OSError:
         pass
-
-
-class Costs:
-    """What loading and recomputing measure here, as moving averages: seconds per byte from each tier
-    (a disk load also pays the host copy), seconds per prompt token computed. The priors only
-    decide until the first measurements: a host copy at 4 GB/s, a disk at 1 GB/s, 10,000 prompt
-    tokens a second (more than a CPU prefills: recompute is not underrated)."""
-
-    def __init__(self):
-        self.per_byte = {"host": 1 / 4e9, "disk": 1 / 1e9}
-        self.per_token = 1e-4
-        self.samples = {"host": 0, "disk": 0, "recompute": 0}
-
-    def _mix(self, old: float, new: float, what: str) -> float:
-        self.samples[what] += 1
-        return new if self.samples[what] == 1 else 0.7 * old + 0.3 * new
-
-    def loaded(self, tier: str, nbytes: int, seconds: float) -> None:
-        if nbytes >= 1 << 20:  # smaller copies measure the call, not the bandwidth
-            self.per_byte[tier] = self._mix(self.per_byte[tier], seconds / nbytes, tier)
-
-    def computed(self, tokens: int, seconds: float) -> None:
-        self.per_token = self._mix(self.per_token, seconds / tokens, "recompute")
-
-    def load(self, host_bytes: int, disk_bytes: int) -> float:
-        return (host_bytes + disk_bytes) * self.per_byte["host"] + disk_bytes * self.per_byte["disk"]
-
-    def recompute(self, tokens: int) -> float:
-        return tokens * self.per_token
 
 
 class _Parts:
@@ -596,6 +568,12 @@ class KVTiers(Component):
             out["disk"] = self.disk.stats()
         out["seconds_per_token_recompute"] = self.costs.per_token
         out["seconds_per_byte"] = dict(self.costs.per_byte)
+        token_bytes = self.host.block_bytes / self.block_size
+        out["route"] = {"host_blocks": self.host.capacity, "host_saving": self.costs.saving("host", token_bytes),
+                        "disk_id": "", "disk_blocks": 0, "disk_saving": 0.0}
+        if self.disk is not None:
+            out["route"].update(disk_id=self.disk.id, disk_blocks=self.disk.budget // self.disk.file_bytes,
+                                disk_saving=self.costs.saving("disk", token_bytes))
         return out
 
 

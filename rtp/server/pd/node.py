@@ -183,6 +183,7 @@ class PDNode:
 
     def worker_stats(self) -> rpc.WorkerStats:
         s = self.engine.stats
+        tiers = (s.get("kv_tiers") or {}).get("route", {})
         return rpc.WorkerStats(
             role=self.role, model=self.model_name, block_size=self.block_size,
             total_blocks=s.get("num_blocks", 0), free_blocks=s.get("free_blocks", 0) + s.get("evictable_blocks", 0),
@@ -191,7 +192,7 @@ class PDNode:
             num_reserved=s.get("num_reserved", 0), queued_prompt_tokens=s.get("queued_prompt_tokens", 0),
             prefill_tokens_per_ms=s.get("prefill_tokens_per_ms", 0.0),
             decode_step_ms=s.get("decode_step_ms", 0.0), kv_cache_usage=s.get("kv_cache_usage", 0.0),
-            kv_layout=self.layout)
+            kv_layout=self.layout, **tiers)
 
     async def rpc_abort(self, request: Request, body: rpc.AbortRequest) -> Response:
         found = False
