@@ -232,7 +232,7 @@ class WorkerView:
 class RouterStats:
     requests: int = 0
     prompt_tokens: int = 0
-    hit_tokens: int = 0                  # prefix tokens the chosen prefill worker was believed to hold
+    hit_tokens: float = 0                # prefix tokens the chosen prefill worker was believed to hold (tier hits weighted)
     beta_trace: list = field(default_factory=list)
 
     @property

@@ -238,4 +238,5 @@ def test_bench_kv_tiers_runs_every_tier_and_a_restart_and_prints_a_json_last_lin
     assert rows["host"]["host_tokens"] > 0 and rows["disk"]["disk_tokens"] + rows["disk"]["host_tokens"] > 0
     restart = figures["restart"]
     assert restart["disk_tokens"] > 0 and restart["loads"] == 3 and restart["cold_ttft_p50_s"] > 0
+    assert all(r["alone_p50_s"] > 0 for r in rows.values())
     assert figures["drive_read_gbps"] > 0 and "restart:" in out.stdout
