@@ -112,8 +112,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             num_experts=num_experts,
             num_experts_per_tok=count("num_experts_per_tok", 0, minimum=0),
-            # Mixtral's experts are intermediate_size wide; Qwen's have a size of their own
-            moe_intermediate_size=(intermediate if arch == "MixtralForCausalLM"
+            # Mixtral's and OLMoE's experts are intermediate_size wide; Qwen's have a size of their own
+            moe_intermediate_size=(intermediate if arch in ("MixtralForCausalLM", "OlmoeForCausalLM")
                                    else count("moe_intermediate_size", 0, minimum=0)) if num_experts else 0,
             shared_expert_intermediate_size=count("shared_expert_intermediate_size", 0, minimum=0),
             # Mixtral always renormalises; its config has no flag for it
@@ -144,6 +144,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
                              f"tensor-parallel ranks")
         if self.vocab_size % tp:
             raise ValueError(f"--tp {tp}: a vocabulary of {self.vocab_size} does not split over {tp} ranks")
+        if self.architecture == "OlmoeForCausalLM" and tp > 1:
+            raise ValueError(f"--tp {tp}: OLMoE's q/k norm spans all heads, which tensor parallelism splits")
         if self.intermediate_size % tp:
             raise ValueError(f"--tp {tp}: an intermediate size of {self.intermediate_size} does not split "
                              f"over {tp} ranks")

@@ -52,6 +52,8 @@ MOE_CONFIGS = {
     # layer 0 dense (decoder_sparse_step 2), renormalised top-k, q/k norm
     "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 8, "moe_intermediate_size": 32, "decoder_sparse_step": 2,
                                                 "norm_topk_prob": True, "head_dim": 32}),
+    # q/k norm over all heads, q, k and v clamped
+    "olmoe": (transformers.OlmoeConfig, {"num_experts": 8, "clip_qkv": 2.0, "eos_token_id": 2}),
 }
 
 # -- DeepSeek-V3 -----------------------------------------------------------------------------------

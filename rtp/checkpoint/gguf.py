@@ -62,6 +62,7 @@ _ARCHITECTURES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
 }
 # the config.json key each GGUF count becomes (_build_config), whose limit it is held to
 _CONFIG_KEYS = {"embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
@@ -249,6 +250,8 @@ class GGUFCheckpoint(GGUFFile):
                                      count("feed_forward_length")))
             if arch == "qwen2moe":
                 cfg["qkv_bias"] = "blk.0.attn_q.bias" in names
+        if arch == "olmoe" and key("attention.clamp_kqv") is not None:  # OLMo's clip_qkv, as llama.cpp names it
+            cfg["clip_qkv"] = positive("attention.clamp_kqv", None)
         if rope_dim and rope_dim != head_dim:  # Phi-4-mini rotates 96 of its 128 dims
             cfg["partial_rotary_factor"] = rope_dim / head_dim
         sliding = count("attention.sliding_window", minimum=0)

@@ -15,8 +15,8 @@ contiguous run of whole quant blocks: `expert_records` gives every expert a reco
 under its Hugging Face name (model.layers.N.mlp.experts.E.gate_proj.weight, Mixtral's w1 / w3 / w2),
 and the model's loader fills its stacked expert slots from them as from a safetensors
 checkpoint. The architectures are llama.cpp's: `qwen2moe` (top-k weights as the softmax gives
-them, a shared expert), `qwen3moe` (renormalised top-k, q/k norm) and `llama` with experts
-(Mixtral, renormalised). The counts come from the metadata as llama.cpp's loader reads them
+them, a shared expert), `qwen3moe` (renormalised top-k, q/k norm), `olmoe` (top-k as given, q/k
+norm over all heads) and `llama` with experts (Mixtral, renormalised). The counts come from the metadata as llama.cpp's loader reads them
 (expert_count, expert_used_count, expert_feed_forward_length,
 expert_shared_feed_forward_length), checked against the tensors, which decide where the two
 disagree in what llama.cpp would also refuse to load: each mismatch is one error naming the
@@ -34,7 +34,7 @@ from rtp.checkpoint.gguf_header import GGUFError
 
 # GGUF architectures whose layers may be sparse -> whether the top-k weights are renormalised
 # (llama.cpp's build_moe_ffn norm_w for each; a file's {arch}.expert_weights_norm overrides it)
-MOE_ARCHITECTURES = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+MOE_ARCHITECTURES = {"qwen2moe": False, "qwen3moe": True, "llama": True, "olmoe": False}
 # the part of an expert each stacked tensor holds -> its projection's name in each family
 _PARTS = ("gate", "up", "down")
 _HF_PARTS = {"llama": {"gate": "w1", "up": "w3", "down": "w2"},
@@ -67,6 +67,9 @@ class MoELayout:
             return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                     "num_local_experts": self.num_experts, "num_experts_per_tok": self.top_k,
                     "intermediate_size": self.width}
+        if arch == "olmoe":  # every layer sparse, experts as wide as intermediate_size
+            return {"num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+                    "norm_topk_prob": renormalize, "intermediate_size": self.width}
         cfg = {"num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
                "moe_intermediate_size": self.width, "norm_topk_prob": renormalize,
                "decoder_sparse_step": 1, "mlp_only_layers": dense,

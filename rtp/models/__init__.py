@@ -22,6 +22,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("rtp.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("rtp.models.gemma", "GemmaForCausalLM"),
     "Phi3ForCausalLM": ("rtp.models.phi3", "Phi3ForCausalLM"),
+    "OlmoeForCausalLM": ("rtp.models.olmoe", "OlmoeForCausalLM"),
 }
 
 

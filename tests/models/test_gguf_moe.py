@@ -1,4 +1,4 @@
-"""Mixture-of-experts GGUFs against transformers: qwen2moe, qwen3moe, and Mixtral as llama.cpp
+"""Mixture-of-experts GGUFs against transformers: qwen2moe, qwen3moe, olmoe, and Mixtral as llama.cpp
 writes it (architecture llama with experts).
 
 Each tiny random transformers model of tests/tiny_models.py (MOE_CONFIGS: a shared expert and
@@ -27,7 +27,7 @@ from rtp.checkpoint.gguf import GGUFCheckpoint, GGUFError
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 _NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -114,8 +114,10 @@ def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edi
     experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     writer.add_expert_count(experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch != "llama":
+    if arch not in ("llama", "olmoe"):  # llama.cpp writes the width of Mixtral's and OLMoE's experts as ffn length
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "clip_qkv", None):
+        writer.add_clamp_kqv(cfg.clip_qkv)
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if edit is not None:
@@ -198,6 +200,10 @@ def test_config_reads_as_transformers_reads_the_twin(tmp_path):
             assert cfg["intermediate_size"] == want.intermediate_size
             continue
         assert cfg["num_experts"] == want.num_experts
+        if kind == "olmoe":
+            assert cfg["intermediate_size"] == want.intermediate_size and not cfg["norm_topk_prob"]
+            assert cfg["clip_qkv"] == want.clip_qkv
+            continue
         assert cfg["moe_intermediate_size"] == want.moe_intermediate_size
         assert cfg["norm_topk_prob"] == (kind == "qwen3_moe")
         dense = [i for i in range(want.num_hidden_layers)
@@ -307,8 +313,9 @@ def _sparse(model):
     ("qwen3_moe", Q.Q8_0, {}), ("qwen2_moe", Q.Q8_0, {}), ("qwen3_moe", Q.Q4_0, {}), ("qwen3_moe", Q.Q4_1, {}),
     ("qwen3_moe", Q.Q5_0, {}), ("qwen3_moe", Q.Q5_1, {}),
     ("qwen3_moe", Q.Q4_K, K_QUANT_MOE), ("qwen3_moe", Q.Q6_K, K_QUANT_MOE), ("qwen3_moe", Q.Q5_K, K_QUANT_MOE),
+    ("olmoe", Q.Q8_0, {"intermediate_size": 128}),  # experts whose rows split into Q8_0 blocks
 ], ids=["qwen3-q8_0", "qwen2-q8_0", "qwen3-q4_0", "qwen3-q4_1", "qwen3-q5_0", "qwen3-q5_1", "qwen3-q4_k",
-        "qwen3-q6_k", "qwen3-q5_k"])
+        "qwen3-q6_k", "qwen3-q5_k", "olmoe-q8_0"])
 def test_quantized_experts_are_served_from_their_blocks(kind, qtype, override, tmp_path):
     """No dense copy of the experts (w13 and w2 on the meta device: nothing allocated, nothing read);
     each layer's experts through the block kernels give what fp32 experts on the file's weights

@@ -200,6 +200,11 @@ def test_config_reads_moe_fields(tmp_path):
                                    "architectures": ["MixtralForCausalLM"], "num_experts": None,
                                    "num_local_experts": 4, "mlp_only_layers": []})
     assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 112 and mixtral.num_experts == 4
+    olmoe_path, _ = make_moe("olmoe", tmp_path / "olmoe")
+    olmoe = ModelConfig.from_hf(json.loads((olmoe_path / "config.json").read_text()))
+    assert olmoe.moe_intermediate_size == 112 and not olmoe.norm_topk_prob and not olmoe.qk_norm
+    with pytest.raises(ValueError, match="OLMoE's q/k norm spans all heads"):
+        olmoe.check_tensor_parallel(2)
 
 
 def test_rebalance_from_the_measured_load_keeps_output_bit_for_bit():
