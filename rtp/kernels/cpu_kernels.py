@@ -29,11 +29,13 @@ def _probe() -> int:
         from rtp.kernels import _cpu_kernels
     except ImportError:
         return 0
+    if not ops.ISAS:  # an architecture rtp has no kernels for
+        return 0
     want = os.environ.get("RTP_CPU_ISA", "") or ops.ISAS[-1]
     if want not in ops.ISAS:
         raise ValueError(f"RTP_CPU_ISA={want!r}: one of {', '.join(ops.ISAS)}")
     most = ops.ISAS.index(want) + 1
-    if os.environ.get("RTP_AMX", "1") == "0":
+    if os.environ.get("RTP_AMX", "1") == "0" and "amx" in ops.ISAS:
         most = min(most, ops.ISAS.index("avx512bf16") + 1)
     return _cpu_kernels.select_isa(most)
 
@@ -43,10 +45,11 @@ _ISA = _probe()
 _AVAILABLE = _ISA > 0
 if _AVAILABLE:
     from rtp.kernels import _cpu_kernels as _k
-# the path of the kernels outside csrc/avx2/: tile-order linears, VNNI and AMX
-_BF16_PATH = _ISA >= ops.ISAS.index("avx512bf16") + 1
+# the path of the kernels outside csrc/avx2/ and csrc/arm/: tile-order linears, VNNI and AMX (x86-64 only)
+_BF16_PATH = "avx512bf16" in ops.ISAS and _ISA >= ops.ISAS.index("avx512bf16") + 1
 # each op: whether it has a variant on the selected path (an op without one leaves its layers on torch)
-_HAS = {op.name: _AVAILABLE and _ISA >= ops.ISAS.index(op.lowest_isa) + 1 for op in ops.OPS}
+_HAS = {op.name: _AVAILABLE and op.lowest_isa is not None and _ISA >= ops.ISAS.index(op.lowest_isa) + 1
+        for op in ops.OPS}
 
 
 def available() -> bool:
@@ -219,7 +222,7 @@ def linear_q8_into(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.
 
 # The tile-order linear kernels take any number of rows: on AMX (amx_linear.c, amx_gemm.c) where the CPU
 # has it, else with AVX-512 BF16 (avx_gemm.c); decided at import like _AVAILABLE.
-_AMX = _ISA == ops.ISAS.index("amx") + 1
+_AMX = "amx" in ops.ISAS and _ISA == ops.ISAS.index("amx") + 1
 
 
 def amx_available() -> bool:

@@ -30,15 +30,21 @@ read it without the compiled module.
 
 from __future__ import annotations
 
+import platform
 import re
 from dataclasses import dataclass
 
 CALL_WORDS = 24  # prefill attention over an int8 cache, with its softcap, takes 22
 
-# The CPUs' ISA paths, lowest first (csrc/cpu_features.c, RTP_ISA_* from 1): an op runs the variant of the
-# highest path at or below the one selected. An entry's `c` function is its variant for `isa` (avx512bf16
-# unless the entry says), `variants` maps a lower path to a function of the same parameters.
-ISAS = ("avx2", "avx512", "avx512bf16", "amx")
+# Each architecture's ISA paths, lowest first (RTP_ISA_* from 1: csrc/cpu_features.c on x86-64,
+# csrc/arm/platform.c on AArch64): an op runs the variant of the highest path of the machine's architecture
+# at or below the one selected. An entry's `c` function is its variant for `isa` (avx512bf16 unless the
+# entry says), `variants` maps another path (a lower x86 one, or an Arm one) to a function of the same
+# parameters. An op without a variant on an architecture leaves its layers on torch there.
+ISA_FAMILIES = {"x86_64": ("avx2", "avx512", "avx512bf16", "amx"), "aarch64": ("neon",)}
+FAMILY_OF = {isa: arch for arch, isas in ISA_FAMILIES.items() for isa in isas}
+ARCH = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
+ISAS = ISA_FAMILIES.get(ARCH, ())  # this machine's paths (none: rtp's kernels are not built here)
 
 # What a step graph's replay puts into a field from the step's plan (rtp_run_step_calls).
 DECODE_ROWS = "decode_rows"
@@ -76,17 +82,26 @@ class Op:
     plan_when: str | None        # the plan fields apply only where this flag field is set
     doc: str
     isa: str = "avx512bf16"      # the lowest ISA path `function` runs on
-    variants: tuple = ()         # (isa, function) for lower paths, highest first
+    variants: tuple = ()         # (isa, function) for other paths: each architecture's, highest first
 
     @property
     def functions(self) -> tuple[tuple[str, str], ...]:
-        """(isa, function) of every variant, highest path first."""
+        """(isa, function) of every variant of every architecture."""
         return ((self.isa, self.function),) + self.variants
 
+    def functions_on(self, arch: str) -> tuple[tuple[str, str], ...]:
+        """(isa, function) of the variants for architecture `arch`, highest path first."""
+        return tuple(v for v in self.functions if FAMILY_OF[v[0]] == arch)
+
+    def lowest_isa_on(self, arch: str) -> str | None:
+        """The lowest path of `arch` any variant runs on (None: the op has none there)."""
+        here = self.functions_on(arch)
+        return here[-1][0] if here else None
+
     @property
-    def lowest_isa(self) -> str:
-        """The lowest path any variant runs on."""
-        return self.functions[-1][0]
+    def lowest_isa(self) -> str | None:
+        """The lowest path of this machine's architecture any variant runs on (None: none here)."""
+        return self.lowest_isa_on(ARCH)
 
     @property
     def words(self) -> int:
@@ -140,8 +155,15 @@ def _ops(*entries) -> tuple[Op, ...]:
         fields = _fields(params, 1, True)
         fields += _fields(e.get("replay", ""), 1 + len(fields), False)
         isa = e.get("isa", "avx512bf16")
-        variants = tuple(sorted(e.get("variants", {}).items(), key=lambda v: -ISAS.index(v[0])))
-        assert all(ISAS.index(v) < ISAS.index(isa) for v, _ in variants), f"{e['name']}: a variant above its isa"
+
+        def rank(v):  # each architecture's variants together, highest first
+            family = ISA_FAMILIES[FAMILY_OF[v[0]]]
+            return FAMILY_OF[v[0]], -family.index(v[0])
+
+        variants = tuple(sorted(e.get("variants", {}).items(), key=rank))
+        x86 = ISA_FAMILIES["x86_64"]
+        assert all(x86.index(v) < x86.index(isa) for v, _ in variants if FAMILY_OF[v] == "x86_64"), \
+            f"{e['name']}: a variant above its isa"
         op = Op(e["name"], code, function, status == "int", tuple(fields), e.get("rows"), e.get("plan", {}),
                 e.get("plan_when"), e["doc"], isa, variants)
         names = [f.name for f in fields]
@@ -155,11 +177,11 @@ def _ops(*entries) -> tuple[Op, ...]:
 
 # The order is the ops' numbers, which recorded calls hold: append, never reorder.
 OPS = _ops(
-    dict(name="linear_q4_1", rows="rows", variants={"avx2": "rtp_linear_q4_1_avx2"},
+    dict(name="linear_q4_1", rows="rows", variants={"avx2": "rtp_linear_q4_1_avx2", "neon": "rtp_linear_q4_1_neon"},
          c="""int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d, const float *m,
               const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n, int64_t k)""",
          doc="out = x @ dequant(Q4_1 weight).T (+ bias); x bf16."),
-    dict(name="linear_q8", rows="rows", variants={"avx2": "rtp_linear_q8_avx2"},
+    dict(name="linear_q8", rows="rows", variants={"avx2": "rtp_linear_q8_avx2", "neon": "rtp_linear_q8_neon"},
          c="""void rtp_linear_q8(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn,
               int group, const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n,
               int64_t k)""",
@@ -175,12 +197,12 @@ OPS = _ops(
     bf16 all the same); x bf16 or fp32. glu: weight is gate and up interleaved by tiles, out bf16
     [rows, n / 2] = silu(gate) * up. amx: on AMX tiles (amx_linear.c, amx_gemm.c), else with AVX-512
     BF16 (avx_gemm.c). bf16_rows_decode: a step graph's replay sets bf16_rows to the step's decode rows."""),
-    dict(name="add_rms_norm", variants={"avx2": "rtp_add_rms_norm_avx2"}, rows="t",
+    dict(name="add_rms_norm", variants={"avx2": "rtp_add_rms_norm_avx2", "neon": "rtp_add_rms_norm_neon"}, rows="t",
          c="""void rtp_add_rms_norm(float *residual, int64_t ldr, const void *delta, bool delta_bf16, int64_t ldd,
               const void *weight, bool weight_bf16, float eps, void *out, bool out_bf16, int64_t ldo, int64_t t,
               int64_t h)""",
          doc="residual += delta (0: none); out = rmsnorm(residual) * weight."),
-    dict(name="rope_store_kv", variants={"avx2": "rtp_rope_store_kv_avx2"}, rows="t",
+    dict(name="rope_store_kv", variants={"avx2": "rtp_rope_store_kv_avx2", "neon": "rtp_rope_store_kv_neon"}, rows="t",
          c="""int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *positions, const float *cos_sin,
               int64_t rot, uint16_t *q_out, void *k_cache, void *v_cache, int64_t tok_stride, const int64_t *slots,
               int64_t t, int64_t h, int64_t hkv, int64_t d, int64_t num_slots, float *k_scales=0,
@@ -196,12 +218,13 @@ OPS = _ops(
          doc="""One bf16 query token per row over paged bf16 K/V, or int8 K/V with fp32 scales (k_scales,
     v_scales: [slots, hkv]; 0: bf16); softcap > 0: scores -> softcap * tanh(scores / softcap) (0:
     none); see attention/decode_attention.c for the layout.""",
-         variants={"avx2": "rtp_paged_decode_attention_bf16_avx2"}),
-    dict(name="embed_rows", variants={"avx2": "rtp_embed_rows_avx2"}, rows="t",
+         variants={"avx2": "rtp_paged_decode_attention_bf16_avx2",
+                   "neon": "rtp_paged_decode_attention_bf16_neon"}),
+    dict(name="embed_rows", variants={"avx2": "rtp_embed_rows_avx2", "neon": "rtp_embed_rows_neon"}, rows="t",
          c="""void rtp_embed_rows(const void *table, bool table_bf16, int64_t ldt, const int32_t *ids, float *out,
               int64_t ldo, int64_t t, int64_t h, float scale=1.0)""",
          doc="out fp32 [t, h] = table rows at ids (int32), times scale rounded to the table's dtype (1: as they are)."),
-    dict(name="silu_mul", variants={"avx2": "rtp_silu_mul_avx2"}, rows="t",
+    dict(name="silu_mul", variants={"avx2": "rtp_silu_mul_avx2", "neon": "rtp_silu_mul_neon"}, rows="t",
          c="void rtp_silu_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t t, int64_t i)",
          doc="out bf16 [t, i] = silu(x[:, :i]) * x[:, i:] for x bf16 [t, 2i]."),
     # no rows field: its rows are the plan's (first_row, nseq), which a step graph's replay sets
@@ -214,8 +237,9 @@ OPS = _ops(
          doc="""Causal varlen attention of a step plan's rows [first_row, first_row + nseq) over paged bf16 K/V, or
     int8 K/V with fp32 scales (k_scales, v_scales [slots, hkv]; 0: bf16); softcap as
     decode_attention's; see attention/prefill_attention.c.""",
-         variants={"avx2": "rtp_prefill_attention_bf16_avx2"}),
-    dict(name="gather_rows", rows="n", isa="avx2",
+         variants={"avx2": "rtp_prefill_attention_bf16_avx2",
+                   "neon": "rtp_prefill_attention_bf16_neon"}),
+    dict(name="gather_rows", rows="n", isa="avx2", variants={"neon": "rtp_gather_rows"},  # plain C: both
          c="""void rtp_gather_rows(const void *src, int64_t src_stride, const int32_t *idx, int64_t n, void *out,
               int64_t out_stride, int64_t row_bytes)""",
          doc="out row i = src row idx[i] (int32), row_bytes each, strides in bytes."),
@@ -224,30 +248,30 @@ OPS = _ops(
               const float *dd, const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n,
               int64_t k)""",
          doc="out = x @ (Q4_K super-blocks, rtp's q4_k layout).T (+ bias); x bf16."),
-    dict(name="linear_bf16", rows="rows", variants={"avx2": "rtp_linear_bf16_avx2"},
+    dict(name="linear_bf16", rows="rows", variants={"avx2": "rtp_linear_bf16_avx2", "neon": "rtp_linear_bf16_neon"},
          c="""void rtp_linear_bf16(const void *x, int64_t ldx, bool x_fp32, const uint16_t *w, int64_t ldw,
               const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n, int64_t k)""",
          doc="out = x @ W.T (+ bias) for dense bf16 W [n, k] (row stride ldw); x bf16 or fp32."),
-    dict(name="linear_u8", rows="rows", variants={"avx2": "rtp_linear_u8_avx2"},
+    dict(name="linear_u8", rows="rows", variants={"avx2": "rtp_linear_u8_avx2", "neon": "rtp_linear_u8_neon"},
          c="""int rtp_linear_u8(const void *x, int64_t ldx, bool x_fp32, const int8_t *qs, const float *d,
               const float *mn, int group, int offset, const float *bias, void *out, int64_t ldo, bool out_bf16,
               int64_t rows, int64_t n, int64_t k)""",
          doc="out = x @ W.T (+ bias) for small int8 blocks (q8_1: offset 0, group 32, mn; q8_16: offset 32, "
              "group 16)."),
-    dict(name="rms_norm", variants={"avx2": "rtp_rms_norm_avx2"}, rows="t",
+    dict(name="rms_norm", variants={"avx2": "rtp_rms_norm_avx2", "neon": "rtp_rms_norm_neon"}, rows="t",
          c="""void rtp_rms_norm(const void *x, int64_t ldx, bool x_bf16, const void *weight, bool weight_bf16,
               float eps, void *out, int64_t ldo, bool out_bf16, int64_t t, int64_t h)""",
          doc="out [t, h] = rmsnorm(x [t, h]) * weight; x, weight and out each bf16 or fp32 (strides in their "
              "elements)."),
-    dict(name="qk_rms_norm", variants={"avx2": "rtp_qk_rms_norm_avx2"}, rows="t",
+    dict(name="qk_rms_norm", variants={"avx2": "rtp_qk_rms_norm_avx2", "neon": "rtp_qk_rms_norm_neon"}, rows="t",
          c="""void rtp_qk_rms_norm(uint16_t *qkv, int64_t ldq, const void *q_weight, const void *k_weight,
               bool weight_bf16, float eps, int64_t t, int64_t h, int64_t hkv, int64_t d)""",
          doc="In place: each q head (h of them) and k head (hkv) of qkv bf16 [t, (h + 2 hkv) d] normed with its "
              "weight."),
-    dict(name="gelu_tanh_mul", variants={"avx2": "rtp_gelu_tanh_mul_avx2"}, rows="t",
+    dict(name="gelu_tanh_mul", variants={"avx2": "rtp_gelu_tanh_mul_avx2", "neon": "rtp_gelu_tanh_mul_neon"}, rows="t",
          c="void rtp_gelu_tanh_mul(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int64_t t, int64_t i)",
          doc="out bf16 [t, i] = gelu_tanh(x[:, :i]) * x[:, i:] for x bf16 [t, 2i]."),
-    dict(name="softcap", variants={"avx2": "rtp_softcap_avx2"}, rows="t",
+    dict(name="softcap", variants={"avx2": "rtp_softcap_avx2", "neon": "rtp_softcap_neon"}, rows="t",
          c="void rtp_softcap(float *x, int64_t ldx, float cap, int64_t t, int64_t n)",
          doc="In place: x fp32 [t, n] = cap * tanh(x / cap)."),
 )

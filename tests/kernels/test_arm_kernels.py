@@ -1,7 +1,9 @@
 """The Arm64 NEON path's kernels (rtp/kernels/csrc/arm/), cross-built for AArch64 with a small C harness
 (tests/kernels/arm/harness.c) and run under qemu-aarch64, against the references and tolerances the avx2 path's
 tests hold the same kernels' twins to (test_avx2_small_kernels.py, test_avx2_linear.py, test_avx2_attention.py,
-whose helpers are imported here), computed on the host.
+whose helpers are imported here), computed on the host. The harness links every C file of csrc/ as setup.py
+builds them for AArch64 and runs each op as a CPU graph's replay does: a call's words through the op table's
+trampoline (kernel_ops.c), dispatched on the selected ISA path to the op's _neon variant.
 
 Two builds: -march=armv8.2-a+dotprod (the integer linears on SDOT) and -march=armv8-a (their plain-NEON
 fallback); the integer linears run on both and must give the same bits. Every buffer the harness hands a kernel
@@ -37,6 +39,7 @@ from test_avx2_attention import CAP, _assert_close_to_fp32, _cache, _plan, _pref
 from test_avx2_linear import int_blocks, random_blocks  # noqa: E402
 from test_avx2_small_kernels import BF16_REL, assert_rounded_once, reference_rms_norm  # noqa: E402
 
+from rtp.kernels import ops_codegen  # noqa: E402
 from rtp.kernels.quant import U8_SPLIT  # noqa: E402
 from rtp.models.attention import causal_attention, decode_attention, hadamard, quantize_kv, rotates_kv  # noqa: E402
 from rtp.models.rotary import get_rope  # noqa: E402
@@ -52,7 +55,8 @@ TIMEOUT = 120
 
 
 class Harness:
-    """One build of the harness: run(op, *args) calls the kernel rtp_<op>_neon with args in its prototype's order
+    """One build of the harness: run(op, *args) runs op through the op table (its rtp_<op>_neon variant) with args
+    in its prototype's order
     (tensors, contiguous, for pointers; None for NULL; int and bool for integers; float for floats) and returns
     (its int result, args with every tensor replaced by its contents after the call)."""
 
@@ -101,7 +105,10 @@ class Harness:
 
 
 def _build(workdir: Path, march: str) -> list[str]:
-    sources = [str(HARNESS)] + sorted(str(p) for p in (CSRC / "arm").glob("*.c"))
+    """The harness linked with every C file of csrc/ as setup.py compiles them (the x86-64 ones compile to
+    nothing here), kernel_ops.c's trampolines and the op table regenerated from ops.py first."""
+    ops_codegen.write()
+    sources = [str(HARNESS)] + sorted(str(p) for p in CSRC.rglob("*.c"))
     exe = workdir / "harness"
     compile_ = [CC, march, *FLAGS, f"-I{CSRC}", "-o", str(exe), *sources, "-lm"]
     done = subprocess.run([*compile_, "-static"], capture_output=True, text=True, timeout=600)
@@ -133,9 +140,10 @@ def bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16
 
 
-def test_the_builds_take_the_integer_paths_they_are_named_for(builds):
-    assert builds["dotprod"].run("features")[0] == 1
-    assert builds["plain"].run("features")[0] == 0
+def test_the_builds_take_the_integer_paths_they_are_named_for_on_the_neon_path(builds):
+    neon = 1 << 8  # RTP_ISA_NEON selected: every op below runs through the table's trampoline to its _neon variant
+    assert builds["dotprod"].run("features")[0] == 1 | neon
+    assert builds["plain"].run("features")[0] == 0 | neon
 
 
 # -- norms -------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
  * rounds). gelu_tanh_mul and softcap take any width: a row's last partial vector is masked. Rows are
  * independent, so a call recorded over R rows replays over fewer (its rows word, kernel_calls.c).
  */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -61,3 +62,4 @@ TARGET void rtp_softcap(float *x, int64_t ldx, float cap, int64_t T, int64_t N) 
         }
     }
 }
+#endif

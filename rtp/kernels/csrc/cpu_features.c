@@ -13,6 +13,7 @@
  * loaded (same soname), so both share one thread pool.
  * The probes for optional units live beside their kernels: rtp_amx_supported (linear/amx_linear.c),
  * rtp_vnni_supported (linear/vnni_gemm.c). */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "cpu_kernels.h"
 
 int rtp_isa = RTP_ISA_NONE;
@@ -44,3 +45,4 @@ int rtp_select_isa(int most) {
     rtp_isa = most < have ? most : have;
     return rtp_isa;
 }
+#endif

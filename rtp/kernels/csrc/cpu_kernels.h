@@ -9,9 +9,16 @@
 
 #include "kernel_ops.h"
 
-/* cpu_features.c: the ISA paths, lowest first (ops.py's ISAS is the same list), and the one selected,
- * on which kernel_ops.c's trampolines dispatch each op to its variant. */
-enum { RTP_ISA_NONE = 0, RTP_ISA_AVX2, RTP_ISA_AVX512, RTP_ISA_AVX512BF16, RTP_ISA_AMX };
+/* The ISA paths of the architecture built for, lowest first (ops.py's ISA_FAMILIES), and the one selected
+ * (cpu_features.c on x86-64, arm/platform.c on AArch64), on which kernel_ops.c's trampolines dispatch each
+ * op to its variant. RTP_ISA_UNAVAILABLE: an op with no variant on this architecture (rtp_op.isa). */
+#if defined(__aarch64__)
+enum { RTP_ISA_NONE = 0, RTP_ISA_NEON, RTP_ISA_UNAVAILABLE = 127 };
+#define RTP_ON_ARCH(x86_64, aarch64) (aarch64)
+#else
+enum { RTP_ISA_NONE = 0, RTP_ISA_AVX2, RTP_ISA_AVX512, RTP_ISA_AVX512BF16, RTP_ISA_AMX, RTP_ISA_UNAVAILABLE = 127 };
+#define RTP_ON_ARCH(x86_64, aarch64) (x86_64)
+#endif
 extern int rtp_isa;
 int rtp_cpu_isa(void);
 int rtp_select_isa(int most);
@@ -48,9 +55,12 @@ void rtp_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t 
 void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
                              int64_t R, int64_t N);
 uint64_t rtp_stream_read(const void *buf, int64_t bytes);
-/* avx2/sampling.c: the avx2 path's bodies of the two above, which dispatch to them. */
+/* avx2/sampling.c, arm/sampling.c: the avx2 and NEON paths' bodies of the two above, which dispatch to them. */
 void rtp_argmax_rows_avx2(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out);
 void rtp_apply_token_bitmask_avx2(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
+                                  int64_t R, int64_t N);
+void rtp_argmax_rows_neon(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out);
+void rtp_apply_token_bitmask_neon(float *x, int64_t ldx, const int32_t *mask, int64_t ldm, const int64_t *rows,
                                   int64_t R, int64_t N);
 
 /* kernel_calls.c: running calls (RTP_CALL_WORDS int64 words, word 0 an RTP_OP_*). */

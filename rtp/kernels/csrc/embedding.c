@@ -6,11 +6,14 @@
  *               table's dtype as torch rounds a bf16 row times a scalar (the fp32 product of two
  *               bf16 values is exact, so one rounding gives torch's bf16 product)
  */
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
+
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/embedding.c) */
+#include <immintrin.h>
+
 #include "vec_math.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
@@ -52,6 +55,8 @@ TARGET void rtp_embed_rows(const void *table, int table_bf16, int64_t ldt, const
         if (scale != 1.0f) scale_row(o, H, scale, table_bf16);
     }
 }
+
+#endif
 
 /* out row i = src row idx[i] (row_bytes each; strides in bytes): the rows of a step that sample,
  * gathered for the LM head inside a captured step graph. */

@@ -7,6 +7,7 @@
  * rounds). rms_norm and qk_rms_norm take any width: a row's last partial vector is masked. Rows are
  * independent, so a call recorded over R rows replays over fewer (its rows word, kernel_calls.c).
  */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -93,3 +94,4 @@ TARGET void rtp_qk_rms_norm(uint16_t *qkv, int64_t ldq, const void *q_weight, co
             rms_norm_row(head, 1, h < H ? q_weight : k_weight, weight_bf16, eps, head, 1, D);
         }
 }
+#endif

@@ -1,4 +1,5 @@
 /* RoPE + KV-cache write: the op after every qkv projection (below). */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -149,3 +150,4 @@ TARGET int rtp_rope_store_kv(const uint16_t *qkv, int64_t ldq, const int32_t *po
     }
     return !bad;
 }
+#endif

@@ -2,6 +2,7 @@
  * directly (not kernel calls: they run outside a step's CPU graph, in the sampler), so they are not
  * in the op table and dispatch on the selected ISA path themselves: the avx512bf16 bodies are here,
  * the avx2 ones in avx2/sampling.c. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -86,3 +87,4 @@ void rtp_apply_token_bitmask(float *x, int64_t ldx, const int32_t *mask, int64_t
     if (rtp_isa >= RTP_ISA_AVX512BF16) apply_token_bitmask_avx512(x, ldx, mask, ldm, rows, R, N);
     else rtp_apply_token_bitmask_avx2(x, ldx, mask, ldm, rows, R, N);
 }
+#endif

@@ -1,4 +1,5 @@
 /* The memory-bandwidth probe (not a model op: called directly, never recorded). */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -31,3 +32,4 @@ TARGET uint64_t rtp_stream_read(const void *buf, int64_t bytes) {
     }
     return folded;
 }
+#endif

@@ -1,26 +1,29 @@
-/* Runs one kernel of the Arm64 NEON path (rtp/kernels/csrc/arm/) on operands from a file, for
- * tests/kernels/test_arm_kernels.py, which builds this with the kernels for AArch64 and runs it under
- * qemu-aarch64.
+/* Runs one kernel op of the Arm64 NEON path on operands from a file, through the op table exactly as a
+ * CPU graph's replay runs it (rtp_run_call: kernel_ops.c's trampoline dispatching on the selected ISA path
+ * to the op's _neon variant), for tests/kernels/test_arm_kernels.py, which builds this with every C file of
+ * rtp/kernels/csrc/ for AArch64 (as setup.py builds the extension there) and runs it under qemu-aarch64.
  *
  *     harness OP IN OUT
  *
- * IN holds the kernel's arguments in its prototype's order (arm/arm_kernels.h), little-endian:
+ * IN holds the op's fields in its prototype's order (rtp/kernels/ops.py), little-endian:
  *     int64 count, then per argument int64 kind and
  *         kind 0: int64 value         (an integer parameter of any width)
  *         kind 1: double value        (a float parameter)
  *         kind 2: int64 bytes, bytes  (a pointer parameter: the harness's copy of the buffer)
  *         kind 3: nothing             (a NULL pointer)
- * OUT receives int64 result (the kernel's int return, 0 for void kernels), int64 guards_intact (1 when no
- * byte around any buffer was written), then every buffer's bytes after the call, in argument order.
+ * OUT receives int64 result (the call's status: 1 when the kernel ran and did not fail), int64
+ * guards_intact (1 when no byte around any buffer was written), then every buffer's bytes after the
+ * call, in argument order.
  *
- * OP "features" takes no arguments and returns 1 where the kernels were built with the dot-product
- * instructions (__ARM_FEATURE_DOTPROD), 0 where with plain NEON. */
+ * OP is an op of the table, or argmax_rows / apply_token_bitmask (the sampler's kernels, called
+ * directly through their dispatching entries), or "features": 1 where the kernels were built with the
+ * dot-product instructions (__ARM_FEATURE_DOTPROD), 0 where with plain NEON, and the ISA path selected. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "arm/arm_kernels.h"
+#include "cpu_kernels.h"
 
 #define GUARD 64    /* bytes of a known pattern on each side of a buffer */
 #define PATTERN 0xa5
@@ -100,86 +103,56 @@ static int64_t arg_int(int k) {
     if (a[k].kind != 0) fail("an integer argument expected");
     return a[k].i;
 }
-static float arg_float(int k) {
-    if (a[k].kind != 1) fail("a float argument expected");
-    return (float)a[k].f;
-}
 static void *arg_ptr(int k) {
     if (a[k].kind != 2 && a[k].kind != 3) fail("a buffer argument expected");
     return a[k].p;
 }
 #define I(k) arg_int(k)
-#define F(k) arg_float(k)
 #define P(k) arg_ptr(k)
 
 static void need(int64_t n) {
     if (nargs != n) fail("wrong argument count for the op");
 }
 
+/* The op's call: word 0 its code, then a word per field (an address, an integer, a float's double bits). */
+static int64_t run_op(const rtp_op *o, int64_t code) {
+    int64_t words[RTP_CALL_WORDS] = {0};
+    if (nargs + 1 > o->words) fail("more arguments than the op has fields");
+    words[0] = code;
+    for (int64_t k = 0; k < nargs; k++) {
+        int is_address = (o->addresses >> (k + 1)) & 1;
+        if (a[k].kind == 0 && !is_address) words[k + 1] = a[k].i;
+        else if (a[k].kind == 1 && !is_address) memcpy(&words[k + 1], &a[k].f, 8);
+        else if ((a[k].kind == 2 || a[k].kind == 3) && is_address) words[k + 1] = (int64_t)(intptr_t)a[k].p;
+        else fail("an argument of the wrong kind for the op's field");
+    }
+    return rtp_run_call(words);
+}
+
 int main(int argc, char **argv) {
     if (argc != 4) fail("usage: harness OP IN OUT");
     const char *op = argv[1];
     read_args(argv[2]);
+    if (rtp_select_isa(RTP_ISA_NEON) != RTP_ISA_NEON) fail("the NEON path is not selected");
     int64_t r = 0;
     if (!strcmp(op, "features")) {
         need(0);
 #if defined(__ARM_FEATURE_DOTPROD)
         r = 1;
 #endif
-    } else if (!strcmp(op, "add_rms_norm")) {
-        need(13);
-        rtp_add_rms_norm_neon(P(0), I(1), P(2), I(3), I(4), P(5), I(6), F(7), P(8), I(9), I(10), I(11), I(12));
-    } else if (!strcmp(op, "rms_norm")) {
-        need(11);
-        rtp_rms_norm_neon(P(0), I(1), I(2), P(3), I(4), F(5), P(6), I(7), I(8), I(9), I(10));
-    } else if (!strcmp(op, "qk_rms_norm")) {
-        need(10);
-        rtp_qk_rms_norm_neon(P(0), I(1), P(2), P(3), I(4), F(5), I(6), I(7), I(8), I(9));
-    } else if (!strcmp(op, "silu_mul")) {
-        need(6);
-        rtp_silu_mul_neon(P(0), I(1), P(2), I(3), I(4), I(5));
-    } else if (!strcmp(op, "gelu_tanh_mul")) {
-        need(6);
-        rtp_gelu_tanh_mul_neon(P(0), I(1), P(2), I(3), I(4), I(5));
-    } else if (!strcmp(op, "softcap")) {
-        need(5);
-        rtp_softcap_neon(P(0), I(1), F(2), I(3), I(4));
-    } else if (!strcmp(op, "embed_rows")) {
-        need(9);
-        rtp_embed_rows_neon(P(0), I(1), I(2), P(3), P(4), I(5), I(6), I(7), F(8));
-    } else if (!strcmp(op, "rope_store_kv")) {
-        need(17);
-        r = rtp_rope_store_kv_neon(P(0), I(1), P(2), P(3), I(4), P(5), P(6), P(7), I(8), P(9), I(10), I(11), I(12),
-                                   I(13), I(14), P(15), P(16));
-    } else if (!strcmp(op, "linear_bf16")) {
-        need(12);
-        rtp_linear_bf16_neon(P(0), I(1), I(2), P(3), I(4), P(5), P(6), I(7), I(8), I(9), I(10), I(11));
-    } else if (!strcmp(op, "linear_q4_1")) {
-        need(12);
-        r = rtp_linear_q4_1_neon(P(0), I(1), P(2), P(3), P(4), P(5), P(6), I(7), I(8), I(9), I(10), I(11));
-    } else if (!strcmp(op, "linear_q8")) {
-        need(13);
-        rtp_linear_q8_neon(P(0), I(1), P(2), P(3), P(4), I(5), P(6), P(7), I(8), I(9), I(10), I(11), I(12));
-    } else if (!strcmp(op, "linear_u8")) {
-        need(15);
-        r = rtp_linear_u8_neon(P(0), I(1), I(2), P(3), P(4), P(5), I(6), I(7), P(8), P(9), I(10), I(11), I(12),
-                               I(13), I(14));
+        r |= (int64_t)rtp_isa << 8;
     } else if (!strcmp(op, "argmax_rows")) {
         need(5);
-        rtp_argmax_rows_neon(P(0), I(1), I(2), I(3), P(4));
+        rtp_argmax_rows(P(0), I(1), I(2), I(3), P(4));
     } else if (!strcmp(op, "apply_token_bitmask")) {
         need(7);
-        rtp_apply_token_bitmask_neon(P(0), I(1), P(2), I(3), P(4), I(5), I(6));
-    } else if (!strcmp(op, "decode_attention")) {
-        need(18);
-        rtp_paged_decode_attention_bf16_neon(P(0), P(1), P(2), I(3), P(4), I(5), P(6), P(7), I(8), I(9), I(10),
-                                             I(11), I(12), F(13), I(14), P(15), P(16), F(17));
-    } else if (!strcmp(op, "prefill_attention")) {
-        need(21);
-        r = rtp_prefill_attention_bf16_neon(P(0), P(1), P(2), I(3), P(4), P(5), P(6), I(7), I(8), I(9), P(10),
-                                            I(11), I(12), I(13), I(14), F(15), I(16), I(17), P(18), P(19), F(20));
+        rtp_apply_token_bitmask(P(0), I(1), P(2), I(3), P(4), I(5), I(6));
     } else {
-        fail("unknown op");
+        int64_t code = 1;
+        while (code < RTP_OP_COUNT && strcmp(rtp_ops[code].name, op)) code++;
+        if (code == RTP_OP_COUNT) fail("unknown op");
+        if (rtp_ops[code].isa != RTP_ISA_NEON) fail("the op has no NEON variant in the table");
+        r = run_op(&rtp_ops[code], code);
     }
     write_result(argv[3], r);
     return 0;

@@ -9,6 +9,7 @@
  * Prompt chunks attend in prefill_attention.c; this kernel serves every row that brings one query
  * token: decode steps and the decode rows of mixed steps.
  */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -611,3 +612,4 @@ TARGET void rtp_paged_decode_attention_bf16(
         rtp_restore_denormals(csr);
     }
 }
+#endif

@@ -41,6 +41,7 @@
  * divided by the fp32 sum and rounded to bf16 once. Without AMX (amx = 0) the same loops run
  * the products with AVX-512 BF16 dot instructions over the same packed layouts.
  */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "cpu_kernels.h"
 #include "amx_tiles.h"
 #include "vec_math.h"
@@ -584,3 +585,4 @@ AMX_TARGET int rtp_prefill_attention_bf16(const uint16_t *q, const void *k_cache
     }
     return !failed;
 }
+#endif

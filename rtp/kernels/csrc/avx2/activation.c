@@ -1,6 +1,7 @@
 /* Activations of the avx2 path over rows of a [gate | up] or logits tensor: SiLU-and-mul, GELU(tanh)-
  * and-mul and final logit softcapping (their contracts: csrc/activation.c). fp32 inside, each value
  * rounded once to its output dtype; each value's result depends on its own inputs alone. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <omp.h>
 
 #include "avx2.h"
@@ -49,3 +50,4 @@ AVX2_TARGET void rtp_softcap_avx2(float *x, int64_t ldx, float cap, int64_t T, i
         }
     }
 }
+#endif

@@ -10,6 +10,7 @@
  * threads (the AVX-512 kernel's long-row parts are left out: their merge would tie a row's bits to how
  * its keys were parted), so a row's output is the same bits alone, in any batch, on any thread count,
  * and the same as prefill_attention.c gives its query at that position. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <omp.h>
 
 #include "paged_attention.h"
@@ -39,3 +40,4 @@ AVX2_TARGET void rtp_paged_decode_attention_bf16_avx2(
         avx2_restore_csr(csr);
     }
 }
+#endif

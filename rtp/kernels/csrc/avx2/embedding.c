@@ -1,6 +1,7 @@
 /* The embedding lookup of the avx2 path (its contract: csrc/embedding.c): out fp32 rows = table[ids[t]],
  * times scale unless it is 1, the product rounded to the table's dtype as torch rounds a bf16 row times
  * a scalar (the fp32 product of two bf16 values is exact, so one rounding is torch's bf16 product). */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "avx2.h"
 #include "cpu_kernels.h"
 
@@ -37,3 +38,4 @@ AVX2_TARGET void rtp_embed_rows_avx2(const void *table, int table_bf16, int64_t 
         if (scale != 1.0f) scale_row(o, H, scale, table_bf16);
     }
 }
+#endif

@@ -12,6 +12,7 @@
  * tile's weight rows are widened once into the thread's scratch and read by every group of rows (the same
  * values, so the same bits). x is widened once per call and walked in chunks of ROW_CHUNK rows, whose fp32
  * rows stay in L2 while every weight row passes over them. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "avx2.h"
 #include "cpu_kernels.h"
 #include "scratch.h"
@@ -120,3 +121,4 @@ AVX2_TARGET void rtp_linear_bf16_avx2(const void *x, int64_t ldx, int x_fp32, co
         }
     }
 }
+#endif

@@ -17,6 +17,7 @@
  * kinds take |q_w| against q_x with q_w's sign. Its int16 pair sums
  * stay below 2^15: |q_w| <= 128 and |q_x| <= 127. q8_16's two scales a block go to the lanes of each
  * half (lanes 0-3 hold weights 0-15). */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "avx2.h"
 #include "cpu_kernels.h"
 #include "scratch.h"
@@ -218,3 +219,4 @@ AVX2_TARGET int rtp_linear_u8_avx2(const void *x, int64_t ldx, int x_fp32, const
     int8_weights w = {.kind = group == 16 ? Q_SIGNED16 : Q_SIGNED, .q = (const uint8_t *)qs, .d = d, .m = mn, .K = k};
     return linear_int8(&w, x, ldx, x_fp32, bias, out, ldo, out_bf16, rows, n);
 }
+#endif

@@ -2,6 +2,7 @@
  * q/k norm per head (their contracts: csrc/norm.c). fp32 inside, each value rounded once to its output
  * dtype. A row's sum of squares runs in one fixed order (eight lanes, then avx2_hsum), so its bits
  * depend on the row alone, never on the other rows or the thread count. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <math.h>
 #include <omp.h>
 
@@ -70,3 +71,4 @@ AVX2_TARGET void rtp_qk_rms_norm_avx2(uint16_t *qkv, int64_t ldq, const void *q_
             rms_norm_row(head, 1, h < H ? q_weight : k_weight, weight_bf16, eps, head, 1, D);
         }
 }
+#endif

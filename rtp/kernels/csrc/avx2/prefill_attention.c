@@ -15,6 +15,7 @@
  * absolute key positions; the tile it shares changes only which loads it shares. So a query's bits do not
  * depend on the other rows, the thread count, where its chunk or tile starts, or whether decode
  * (decode_attention.c) or prefill attends it. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <omp.h>
 
 #include "paged_attention.h"
@@ -59,3 +60,4 @@ AVX2_TARGET int rtp_prefill_attention_bf16_avx2(const uint16_t *q, const void *k
     }
     return 1;
 }
+#endif

@@ -3,6 +3,7 @@
  * bf16, or int8 with one fp32 scale a (slot, kv head) and K times the normalized Hadamard matrix where
  * the head dim is a power of two. A slot outside [0, num_slots) is not written (it would land in
  * whatever memory lies near the cache) and the call returns 0. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <math.h>
 #include <omp.h>
 
@@ -141,3 +142,4 @@ AVX2_TARGET int rtp_rope_store_kv_avx2(const uint16_t *qkv, int64_t ldq, const i
     }
     return !bad;
 }
+#endif

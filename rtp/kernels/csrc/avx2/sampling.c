@@ -1,5 +1,6 @@
 /* The sampler's kernels on the avx2 path (their contracts: csrc/sampling.c, whose exported functions
  * dispatch here): greedy argmax and a grammar's token bitmask over fp32 logits. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <math.h>
 #include <omp.h>
 
@@ -68,3 +69,4 @@ AVX2_TARGET void rtp_apply_token_bitmask_avx2(float *x, int64_t ldx, const int32
         }
     }
 }
+#endif

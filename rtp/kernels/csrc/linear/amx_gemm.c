@@ -21,6 +21,7 @@
  * Numerics: the same bf16 weights as amx_linear.c (dequant_tile), products exact, sums in fp32;
  * glu rounds gate and up to bf16 before silu * up as the decode kernel does.
  */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "cpu_kernels.h"
 #include "tile_blocks.h"
 #include "amx_tiles.h"
@@ -162,3 +163,4 @@ AMX_TARGET int rtp_gemm_amx(const void *x, int64_t ldx, int x_fp32, int kind, co
     }
     return ok;
 }
+#endif

@@ -23,6 +23,7 @@
  * (-ffp-contract=off), then rounded to bf16 (nearest even): the same bf16 weights the
  * model holds. Products are exact in fp32 and accumulated in fp32; out fp32 or bf16.
  */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "cpu_kernels.h"
 #include "tile_blocks.h"
 #include "amx_tiles.h"
@@ -206,3 +207,4 @@ AMX_TARGET int rtp_linear_amx(const void *x, int64_t ldx, int x_fp32, int kind, 
     }
     return ok;
 }
+#endif

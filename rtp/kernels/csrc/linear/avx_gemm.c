@@ -26,6 +26,7 @@
  * which of the two loops ran (tests/kernels/test_cpu_kernels.py); glu rounds
  * gate and up to bf16 before silu * up as the other kernels do.
  */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "cpu_kernels.h"
 #include "prefetch.h"
 #include "scratch.h"
@@ -394,3 +395,4 @@ RTP_VEC_TARGET int rtp_gemm_avx(const void *x, int64_t ldx, int x_fp32, int kind
     }
     return ok;
 }
+#endif

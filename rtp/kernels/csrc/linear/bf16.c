@@ -1,4 +1,5 @@
 /* Linear over dense bf16 weights, for one request's rows. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,3 +54,4 @@ TARGET void rtp_linear_bf16(const void *x, int64_t ldx, int x_fp32, const uint16
     FOR_EACH_TILE(M, N, BF16_TILE);
 #undef BF16_TILE
 }
+#endif

@@ -1,4 +1,5 @@
 /* Linear over Q4_1 blocks (q4_1: Q4_1, Q4_0 and Q4_K repacked), for one request's rows. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -118,3 +119,4 @@ TARGET int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, co
     if (xp != stack_xp) free(xp);
     return 1;
 }
+#endif

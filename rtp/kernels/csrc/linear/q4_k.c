@@ -1,4 +1,5 @@
 /* Linear over Q4_K's own super-blocks, for one request's rows. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -92,3 +93,4 @@ TARGET int rtp_linear_q4_k(const uint16_t *x, int64_t ldx, const uint8_t *qs, co
     if (xsum != stack) free(xsum);
     return 1;
 }
+#endif

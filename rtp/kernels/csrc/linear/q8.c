@@ -1,5 +1,6 @@
 /* Linear over int8 blocks with fp32 activations (Q8_0, Q8_1, Q8 a scale per 16): the exact fp32
  * weights, for one request's rows (the LM head's fp32 input). */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,3 +61,4 @@ TARGET void rtp_linear_q8(const float *x, int64_t ldx, const int8_t *qs, const f
     FOR_EACH_TILE(M, N, Q8_TILE);
 #undef Q8_TILE
 }
+#endif

@@ -1,6 +1,7 @@
 /* The tile-order linear: weight records in 16-row tiles (BlockQuantized.tile_layout), multiplied on
  * AMX (amx_linear.c, amx_gemm.c) where the call says so, else with AVX-512 BF16 (avx_gemm.c) or, for
  * the int8-rows kinds, AVX-512 VNNI (vnni_gemm.c, which rtp_gemm_avx hands them to). */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "cpu_kernels.h"
 
 /* x, ldx .. glu: rtp_gemm_avx's arguments. bf16_rows: the rows before it are multiplied in bf16 even
@@ -22,3 +23,4 @@ int rtp_linear_tiles(const void *x, int64_t ldx, int x_fp32, int kind, const uin
     char *rest_out = (char *)out + bf16_rows * ldo * (out_bf16 ? 2 : 4);
     return rtp_gemm_avx(rest, ldx, x_fp32, kind, weights, bias, rest_out, ldo, out_bf16, M - bf16_rows, N, K, glu);
 }
+#endif

@@ -1,4 +1,5 @@
 /* Linear over small int8 weights (q8_1, q8_16, and Q8_0 rows in bf16), for one request's rows. */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -116,3 +117,4 @@ TARGET int rtp_linear_u8(const void *x, int64_t ldx, int x_fp32, const int8_t *q
     if (xb && xb != xstack) free(xb);
     return 1;
 }
+#endif

@@ -28,6 +28,7 @@
  * ran 5-12 % slower for a greedy-fidelity change inside that metric's noise; rows blocked to stay in L2
  * across units ran no faster (docs/benchmarks.md).
  */
+#if defined(__x86_64__) /* x86-64 only (AArch64: csrc/arm/) */
 #include "cpu_kernels.h"
 #include "prefetch.h"
 #include "scratch.h"
@@ -242,3 +243,4 @@ VNNI_TARGET int rtp_gemm_vnni(const void *x, int64_t ldx, int x_fp32, int kind, 
     }
     return ok;
 }
+#endif
