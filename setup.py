@@ -50,8 +50,9 @@ ops_codegen.write()
 
 # The kernels carry their own target attributes (AVX-512 BF16) and are only called
 # when the CPU reports the feature, so the module builds and imports anywhere x86. On AArch64
-# the x86-64 files compile to nothing and csrc/arm/ holds the NEON path (baseline ARMv8-A, which
-# every AArch64 CPU runs: the integer linears' dot-product form needs a build for ARMv8.2-A+dotprod).
+# the x86-64 files compile to nothing and csrc/arm/ holds the neon and dotprod paths (built for
+# baseline ARMv8-A, which every AArch64 CPU runs; the dotprod path's file targets ARMv8.2-A + dot
+# product itself and runs where the CPU's HWCAP reports it).
 # -fopenmp links libgomp.so.1, which resolves to the copy torch has already loaded.
 ARM = platform.machine() in ("aarch64", "arm64")
 cpu_kernels = Extension(

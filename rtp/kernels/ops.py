@@ -41,7 +41,7 @@ CALL_WORDS = 24  # prefill attention over an int8 cache, with its softcap, takes
 # at or below the one selected. An entry's `c` function is its variant for `isa` (avx512bf16 unless the
 # entry says), `variants` maps another path (a lower x86 one, or an Arm one) to a function of the same
 # parameters. An op without a variant on an architecture leaves its layers on torch there.
-ISA_FAMILIES = {"x86_64": ("avx2", "avx512", "avx512bf16", "amx"), "aarch64": ("neon",)}
+ISA_FAMILIES = {"x86_64": ("avx2", "avx512", "avx512bf16", "amx"), "aarch64": ("neon", "dotprod")}
 FAMILY_OF = {isa: arch for arch, isas in ISA_FAMILIES.items() for isa in isas}
 ARCH = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
 ISAS = ISA_FAMILIES.get(ARCH, ())  # this machine's paths (none: rtp's kernels are not built here)
@@ -177,11 +177,13 @@ def _ops(*entries) -> tuple[Op, ...]:
 
 # The order is the ops' numbers, which recorded calls hold: append, never reorder.
 OPS = _ops(
-    dict(name="linear_q4_1", rows="rows", variants={"avx2": "rtp_linear_q4_1_avx2", "neon": "rtp_linear_q4_1_neon"},
+    dict(name="linear_q4_1", rows="rows", variants={"avx2": "rtp_linear_q4_1_avx2", "neon": "rtp_linear_q4_1_neon",
+                   "dotprod": "rtp_linear_q4_1_dotprod"},
          c="""int rtp_linear_q4_1(const uint16_t *x, int64_t ldx, const uint8_t *qs, const float *d, const float *m,
               const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n, int64_t k)""",
          doc="out = x @ dequant(Q4_1 weight).T (+ bias); x bf16."),
-    dict(name="linear_q8", rows="rows", variants={"avx2": "rtp_linear_q8_avx2", "neon": "rtp_linear_q8_neon"},
+    dict(name="linear_q8", rows="rows", variants={"avx2": "rtp_linear_q8_avx2", "neon": "rtp_linear_q8_neon",
+                   "dotprod": "rtp_linear_q8_dotprod"},
          c="""void rtp_linear_q8(const float *x, int64_t ldx, const int8_t *qs, const float *d, const float *mn,
               int group, const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n,
               int64_t k)""",
@@ -252,7 +254,8 @@ OPS = _ops(
          c="""void rtp_linear_bf16(const void *x, int64_t ldx, bool x_fp32, const uint16_t *w, int64_t ldw,
               const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n, int64_t k)""",
          doc="out = x @ W.T (+ bias) for dense bf16 W [n, k] (row stride ldw); x bf16 or fp32."),
-    dict(name="linear_u8", rows="rows", variants={"avx2": "rtp_linear_u8_avx2", "neon": "rtp_linear_u8_neon"},
+    dict(name="linear_u8", rows="rows", variants={"avx2": "rtp_linear_u8_avx2", "neon": "rtp_linear_u8_neon",
+                   "dotprod": "rtp_linear_u8_dotprod"},
          c="""int rtp_linear_u8(const void *x, int64_t ldx, bool x_fp32, const int8_t *qs, const float *d,
               const float *mn, int group, int offset, const float *bias, void *out, int64_t ldo, bool out_bf16,
               int64_t rows, int64_t n, int64_t k)""",

@@ -5,8 +5,10 @@ whose helpers are imported here), computed on the host. The harness links every 
 builds them for AArch64 and runs each op as a CPU graph's replay does: a call's words through the op table's
 trampoline (kernel_ops.c), dispatched on the selected ISA path to the op's _neon variant.
 
-Two builds: -march=armv8.2-a+dotprod (the integer linears on SDOT) and -march=armv8-a (their plain-NEON
-fallback); the integer linears run on both and must give the same bits. Every buffer the harness hands a kernel
+One build for baseline ARMv8-A (as setup.py builds it) carries both AArch64 paths: dotprod (the integer linears on
+SDOT, compiled for ARMv8.2-A + dot product in arm/linear_int8_dotprod.c) and neon (their widening-multiply form),
+run on an emulated Cortex-A53 (no dot product: an SDOT there would be SIGILL); the integer linears run on both
+and must give the same bits. Every buffer the harness hands a kernel
 has guard bytes on both sides, checked after the call, so a write past an operand fails as well; row strides
 past the width are checked to stay untouched where a kernel takes them. Shapes are small (qemu emulates each
 NEON instruction) but hit the remainders: widths off the vector width, partial weight tiles, a block size of 7,
@@ -49,7 +51,8 @@ CSRC = ROOT / "rtp" / "kernels" / "csrc"
 HARNESS = Path(__file__).resolve().parent / "arm" / "harness.c"
 # setup.py's -ffp-contract=off as well: RoPE's x1 cos - x2 sin must round each product, as torch does
 FLAGS = ["-O2", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wextra"]
-BUILDS = {"dotprod": "-march=armv8.2-a+dotprod", "plain": "-march=armv8-a"}
+# one build for baseline ARMv8-A (as setup.py builds it), which carries both paths: the harness selects each
+PATHS = {"dotprod": 2, "plain": 1}  # RTP_ISA_DOTPROD, RTP_ISA_NEON (csrc/cpu_kernels.h)
 THREADS = 2  # OpenMP threads a run takes (the kernels' parallel paths run; one core-heavy process at a time)
 TIMEOUT = 120
 
@@ -60,8 +63,8 @@ class Harness:
     (tensors, contiguous, for pointers; None for NULL; int and bool for integers; float for floats) and returns
     (its int result, args with every tensor replaced by its contents after the call)."""
 
-    def __init__(self, command: list[str], workdir: Path):
-        self.command, self.workdir, self.calls = command, workdir, 0
+    def __init__(self, command: list[str], workdir: Path, isa: int):
+        self.command, self.workdir, self.calls, self.isa = command, workdir, 0, isa
 
     def run(self, op: str, *args, threads: int = THREADS):
         self.calls += 1
@@ -80,7 +83,7 @@ class Harness:
                 assert isinstance(a, (int, bool)), type(a)
                 parts.append(struct.pack("<qq", 0, int(a)))
         src.write_bytes(b"".join(parts))
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), RTP_HARNESS_ISA=str(self.isa))
         done = subprocess.run([*self.command, op, str(src), str(dst)], capture_output=True, text=True,
                               timeout=TIMEOUT, env=env)
         assert done.returncode == 0, f"{op}: exit {done.returncode}: {done.stderr}"
@@ -122,12 +125,16 @@ def _build(workdir: Path, march: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, Harness]:
+    """One build for baseline ARMv8-A, as setup.py builds it, carrying both paths: "dotprod" on qemu's default
+    CPU (which has the dot product), "plain" on an emulated Cortex-A53 (ARMv8.0: no dot product), where an SDOT
+    the neon path ran would stop the harness with SIGILL."""
     root = tmp_path_factory.mktemp("arm_kernels")
-    out = {}
-    for name, march in BUILDS.items():
+    command = _build(root, "-march=armv8-a")
+    a53 = [command[0], "-cpu", "cortex-a53", *command[1:]]
+    for name in PATHS:
         (root / name).mkdir()
-        out[name] = Harness(_build(root / name, march), root / name)
-    return out
+    return {"dotprod": Harness(command, root / "dotprod", PATHS["dotprod"]),
+            "plain": Harness(a53, root / "plain", PATHS["plain"])}
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +147,13 @@ def bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16
 
 
-def test_the_builds_take_the_integer_paths_they_are_named_for_on_the_neon_path(builds):
-    neon = 1 << 8  # RTP_ISA_NEON selected: every op below runs through the table's trampoline to its _neon variant
-    assert builds["dotprod"].run("features")[0] == 1 | neon
-    assert builds["plain"].run("features")[0] == 0 | neon
+def test_one_baseline_build_carries_both_integer_paths_and_selects_each(builds):
+    # each harness runs the path it selects, the table's trampolines dispatching on it
+    assert builds["dotprod"].run("features")[0] == PATHS["dotprod"]
+    assert builds["plain"].run("features")[0] == PATHS["plain"]
+    dump = subprocess.run(["aarch64-linux-gnu-objdump", "-d", builds["plain"].command[-1]], capture_output=True,
+                          text=True, timeout=120).stdout
+    assert "\tsdot\t" in dump  # the dotprod path's int8 linears, compiled for it in the baseline build
 
 
 # -- norms -------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@
  * (cpu_features.c on x86-64, arm/platform.c on AArch64), on which kernel_ops.c's trampolines dispatch each
  * op to its variant. RTP_ISA_UNAVAILABLE: an op with no variant on this architecture (rtp_op.isa). */
 #if defined(__aarch64__)
-enum { RTP_ISA_NONE = 0, RTP_ISA_NEON, RTP_ISA_UNAVAILABLE = 127 };
+enum { RTP_ISA_NONE = 0, RTP_ISA_NEON, RTP_ISA_DOTPROD, RTP_ISA_UNAVAILABLE = 127 };
 #define RTP_ON_ARCH(x86_64, aarch64) (aarch64)
 #else
 enum { RTP_ISA_NONE = 0, RTP_ISA_AVX2, RTP_ISA_AVX512, RTP_ISA_AVX512BF16, RTP_ISA_AMX, RTP_ISA_UNAVAILABLE = 127 };

@@ -16,8 +16,8 @@
  * call, in argument order.
  *
  * OP is an op of the table, or argmax_rows / apply_token_bitmask (the sampler's kernels, called
- * directly through their dispatching entries), or "features": 1 where the kernels were built with the
- * dot-product instructions (__ARM_FEATURE_DOTPROD), 0 where with plain NEON, and the ISA path selected. */
+ * directly through their dispatching entries), or "features": the ISA path selected (RTP_HARNESS_ISA:
+ * 1 neon, 2 dotprod; else the CPU's highest). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -133,14 +133,14 @@ int main(int argc, char **argv) {
     if (argc != 4) fail("usage: harness OP IN OUT");
     const char *op = argv[1];
     read_args(argv[2]);
-    if (rtp_select_isa(RTP_ISA_NEON) != RTP_ISA_NEON) fail("the NEON path is not selected");
+    /* the path to run: RTP_HARNESS_ISA (1 neon, 2 dotprod), else the CPU's highest */
+    const char *want = getenv("RTP_HARNESS_ISA");
+    int most = want ? atoi(want) : RTP_ISA_UNAVAILABLE;
+    if (rtp_select_isa(most) != (want ? most : rtp_cpu_isa())) fail("the path asked for is not this CPU's");
     int64_t r = 0;
     if (!strcmp(op, "features")) {
         need(0);
-#if defined(__ARM_FEATURE_DOTPROD)
-        r = 1;
-#endif
-        r |= (int64_t)rtp_isa << 8;
+        r = rtp_isa;
     } else if (!strcmp(op, "argmax_rows")) {
         need(5);
         rtp_argmax_rows(P(0), I(1), I(2), I(3), P(4));
@@ -151,7 +151,7 @@ int main(int argc, char **argv) {
         int64_t code = 1;
         while (code < RTP_OP_COUNT && strcmp(rtp_ops[code].name, op)) code++;
         if (code == RTP_OP_COUNT) fail("unknown op");
-        if (rtp_ops[code].isa != RTP_ISA_NEON) fail("the op has no NEON variant in the table");
+        if (rtp_ops[code].isa > rtp_isa) fail("the op has no variant on this path in the table");
         r = run_op(&rtp_ops[code], code);
     }
     write_result(argv[3], r);

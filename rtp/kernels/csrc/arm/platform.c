@@ -1,6 +1,7 @@
 #if defined(__aarch64__)
 /* What the x86-64 build's cpu_features.c, stream_read.c, sampling.c and the AMX / VNNI probes give the
- * rest of rtp, for AArch64: the ISA path (NEON, which every AArch64 CPU has; ops.py's ISA_FAMILIES),
+ * rest of rtp, for AArch64: the ISA path (neon, which every AArch64 CPU runs, or dotprod; ops.py's
+ * ISA_FAMILIES),
  * the units it lacks, the bandwidth probe, and the two sampling kernels called directly (their NEON
  * bodies in sampling.c). kernel_ops.c dispatches the ops to their _neon variants on rtp_isa. */
 #include <omp.h>
@@ -12,6 +13,9 @@
 #ifndef HWCAP_ASIMD
 #define HWCAP_ASIMD (1 << 1)
 #endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
 
 int rtp_isa = RTP_ISA_NONE;
 
@@ -19,7 +23,13 @@ int rtp_cpu_kernels_supported(void) { return 0; } /* the avx512bf16 path: x86-64
 int rtp_amx_supported(void) { return 0; }
 int rtp_vnni_supported(void) { return 0; }
 
-int rtp_cpu_isa(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMD) ? RTP_ISA_NEON : RTP_ISA_NONE; }
+/* NEON (every AArch64 core), and the dot product (ARMv8.2-A's option: Graviton 2 on, Ampere Altra, Apple
+ * M1 on) whose SDOT the int8 linears of the dotprod path take (arm/linear_int8_dotprod.c). */
+int rtp_cpu_isa(void) {
+    unsigned long hwcap = getauxval(AT_HWCAP);
+    if (!(hwcap & HWCAP_ASIMD)) return RTP_ISA_NONE;
+    return (hwcap & HWCAP_ASIMDDP) ? RTP_ISA_DOTPROD : RTP_ISA_NEON;
+}
 
 int rtp_select_isa(int most) {
     int have = rtp_cpu_isa();
