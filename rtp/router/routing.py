@@ -123,8 +123,13 @@ class TierView:
         return blocks <= self.blocks and block_size == self.block_size
 
     def match(self, tokens) -> int:
-        _blocks, n = self.tree.match_prefix(tokens, leave_last=False)
-        return int(n)
+        return _matched(self.tree, tokens)
+
+
+def _matched(tree: RadixCache, tokens) -> int:
+    """Tokens of `tokens` a mirror holds (whole blocks, the last token included)."""
+    _blocks, n = tree.match_prefix(tokens, leave_last=False)
+    return int(n)
 
 
 class _PoolField:
@@ -191,8 +196,7 @@ class WorkerView:
     def match(self, tokens) -> float:
         """Tokens of `tokens` this worker is believed to have cached: those in its pool, plus those only
         its KV tiers hold, each counted at the share of its prefill time a load from there saves."""
-        _blocks, n = self.tree.match_prefix(tokens, leave_last=False)
-        hit = covered = int(n)
+        hit = covered = _matched(self.tree, tokens)
         for name, tier in (("host", self.host), ("disk", self.disk)):
             if tier is not None:
                 more = tier.match(tokens) - covered
@@ -331,16 +335,14 @@ class Router:
         """A worker's stats: its view refreshed, and joined to the disk tier it reads from (the one
         other workers reporting the same directory read, which holds what was routed to any of them)."""
         view.apply_report(report)
-        disk = self.disks.get(report.disk_id) if report.disk_id else None
-        if report.disk_id and (disk is None or not disk.fits(report.disk_blocks, report.block_size)):
-            # the first worker reporting it, or one with a larger budget: the mirror starts again
-            disk = TierView(report.disk_blocks, report.block_size)
-            if report.disk_id in self.disks:
-                for other in self.workers.values():
-                    if other.disk is self.disks[report.disk_id]:
-                        other.disk = disk
-                disk.members = self.disks[report.disk_id].members
-            self.disks[report.disk_id] = disk
+        disk = old = self.disks.get(report.disk_id) if report.disk_id else None
+        if report.disk_id and (old is None or not old.fits(report.disk_blocks, report.block_size)):
+            # the first worker reporting it, or one with a larger budget: the mirror starts again, for all its readers
+            disk = self.disks[report.disk_id] = TierView(report.disk_blocks, report.block_size)
+            if old is not None:
+                disk.members = old.members
+                for member in old.members:
+                    member.disk = disk
         if view.disk is not None and view.disk is not disk:
             view.disk.members.discard(view)
         view.disk = disk
