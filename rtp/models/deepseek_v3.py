@@ -162,6 +162,8 @@ class DeepseekV3Router(TopKRouter):
     then scaled by routed_scaling_factor. Holds the gate's weight itself, so checkpoint
     names (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`) map as they are."""
 
+    softmax_top_k = False
+
     def __init__(self, config: ModelConfig):
         raw = config.raw
         super().__init__(config.num_experts_per_tok, config.norm_topk_prob)

@@ -10,10 +10,14 @@ kernels (AVX-512 BF16, AMX) an expert holds its tiles alone (BlockQuantized.keep
 bytes a Q4_K weight, where blocks, super-blocks and tiles together were 2.1), which take every
 batch; on the avx2 path, its blocks.
 
-The groups are walked on the host (their ends read once a layer), so a layer served this way
-runs eagerly, as MoE layers on a CPU do today; EPLB's placements move slot references
-(replicas share one expert's blocks). What it does not do yet: route and dispatch in one C
-kernel, and replay the step from a CPU graph (issue "The models people run on CPUs now").
+Where the kernels have the one-call MoE op (rtp/kernels/csrc/moe.c: the tile path), `routed` runs
+the whole layer -- softmax top-k routing, EPLB's replica dealing, each slot's two tile products, the
+weighted combine -- in one kernel call over two tables of the slots' record addresses, so a MoE step
+is kernel calls only and replays from a CPU graph like a dense one (its work follows the step's
+routing, read at replay). `grouped` is FusedMoE's generic path from the blocks (a router the op does
+not know, expert parallelism): its groups are walked on the host, eagerly. EPLB's placements move
+slot references (replicas share one expert's blocks) and rewrite the address tables in place, so
+captured graphs see the new placement.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from rtp.kernels import cpu_kernels
 from rtp.kernels.quant import BlockQuantized
 
 
@@ -32,6 +37,24 @@ class ExpertBlocks:
     def __init__(self, w13: list[BlockQuantized | None], w2: list[BlockQuantized | None]):
         self.w13 = w13
         self.w2 = w2
+        # each slot's tile records by address (0: empty), what the one-call op reads; rewritten in place
+        self.w13_records = torch.zeros(len(w13), dtype=torch.int64)
+        self.w2_records = torch.zeros(len(w2), dtype=torch.int64)
+        self._write_records()
+        placed = [(a, b) for a, b in zip(w13, w2) if a is not None]
+        kinds = {(a.tile_kind, b.tile_kind) for a, b in placed}
+        # the op multiplies every slot alike: tile records of one kind each for [gate | up] and down
+        # (an int8-prefill split of decode and prompt rows stays on the generic path)
+        self.one_call = (cpu_kernels.has_op("moe_experts") and len(kinds) == 1
+                         and all(a.tiles is not None and a.glu and b.tiles is not None and "prefill" not in
+                                 (a.int8_rows, b.int8_rows) for a, b in placed))
+        self.kinds = next(iter(kinds)) if len(kinds) == 1 else None
+        self.inter = placed[0][1].shape[1] if placed else 0
+
+    def _write_records(self) -> None:
+        for table, blocks in ((self.w13_records, self.w13), (self.w2_records, self.w2)):
+            table.copy_(torch.tensor([0 if b is None or b.tiles is None else b.tiles.data_ptr() for b in blocks],
+                                     dtype=torch.int64))
 
     @classmethod
     def build(cls, gate: Sequence[BlockQuantized], up: Sequence[BlockQuantized], down: Sequence[BlockQuantized],
@@ -54,6 +77,14 @@ class ExpertBlocks:
             w2.append(d)
         pad = num_slots - len(w13)
         return cls(w13 + [None] * pad, w2 + [None] * pad)
+
+    def routed(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+               expert_slots: torch.Tensor, replica_count: torch.Tensor,
+               expert_load: torch.Tensor | None) -> torch.Tensor:
+        """The layer's routed experts for x bf16 [T, hidden] from the router's logits, in one kernel call
+        (one_call must hold): softmax top-k, EPLB's tables as FusedMoE keeps them -> fp32 [T, hidden]."""
+        return cpu_kernels.moe_experts(x, logits, top_k, renormalize, expert_slots, replica_count, expert_load,
+                                       self.w13_records, self.w2_records, *self.kinds, self.inter)
 
     def grouped(self, x: torch.Tensor, row_source: torch.Tensor, group_end: torch.Tensor,
                 act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -79,3 +110,4 @@ class ExpertBlocks:
         w13 = [self.w13[s] if u else None for s, u in zip(source.tolist(), used.tolist())]
         w2 = [self.w2[s] if u else None for s, u in zip(source.tolist(), used.tolist())]
         self.w13, self.w2 = w13, w2
+        self._write_records()

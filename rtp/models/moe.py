@@ -91,6 +91,10 @@ class TopKRouter(nn.Module):
     (sigmoid, plus a correction bias used for choosing only) and in `select` (top
     experts within the best groups, scaled by a routed scaling factor)."""
 
+    # scores are a softmax and select the plain top k: what a MoE layer served by the one-call kernel
+    # (ExpertBlocks.routed, csrc/moe.c) routes with itself; a router that differs says False
+    softmax_top_k = True
+
     def __init__(self, top_k: int, renormalize: bool):
         super().__init__()
         self.top_k = top_k
@@ -298,6 +302,16 @@ class FusedMoE(nn.Module):
         h = grouped_mm(x.index_select(0, row_source), self.w13, group_end)
         return grouped_mm(self.act(h), self.w2, group_end)
 
+    def routed(self, x: torch.Tensor, logits: torch.Tensor, router: TopKRouter) -> torch.Tensor:
+        """x [T, hidden] through the experts `router` picks from its logits [T, E] -> [T, hidden] fp32: one
+        kernel call where the experts are GGUF blocks the MoE op serves and the router is its softmax top-k
+        (ExpertBlocks.routed; then a CPU graph can replay the layer), else router, then forward."""
+        if (self.blocks is not None and self.blocks.one_call and router.softmax_top_k
+                and x.dtype == torch.bfloat16 and logits.dtype in (torch.bfloat16, torch.float32)):
+            return self.blocks.routed(x, logits, router.top_k, router.renormalize, self.logical_to_physical,
+                                      self.replica_count, self.expert_load if self.count_load else None)
+        return self(x, *router(logits))
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; topk_weights [T, k] fp32; topk_ids [T, k] logical expert ids -> [T, hidden] fp32."""
         tokens, k = topk_ids.shape
@@ -338,5 +352,4 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] fp32."""
-        weights, ids = self.router(self.gate(x))
-        return self.experts(x, weights, ids)
+        return self.experts.routed(x, self.gate(x), self.router)

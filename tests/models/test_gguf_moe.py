@@ -417,3 +417,94 @@ def test_a_requests_tokens_do_not_depend_on_its_neighbours_with_block_experts(tm
         (alone,) = llm.generate([prompt], params)
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids
         assert alone.outputs[0].logprobs == out.outputs[0].logprobs
+
+
+# -- one kernel call per MoE layer (csrc/moe.c) and MoE steps from CPU graphs ------------------------------
+
+def _routing_logits(tokens_per_expert, experts, top_k, g):
+    """Logits [T, experts] whose top-1 expert is e for tokens_per_expert[e] tokens (in a shuffled order),
+    the other k - 1 choices random, every gap wide enough that no rounding reorders them."""
+    first = torch.tensor([e for e, n in enumerate(tokens_per_expert) for _ in range(n)], dtype=torch.int64)
+    first = first[torch.randperm(len(first), generator=g)]
+    logits = torch.rand(len(first), experts, generator=g)  # the rest: below 1
+    for t, e in enumerate(first.tolist()):
+        others = [o for o in torch.randperm(experts, generator=g).tolist() if o != e][:top_k - 1]
+        for rank, o in enumerate([e] + others):
+            logits[t, o] = 6.0 - 0.5 * rank
+    return logits
+
+
+@pytest.mark.parametrize("qtype, override", [(Q.Q8_0, {}), (Q.Q4_1, {}), (Q.Q4_K, K_QUANT_MOE),
+                                             (Q.Q6_K, K_QUANT_MOE)], ids=["q8_0", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_one_kernel_call_routes_and_multiplies_a_moe_layer(qtype, override, top_k, tmp_path):
+    """FusedMoE.routed on a GGUF's block experts is one call of the MoE op (softmax top-k, dispatch, both
+    tile products, the weighted combine): against fp32 experts on the file's weights routed by torch, to
+    bf16's precision, with 0, 1, 2, 5, 17 and 300 tokens per expert and with one expert taking every
+    token; it counts EPLB's load as torch's top-k does; and each row's bits are the row's alone."""
+    from rtp.checkpoint.loader import load_model
+    from rtp.kernels import cpu_kernels
+    from rtp.models.moe import TopKRouter
+
+    _, model, path = _blocks_model("qwen3_moe", qtype, tmp_path, **override)
+    (served,) = _sparse(model)
+    if not served.blocks.one_call:
+        pytest.skip(f"no one-call MoE op on the {cpu_kernels.isa()} path")
+    (dense,) = _sparse(load_model(path, torch.float32, torch.device("cpu"))[0])
+    router = TopKRouter(top_k, renormalize=top_k > 1)
+    g = torch.Generator().manual_seed(top_k)
+    hidden = served.blocks.w13[0].shape[1]
+    for per_expert in ([0, 1, 2, 5, 17, 300, 0, 3], [40, 0, 0, 0, 0, 0, 0, 0]):
+        logits = _routing_logits(per_expert, served.num_experts, top_k, g).bfloat16()
+        x = torch.randn(logits.shape[0], hidden, generator=g).bfloat16()
+        served.expert_load.zero_()
+        got = served.routed(x, logits, router)
+        want = dense(x.float(), *router(logits))
+        assert got.dtype == torch.float32
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), (per_expert, (got - want).abs().max())
+        _, ids = router(logits)
+        assert served.expert_load.tolist() == torch.bincount(ids.flatten(), minlength=8).tolist()
+        for row in (0, len(x) // 2, len(x) - 1):  # alone: the same bits as within the batch
+            assert torch.equal(served.routed(x[row:row + 1], logits[row:row + 1], router), got[row:row + 1])
+    assert torch.equal(served.routed(x[:0], logits[:0], router), got[:0])
+
+
+def test_moe_steps_replay_cpu_graphs_and_follow_an_eplb_placement(tmp_path):
+    """A Qwen3-MoE GGUF through rtp.LLM: its decode, prefill and mixed steps replay CPU graphs (the MoE
+    layers one kernel call each) and give the eager steps' tokens and logprobs; experts moved and
+    replicated in place afterwards are what the same graphs replay, with the same bits."""
+    from rtp import LLM, SamplingParams
+    from rtp.kernels import cpu_kernels
+
+    if not cpu_kernels.has_op("moe_experts"):
+        pytest.skip("no one-call MoE op on this ISA path")
+    from tiny_models import MOE, random_hf_model, write_word_tokenizer
+
+    cfg_cls, extra = MOE_CONFIGS["qwen3_moe"]
+    # the dense layer's MLP as wide as its rows split into Q8_0 blocks: every linear a kernel's
+    hf = random_hf_model(cfg_cls(**{**MOE, **extra, "intermediate_size": 128}))
+    write_word_tokenizer(tmp_path, MOE["vocab_size"])
+    path = write_moe_gguf(tmp_path / "q.gguf", hf, "qwen3_moe", Q.Q8_0)
+    llm = LLM(model=str(path), tokenizer=str(tmp_path / "tokenizer.json"), max_model_len=256, max_num_seqs=4,
+              enable_eplb=True, num_redundant_experts=2, eplb_step_interval=10 ** 6)
+    runner = llm.engine.runner
+    assert runner.exact_graph is not None and runner.cpu_graphs and runner.step_graph is not None
+    (experts,) = _sparse(llm.engine.model)
+    assert experts.blocks.one_call and experts.num_slots >= 10
+    prompts = prompts_of((3, 12, 30), seed=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+    def run():
+        outs = llm.generate(prompts, params) + llm.generate(prompts[1:2], params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    steps = runner.graph_steps
+    replayed = run()
+    assert runner.graph_steps - steps >= 2 * 15
+    with runner.eager():
+        assert run() == replayed
+    # expert 3 in three slots, every expert moved, the other spare slots empty
+    experts.place([7, 3, 0, 1, 2, 3, 4, 5, 6, 3] + [-1] * (experts.num_slots - 10))
+    steps = runner.graph_steps
+    assert run() == replayed
+    assert runner.graph_steps - steps >= 2 * 15
