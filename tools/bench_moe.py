@@ -9,9 +9,11 @@ configuration runs in a child process of its own (both cores) and is measured al
 (tools/_common.py engine_figures): decode tok/s of 1, 16 and 64 streams (32-token prompts; a
 step is t(N tokens) - t(1 token) over N - 1) and prompt tok/s of one 512-token prompt:
 
-  rtp blocks   the experts multiplied from their blocks (rtp/models/expert_blocks.py)
+  rtp blocks   the experts multiplied from their blocks (rtp/models/expert_blocks.py), each MoE
+               layer one kernel call (rtp/kernels/csrc/moe.c), every step replayed from a CPU graph
+  rtp eager    the same, every step run eagerly (RTP_CPU_GRAPHS=0): what the graphs save
   rtp dense    the experts dequantized to bf16 at load and computed by torch's grouped GEMM
-               (RTP_EXPERT_BLOCKS=0: what ran before)
+               (RTP_EXPERT_BLOCKS=0), eagerly
   llama.cpp    with --llama-bench / --llama-batched-bench: llama-bench pp512 and tg, and
                llama-batched-bench S_TG at 16 and 64 sequences, on the same file
 
@@ -21,7 +23,7 @@ row left out) against the streaming-read bandwidth of rtp's read kernel measured
 
 Output: a table, then as the last line of stdout one JSON object.
 
-    python tools/bench_moe.py                        # 4 layers, rtp blocks and dense
+    python tools/bench_moe.py                        # 4 layers, rtp blocks, eager and dense
     python tools/bench_moe.py --llama-bench B --llama-batched-bench BB --layers 8
 """
 
@@ -117,7 +119,7 @@ def main() -> int:
     ap.add_argument("--streams", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=33, help="tokens generated per measured run (default 33)")
     ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--configs", default="blocks,dense", help="rtp configurations: blocks, dense")
+    ap.add_argument("--configs", default="blocks,eager,dense", help="rtp configurations: blocks, eager, dense")
     ap.add_argument("--dir", default=None, help="where the GGUF goes (default: a temporary directory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-bench", metavar="PATH")
@@ -137,7 +139,8 @@ def main() -> int:
     read = write_model(path, args.layers, args.type, args.seed)
     rows = []
     for config in args.configs.split(","):
-        env = dict(os.environ, RTP_EXPERT_BLOCKS="0" if config == "dense" else "1")
+        env = dict(os.environ, RTP_EXPERT_BLOCKS="0" if config == "dense" else "1",
+                   RTP_CPU_GRAPHS="0" if config == "eager" else os.environ.get("RTP_CPU_GRAPHS", "1"))
         _common.note(f"rtp {config}")
         figures = _common.child_figures([__file__, "--child", str(path), "--streams", args.streams,
                                          "--tokens", str(args.tokens), "--prefill", str(args.prefill)],

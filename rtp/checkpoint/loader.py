@@ -392,6 +392,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, options: Lo
     model.eval()
     if dtype == torch.bfloat16 and device.type == "cpu":
         _attach_dense(model)
+        _kernel_biases(model)
     _pack_cpu_weights(model)
     if device.type == "cpu" and malloc_trim is not None:
         # the GGUF blocks' repacks and the copies tile layouts were made from, freed, are holes in
@@ -484,6 +485,15 @@ def _attach_dense(model: torch.nn.Module) -> None:
         count += 1
     if count:
         log.info("%d bf16 layers multiplied by rtp's kernels", count)
+
+
+def _kernel_biases(model: torch.nn.Module) -> None:
+    """Give each layer rtp's kernels multiply its bias in fp32 (LinearBase.kernel_bias: what the kernels
+    add), made once here: converted per call, as before, the copy was a torch op in every step, and a
+    CPU graph refused Qwen2's qkv bias (its steps ran eagerly)."""
+    for module in model.modules():
+        if getattr(module, "quant", None) is not None and getattr(module, "bias", None) is not None:
+            module.kernel_bias = module.bias.detach().float()
 
 
 def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:

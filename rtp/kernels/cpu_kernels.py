@@ -308,6 +308,22 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: 
     return out
 
 
+def add_sigmoid_gated_supported(out: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
+    return (_HAS["add_sigmoid_gated"] and out.dtype == torch.float32 and y.dtype == torch.bfloat16
+            and gate.dtype in (torch.bfloat16, torch.float32) and out.dim() == y.dim() == gate.dim() == 2
+            and gate.shape[1] == 1 and out.shape == y.shape and gate.shape[0] == out.shape[0]
+            and out.stride(1) == y.stride(1) == 1)
+
+
+def add_sigmoid_gated(out: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """In place: out fp32 [T, H] += sigmoid(gate [T, 1]) * y bf16 [T, H] (a shared expert's gated output
+    onto the routed experts' sum); returns out."""
+    t, h = out.shape
+    _k.add_sigmoid_gated(out.data_ptr(), out.stride(0), gate.data_ptr(), gate.dtype == torch.bfloat16, gate.stride(0),
+                         y.data_ptr(), y.stride(0), t, h)
+    return out
+
+
 # -- residual add + RMSNorm -----------------------------------------------------------------------
 
 def norm_supported(residual: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -288,6 +288,11 @@ OPS = _ops(
     replica_count; expert_load += pairs per expert unless 0), each slot's rows through its [gate | up] glu
     tiles and down tiles (w13, w2: [slots] record addresses), out fp32 [t, hidden] = the weighted sum over k
     in k order (csrc/moe.c)."""),
+    dict(name="add_sigmoid_gated", rows="t", isa="avx2", variants={"neon": "rtp_add_sigmoid_gated"},  # plain C: both
+         c="""void rtp_add_sigmoid_gated(float *out, int64_t ldo, const void *gate, bool gate_bf16, int64_t ldg,
+              const uint16_t *y, int64_t ldy, int64_t t, int64_t h)""",
+         doc="In place: out fp32 [t, h] += sigmoid(gate [t, 1], bf16 or fp32) * y bf16 [t, h] (Qwen2-MoE's shared "
+             "expert)."),
 )
 
 BY_CODE = {op.code: op for op in OPS}

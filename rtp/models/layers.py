@@ -76,6 +76,7 @@ class LinearBase(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
         self.quant: BlockQuantized | None = None
+        self.kernel_bias: torch.Tensor | None = None  # the bias in fp32, as the kernels add it (set by the loader)
         self.packed: torch.Tensor | None = None  # oneDNN-prepacked copy (rtp/kernels/packed.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -88,6 +89,8 @@ class LinearBase(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None and self.quant.takes(x.shape[0]):
+            if bias is not None and bias is self.bias and self.kernel_bias is not None:
+                bias = self.kernel_bias
             return self.quant.linear(x, bias, x.dtype)
         if self.packed is not None and not torch.compiler.is_compiling():
             return packed.linear(x, self.packed, bias)
@@ -147,7 +150,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu(gate) * up of this projection in one kernel, when its packed blocks take this
         batch; None: run the projection and the activation apart."""
         if self.quant is not None and self.quant.takes_silu_mul(x.shape[0]):
-            return self.quant.silu_mul(x, self.bias)
+            return self.quant.silu_mul(x, self.bias if self.kernel_bias is None else self.kernel_bias)
         return None
 
 

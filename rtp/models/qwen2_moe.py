@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from rtp.config import ModelConfig
+from rtp.kernels import cpu_kernels
 from rtp.models.layers import ReplicatedLinear
 from rtp.models.llama import LlamaMLP
 from rtp.models.mixtral import MixtralForCausalLM
@@ -31,8 +32,10 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        gate = torch.sigmoid(self.shared_expert_gate(x).float())
-        return out.add_(gate * self.shared_expert(x).float())
+        gate, shared = self.shared_expert_gate(x), self.shared_expert(x)
+        if cpu_kernels.add_sigmoid_gated_supported(out, gate, shared):  # one kernel: the step stays capturable
+            return cpu_kernels.add_sigmoid_gated(out, gate, shared)
+        return out.add_(torch.sigmoid(gate.float()) * shared.float())
 
 
 class Qwen2MoeForCausalLM(MixtralForCausalLM):

@@ -308,6 +308,18 @@ def test_softcap(neon, tokens, n, cap):
     torch.testing.assert_close(x[0, 1:4], want[0, 1:4], rtol=1e-6, atol=0)  # tiny values keep their digits
 
 
+@pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32])
+def test_add_sigmoid_gated(neon, gate_dtype):
+    g = torch.Generator().manual_seed(6)
+    out = torch.randn(5, 72 + 8, generator=g)  # rows strided past the width
+    gate = (torch.randn(5, 2, generator=g) * 8).to(gate_dtype)
+    y = torch.randn(5, 72, generator=g).bfloat16()
+    _, after = neon.run("add_sigmoid_gated", out, 72 + 8, gate, bf16(gate), 2, y, 72, 5, 72)
+    want = out[:, :72] + torch.sigmoid(gate[:, :1].float()) * y.float()
+    torch.testing.assert_close(after[0][:, :72], want, rtol=2e-6, atol=1e-6)
+    assert torch.equal(after[0][:, 72:], out[:, 72:])
+
+
 # -- the embedding ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -400,6 +400,21 @@ def test_embed_rows_equals_embedding_in_fp32(dtype):
     assert torch.equal(emb.embed_fp32(ids), out)
 
 
+@pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32])
+def test_add_sigmoid_gated_matches_fp32_torch(gate_dtype):
+    """A shared expert's gated output onto the routed sum: out += sigmoid(gate) * y in fp32, within an
+    fp32 rounding of torch's (the sigmoid's exp is libm's); a gate row strided, extreme gates finite."""
+    g = torch.Generator().manual_seed(6)
+    out = torch.randn(7, 96, generator=g)
+    gate = (torch.randn(7, 3, generator=g) * 8).to(gate_dtype)[:, 1:2]  # one value a row, row stride 3
+    gate[0, 0], gate[1, 0] = -200.0, 200.0
+    y = torch.randn(7, 96, generator=g).bfloat16()
+    want = out + torch.sigmoid(gate.float()) * y.float()
+    got = cpu_kernels.add_sigmoid_gated(out.clone(), gate, y)
+    assert torch.all(torch.isfinite(got))
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 20])
 def test_silu_mul_matches_fp32_torch(tokens):
     """silu(gate) * up in fp32, rounded once to bf16: within half a bf16 ulp (plus the exp

@@ -469,9 +469,14 @@ def test_one_kernel_call_routes_and_multiplies_a_moe_layer(qtype, override, top_
     assert torch.equal(served.routed(x[:0], logits[:0], router), got[:0])
 
 
-def test_moe_steps_replay_cpu_graphs_and_follow_an_eplb_placement(tmp_path):
-    """A Qwen3-MoE GGUF through rtp.LLM: its decode, prefill and mixed steps replay CPU graphs (the MoE
-    layers one kernel call each) and give the eager steps' tokens and logprobs; experts moved and
+@pytest.mark.parametrize("kind, override", [
+    ("qwen3_moe", {}),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 64, "hidden_size": 128}),  # head_dim 32: the RoPE kernel's
+])
+def test_moe_steps_replay_cpu_graphs_and_follow_an_eplb_placement(kind, override, tmp_path):
+    """A Qwen3-MoE GGUF, and a Qwen2-MoE one with its shared experts, through rtp.LLM: their decode,
+    prefill and mixed steps replay CPU graphs (the routed experts one kernel call a layer, the shared
+    expert's gated sum another) and give the eager steps' tokens and logprobs; experts moved and
     replicated in place afterwards are what the same graphs replay, with the same bits."""
     from rtp import LLM, SamplingParams
     from rtp.kernels import cpu_kernels
@@ -480,16 +485,16 @@ def test_moe_steps_replay_cpu_graphs_and_follow_an_eplb_placement(tmp_path):
         pytest.skip("no one-call MoE op on this ISA path")
     from tiny_models import MOE, random_hf_model, write_word_tokenizer
 
-    cfg_cls, extra = MOE_CONFIGS["qwen3_moe"]
-    # the dense layer's MLP as wide as its rows split into Q8_0 blocks: every linear a kernel's
-    hf = random_hf_model(cfg_cls(**{**MOE, **extra, "intermediate_size": 128}))
+    cfg_cls, extra = MOE_CONFIGS[kind]
+    # the dense MLPs as wide as their rows split into Q8_0 blocks: every linear a kernel's
+    hf = random_hf_model(cfg_cls(**{**MOE, **extra, "intermediate_size": 128, **override}))
     write_word_tokenizer(tmp_path, MOE["vocab_size"])
-    path = write_moe_gguf(tmp_path / "q.gguf", hf, "qwen3_moe", Q.Q8_0)
+    path = write_moe_gguf(tmp_path / "q.gguf", hf, kind, Q.Q8_0)
     llm = LLM(model=str(path), tokenizer=str(tmp_path / "tokenizer.json"), max_model_len=256, max_num_seqs=4,
               enable_eplb=True, num_redundant_experts=2, eplb_step_interval=10 ** 6)
     runner = llm.engine.runner
     assert runner.exact_graph is not None and runner.cpu_graphs and runner.step_graph is not None
-    (experts,) = _sparse(llm.engine.model)
+    experts = _sparse(llm.engine.model)[0]
     assert experts.blocks.one_call and experts.num_slots >= 10
     prompts = prompts_of((3, 12, 30), seed=4)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
