@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rtp.gguf")
 
+# the GGUF types whose blocks rtp's kernels multiply (repacked exactly: GGUFCheckpoint.quantized)
+PACKED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"})
+
 # GGUF general.architecture -> (HF model_type, HF architectures[0])
 _ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -321,7 +324,10 @@ class GGUFCheckpoint(GGUFFile):
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         records = []
+        unpacked: dict[str, int] = {}  # quantized types no packed layout takes: tensors of each
         for path, t in self.all_tensors():
+            if t.tensor_type.name not in PACKED_TYPES | {"F32", "F16", "BF16", "F64"}:
+                unpacked[t.tensor_type.name] = unpacked.get(t.tensor_type.name, 0) + 1
             if t.name in _SKIPPED:
                 log.warning("%s: skipping %s (no HF parameter; rope scaling from it is not applied)",
                             path.name, t.name)
@@ -349,6 +355,10 @@ class GGUFCheckpoint(GGUFFile):
             if self.architecture in _NORM_PLUS_ONE and name.endswith("norm.weight"):
                 decode = partial(_minus_one, decode)
             records.append(TensorRecord(name, path, begin, end, shape, torch.float32, decode))
+        for qtype, count in sorted(unpacked.items()):
+            log.info("%s: %d %s tensors are dequantized to the model's dtype when read: rtp has no packed layout "
+                     "for %s (the K-quants, Q4_0/1, Q5_0/1, Q8_0, IQ4_NL and IQ4_XS keep their blocks)",
+                     self.path.name, count, qtype, qtype)
         return records
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -363,14 +373,17 @@ class GGUFCheckpoint(GGUFFile):
         """(HF name, packed blocks) of every weight matrix rtp's small-batch CPU kernels multiply
         from its blocks, q/k rows unpermuted like `tensors()`: Q4_1 and Q8_0 as the file has them,
         Q4_K and Q4_0 repacked exactly into q4_1, Q5_0, Q5_1 and Q5_K into q8_1, Q6_K into
-        q8_16 (rtp/kernels/quant.py). Other types are multiplied from their dequantized weights."""
+        q8_16, IQ4_NL and IQ4_XS into q8_0 (rtp/kernels/quant.py). Other types (the other IQ types)
+        are multiplied from their dequantized weights, which records() says once per type."""
         from gguf import GGMLQuantizationType as Q
 
         from rtp.kernels.quant import BlockQuantized
 
         kinds = {Q.Q4_1: partial(BlockQuantized.from_gguf, "q4_1"), Q.Q8_0: partial(BlockQuantized.from_gguf, "q8_0"),
                  Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0,
-                 Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k}
+                 Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k,
+                 Q.IQ4_NL: BlockQuantized.from_iq4_nl, Q.IQ4_XS: BlockQuantized.from_iq4_xs}
+        assert {q.name for q in kinds} == PACKED_TYPES
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         for _, t in self.all_tensors():

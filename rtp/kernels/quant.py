@@ -2,8 +2,8 @@
 
 A GGUF checkpoint stores most matrices as blocks of 32 weights (Q4_1, Q8_0) or super-blocks
 of 256 (the K-quants). Each is repacked exactly, at load, into one of four layouts rtp's kernels
-multiply: Q4_K and Q4_0 into q4_1, Q5_0, Q5_1 and Q5_K into q8_1, Q6_K into q8_16 (from_q4_k
-and the others below). A decode step is bound by reading the
+multiply: Q4_K and Q4_0 into q4_1, Q5_0, Q5_1 and Q5_K into q8_1, Q6_K into q8_16, IQ4_NL and
+IQ4_XS into q8_0 (from_q4_k and the others below). A decode step is bound by reading the
 weights, so the linear layers keep the packed blocks (a third to a half of bf16's bytes) and
 multiply them directly with rtp's CPU kernels:
   - one row: the AVX-512 kernel over the blocks, exact fp32 weights (csrc/linear/q4_1.c and its siblings);
@@ -149,6 +149,16 @@ def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+# IQ4_NL's and IQ4_XS's codebook (ggml's kvalues_iq4nl): a nibble's weight, before the block's scale
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _iq4_values(qs: np.ndarray) -> np.ndarray:
+    """IQ4 blocks' 16 nibble bytes each ([..., 16]; byte j: weight j low, weight j + 16 high) as their
+    codebook values, int8 [..., 32]."""
+    return np.ascontiguousarray(np.concatenate([IQ4_VALUES[qs & 0x0F], IQ4_VALUES[qs >> 4]], axis=-1))
+
+
 @dataclass
 class BlockQuantized:
     kind: str                   # "q4_1", "q8_0", "q8_1", "q8_16", or "bf16" (a dense layer's own weights)
@@ -166,6 +176,13 @@ class BlockQuantized:
     int8_rows: str | None = None
     # keep_only_tiles() ran: qs, d, m and native are gone, the tiles take every batch, and `shape` is this
     only_tiles: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        # the kernels read d and m as fp32 by address: another dtype (numpy's float64 from float32 times an
+        # integer array) would be read as garbage, so it is refused here, where a repack makes it
+        for name, t in (("d", self.d), ("m", self.m)):
+            if t is not None and t.dtype != torch.float32:
+                raise TypeError(f"BlockQuantized {self.kind}: {name} is {t.dtype}, not torch.float32")
 
     @property
     def tile_kind(self) -> int:
@@ -304,6 +321,33 @@ class BlockQuantized:
         q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
         return cls("q8_16", torch.from_numpy(np.ascontiguousarray(q)),
                    torch.from_numpy(np.ascontiguousarray((d[..., None] * sc).reshape(rows, -1))), None)
+
+    @classmethod
+    def from_iq4_nl(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
+        """GGUF IQ4_NL (w = d * IQ4_VALUES[q], a nibble indexing a fixed non-linear codebook of int8 values;
+        Q4_0's nibble order) as q8_0, exactly: the codebook's values with the block's d. Twice the file's
+        bytes, against bf16's four times, and the int8 kernels."""
+        b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, 18)
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        return cls("q8_0", torch.from_numpy(_iq4_values(b[..., 2:18]).reshape(rows, -1)),
+                   torch.from_numpy(np.ascontiguousarray(d)), None)
+
+    @classmethod
+    def from_iq4_xs(cls, raw: np.ndarray, rows: int) -> "BlockQuantized":
+        """GGUF IQ4_XS as q8_0, exactly: a super-block of 256 is eight blocks of 32, each w = d (ls - 32)
+        IQ4_VALUES[q] with a 6-bit ls (4 bits in scales_l, 2 in scales_h) and IQ4_NL's nibbles; d (ls -
+        32) is exact in fp32 (an 11-bit mantissa times a 6-bit integer)."""
+        b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, 136)   # [N, K/256, 136]
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        high = np.ascontiguousarray(b[..., 2:4]).view("<u2")[..., 0].astype(np.int32)
+        low = b[..., 4:8]
+        block = np.arange(8)
+        ls = ((low[..., block // 2] >> (4 * (block % 2))) & 0x0F).astype(np.int32) | (
+            ((high[..., None] >> (2 * block)) & 3) << 4)
+        q = _iq4_values(b[..., 8:136].reshape(rows, -1, 8, 16))
+        return cls("q8_0", torch.from_numpy(q.reshape(rows, -1)),
+                   torch.from_numpy(np.ascontiguousarray((d[..., None] * (ls - 32)).astype(np.float32).reshape(rows, -1))),
+                   None)
 
     def as_kind(self, kind: str) -> "BlockQuantized | None":
         """These weights in another layout, exactly (None where it cannot hold them): q4_1 and q8_0 as

@@ -19,12 +19,14 @@ from rtp.kernels.quant import BlockQuantized
 
 # bytes per block, weights per block, offsets of the fp16 scale fields
 LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q4_0: (18, 32, (0,)), Q.Q5_0: (22, 32, (0,)), Q.Q5_1: (24, 32, (0, 2)),
-           Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,)), Q.Q8_0: (34, 32, (0,))}
+           Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,)), Q.Q8_0: (34, 32, (0,)),
+           Q.IQ4_NL: (18, 32, (0,)), Q.IQ4_XS: (136, 256, (0,))}
 REPACK = {Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0,
           Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k,
-          Q.Q8_0: lambda raw, rows: BlockQuantized.from_gguf("q8_0", raw, rows)}
+          Q.Q8_0: lambda raw, rows: BlockQuantized.from_gguf("q8_0", raw, rows),
+          Q.IQ4_NL: BlockQuantized.from_iq4_nl, Q.IQ4_XS: BlockQuantized.from_iq4_xs}
 KIND = {Q.Q4_K: "q4_1", Q.Q4_0: "q4_1", Q.Q5_0: "q8_1", Q.Q5_1: "q8_1", Q.Q5_K: "q8_1", Q.Q6_K: "q8_16",
-        Q.Q8_0: "q8_0"}
+        Q.Q8_0: "q8_0", Q.IQ4_NL: "q8_0", Q.IQ4_XS: "q8_0"}
 TYPES = list(REPACK)
 IDS = [t.name.lower() for t in TYPES]
 

@@ -140,8 +140,10 @@ def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edi
     return path
 
 
-# K-quants: bytes per block, weights per block, offsets of the fp16 scales (d, dmin)
-K_LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,))}
+# types gguf.quants cannot write (K-quants, IQ4): bytes per block, weights per block, offsets of the fp16
+# scales (d, dmin); the other bytes random
+K_LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,)),
+             Q.IQ4_NL: (18, 32, (0,)), Q.IQ4_XS: (136, 256, (0,)), Q.IQ2_XXS: (66, 256, (0,))}
 
 
 def _random_k_blocks(hf, qtype) -> dict[str, np.ndarray]:
@@ -186,6 +188,24 @@ def test_logits_match_transformers(kind, qtype, tmp_path):
     prompts = prompts_of((5, 23, 40), seed=1)
     worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts))
     assert worst < 1e-4, f"{kind}: max abs logit difference {worst}"
+
+
+def test_an_iq_type_without_a_packed_layout_is_dequantized_and_said(tmp_path, caplog):
+    """IQ2_XXS (a lattice codebook no rtp kernel multiplies): its matrices are dequantized at load (in
+    fp32 here, so the logits are transformers' on the same weights), and the loader says so once."""
+    import logging
+
+    from tiny_models import MOE, random_hf_model
+
+    cfg_cls, extra = MOE_CONFIGS["qwen3_moe"]
+    hf = random_hf_model(cfg_cls(**{**MOE, **extra, **K_QUANT_MOE}))
+    path = write_moe_gguf(tmp_path / "iq2.gguf", hf, "qwen3_moe", Q.IQ2_XXS)
+    prompts = prompts_of((5, 23), seed=1)
+    with caplog.at_level(logging.INFO, logger="rtp"):
+        worst, _ = run_rtp(path, prompts, hf_reference(hf, prompts))
+    assert worst < 1e-4, worst
+    said = [r.getMessage() for r in caplog.records if "IQ2_XXS tensors are dequantized" in r.getMessage()]
+    assert len(said) == 1, caplog.text
 
 
 def test_config_reads_as_transformers_reads_the_twin(tmp_path):
@@ -314,8 +334,9 @@ def _sparse(model):
     ("qwen3_moe", Q.Q5_0, {}), ("qwen3_moe", Q.Q5_1, {}),
     ("qwen3_moe", Q.Q4_K, K_QUANT_MOE), ("qwen3_moe", Q.Q6_K, K_QUANT_MOE), ("qwen3_moe", Q.Q5_K, K_QUANT_MOE),
     ("olmoe", Q.Q8_0, {"intermediate_size": 128}),  # experts whose rows split into Q8_0 blocks
+    ("qwen3_moe", Q.IQ4_NL, {}), ("qwen3_moe", Q.IQ4_XS, K_QUANT_MOE),
 ], ids=["qwen3-q8_0", "qwen2-q8_0", "qwen3-q4_0", "qwen3-q4_1", "qwen3-q5_0", "qwen3-q5_1", "qwen3-q4_k",
-        "qwen3-q6_k", "qwen3-q5_k", "olmoe-q8_0"])
+        "qwen3-q6_k", "qwen3-q5_k", "olmoe-q8_0", "qwen3-iq4_nl", "qwen3-iq4_xs"])
 def test_quantized_experts_are_served_from_their_blocks(kind, qtype, override, tmp_path):
     """No dense copy of the experts (w13 and w2 on the meta device: nothing allocated, nothing read);
     each layer's experts through the block kernels give what fp32 experts on the file's weights
@@ -435,7 +456,8 @@ def _routing_logits(tokens_per_expert, experts, top_k, g):
 
 
 @pytest.mark.parametrize("qtype, override", [(Q.Q8_0, {}), (Q.Q4_1, {}), (Q.Q4_K, K_QUANT_MOE),
-                                             (Q.Q6_K, K_QUANT_MOE)], ids=["q8_0", "q4_1", "q4_k", "q6_k"])
+                                             (Q.Q6_K, K_QUANT_MOE), (Q.IQ4_XS, K_QUANT_MOE)],
+                         ids=["q8_0", "q4_1", "q4_k", "q6_k", "iq4_xs"])
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 def test_one_kernel_call_routes_and_multiplies_a_moe_layer(qtype, override, top_k, tmp_path):
     """FusedMoE.routed on a GGUF's block experts is one call of the MoE op (softmax top-k, dispatch, both
