@@ -85,6 +85,27 @@ def on_isa(name: str):
         _k.select_isa(previous)
 
 
+def lanes_available() -> bool:
+    """Whether the lane-order linears run here: the avx512 path (AVX-512 without BF16) on a CPU with VNNI. Layers
+    then keep their blocks in lane order (BlockQuantized.lane_layout), which take every batch."""
+    return _HAS["linear_lanes"] and not _BF16_PATH and _k.vnni_supported()
+
+
+def linear_lanes_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+                      out: torch.Tensor) -> torch.Tensor:
+    """out [M, N] = x [M, K] (bf16 or fp32) @ W.T (+ bias fp32) for W's records in lane order (uint8 [N/16, K/32,
+    record], BlockQuantized.lane_layout, `kind` its TILE_KIND); returns out."""
+    fp32 = x.dtype == torch.float32
+    if x.stride(1) != 1 or (not fp32 and x.stride(0) % 2):
+        x = x.contiguous()
+    rows, k = x.shape
+    n = weights.shape[0] * 16
+    _checked_out(out, rows, n)
+    _k.linear_lanes(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(),
+                    out.stride(0), out.dtype == torch.bfloat16, rows, n, k)
+    return out
+
+
 def tiles_available() -> bool:
     """Whether the tile-order linears run here (avx512bf16 and amx): layers then keep their blocks in tile order."""
     return _HAS["linear_tiles"]

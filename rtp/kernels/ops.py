@@ -288,6 +288,12 @@ OPS = _ops(
     replica_count; expert_load += pairs per expert unless 0), each slot's rows through its [gate | up] glu
     tiles and down tiles (w13, w2: [slots] record addresses), out fp32 [t, hidden] = the weighted sum over k
     in k order (csrc/moe.c)."""),
+    dict(name="linear_lanes", rows="rows", isa="avx512",
+         c="""int rtp_linear_lanes(const void *x, int64_t ldx, bool x_fp32, int kind, const uint8_t *weights,
+              const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n, int64_t k)""",
+         doc="""out = x @ dequant(weight).T (+ bias) from weight records in lane order (BlockQuantized.lane_layout; kind 0
+    Q4_1, 1 Q8_0, 2 Q8_1, 3 Q8 with scales per 16) with x's rows as 15-bit integer blocks, on AVX-512 VNNI
+    (avx512/linear_lanes.c: the avx512 path's linears, every batch); x bf16 or fp32."""),
     dict(name="add_sigmoid_gated", rows="t", isa="avx2", variants={"neon": "rtp_add_sigmoid_gated"},  # plain C: both
          c="""void rtp_add_sigmoid_gated(float *out, int64_t ldo, const void *gate, bool gate_bf16, int64_t ldg,
               const uint16_t *y, int64_t ldy, int64_t t, int64_t h)""",

@@ -43,6 +43,8 @@ TILE_KIND = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "q8_16": 3, "bf16": 4}
 # Q4_1's and Q8_0's records with x's rows quantized to int8 (--activation-dtype int8 and int8-prefill; vnni_gemm.c)
 TILE_KIND_INT8_ROWS = {"q4_1": 5, "q8_0": 6}
 GROUP = {"q4_1": 32, "q8_0": 32, "q8_1": 32, "q8_16": 16}
+# the kinds the avx512 path's lane-order kernel takes (its kind code: TILE_KIND's)
+LANE_KINDS = ("q4_1", "q8_0", "q8_1", "q8_16")
 # the small-int8 kinds the one-row u8 kernel takes, and the offset that makes q + 128 + offset a bf16
 _U8_OFFSET = {"q8_1": 0, "q8_16": 32}
 # q8_0 with bf16 x takes rtp_linear_u8 too, q split into two nibble halves (U8_SPLIT in csrc/linear/u8.c);
@@ -176,6 +178,9 @@ class BlockQuantized:
     int8_rows: str | None = None
     # keep_only_tiles() ran: qs, d, m and native are gone, the tiles take every batch, and `shape` is this
     only_tiles: tuple[int, int] | None = None
+    # the same blocks in lane order (lane_layout), on the avx512 path (AVX-512 with VNNI, no BF16): they take every
+    # batch, and the blocks are dropped (only_tiles set)
+    lanes: torch.Tensor | None = None
 
     def __post_init__(self):
         # the kernels read d and m as fp32 by address: another dtype (numpy's float64 from float32 times an
@@ -411,6 +416,26 @@ class BlockQuantized:
             tiles = tiles[torch.stack([torch.arange(half), torch.arange(half, 2 * half)], dim=1).flatten()]
         return hugepages.copy(tiles)  # streamed every step
 
+    def lane_layout(self) -> torch.Tensor:
+        """The blocks regrouped for the avx512 path's lane-order kernel (csrc/avx512/linear_lanes.c): uint8 [N/16,
+        K/32, record], one record per 16 rows x 1 block, 16 rows in the lanes of each 64-byte vector: q4_1, vector v
+        lane n = bytes 4v..4v+3 of row n's 16 nibble bytes, then d and m; the int8 kinds, vector g lane n = row n's
+        values 4g..4g+3 plus 128 (unsigned), then d (q8_16: both halves' 16 each) and m (q8_1)."""
+        n, k = self.shape
+        nb = k // BLOCK
+        if self.kind == "q4_1":
+            quant = self.qs.view(n // 16, 16, nb, 4, 4).permute(0, 2, 3, 1, 4)      # [tile, block, v, lane, byte]
+        else:
+            q = (self.qs.view(torch.uint8) ^ 0x80)                                   # q + 128, as unsigned
+            quant = q.view(n // 16, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)
+        parts = [quant.reshape(n // 16, nb, -1)]
+        d = self.d.view(n // 16, 16, nb, -1).permute(0, 2, 3, 1)                      # [tile, block, half, lane]
+        parts.append(d.contiguous().view(torch.uint8).reshape(n // 16, nb, -1))
+        if self.m is not None:
+            m = self.m.view(n // 16, 16, nb).permute(0, 2, 1)
+            parts.append(m.contiguous().view(torch.uint8).reshape(n // 16, nb, -1))
+        return hugepages.copy(torch.cat(parts, dim=-1).contiguous())
+
     def on_huge_pages(self) -> "BlockQuantized":
         """This, its arrays moved onto transparent huge pages (rtp/kernels/hugepages.py) like the AMX
         records: a one-row step streams every block, and with 4 KiB pages every 4 KiB of the
@@ -439,6 +464,11 @@ class BlockQuantized:
         if cpu_kernels.tiles_available() and self.shape[0] % (32 if glu else 16) == 0:
             self.tiles = self.tile_layout(glu)
             self.glu = glu
+        elif cpu_kernels.lanes_available() and self.kind in LANE_KINDS and self.shape[0] % 16 == 0:
+            # the avx512 path: lane order takes every batch, so the blocks it was made from go
+            self.lanes = self.lane_layout()
+            self.only_tiles = self.shape
+            self.qs = self.d = self.m = self.native = None
         return self
 
     def dequantize(self) -> torch.Tensor:
@@ -497,6 +527,8 @@ class BlockQuantized:
         """x @ W.T (+ bias) in out_dtype, through the kernel this batch takes (each a torch custom op,
         so compiled graphs call it as one node)."""
         b = None if bias is None else bias.float()
+        if self.lanes is not None:
+            return self.linear_into(x, b, torch.empty(x.shape[0], self.shape[0], dtype=out_dtype))
         if self.tiles is not None and self._tiles_take(x.shape[0]):
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
@@ -519,6 +551,9 @@ class BlockQuantized:
     def linear_into(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """linear() written into out ([M, N] with contiguous rows: a fused layer's columns), eagerly."""
         b = None if bias is None else bias.float()
+        if self.lanes is not None:
+            return cpu_kernels.linear_lanes_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16), TILE_KIND[self.kind],
+                                                 self.lanes, b, out)
         if self.tiles is not None and self._tiles_take(x.shape[0]):
             kind, bf16_rows, decode = self._tile_rows(x.shape[0])
             return cpu_kernels.linear_tiles_into(x if x.dtype == torch.float32 else x.to(torch.bfloat16),

@@ -210,14 +210,16 @@ alone = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
 batched = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
 print(json.dumps({"isa": cpu_kernels.isa(), "graphs": llm.engine.runner.graph_steps,
                   "blocks": llm.engine.model.model.layers[0].mlp.gate_up_proj.quant is not None,
+                  "lanes": getattr(llm.engine.model.model.layers[0].mlp.gate_up_proj.quant, "lanes", None) is not None,
                   "alone": alone, "batched": batched}))
 """
 
 
 @pytest.mark.parametrize("path", ["avx2", "avx512"])
 def test_a_lower_isa_path_is_as_faithful_as_transformers_bf16(path, default_gguf, llm_bf16, hf_model, reference):
-    """The engine on a lower ISA path's kernels (RTP_CPU_ISA, as on a CPU without AVX-512 BF16; avx512 runs
-    the avx2 variants for now): in its default dtype, the GGUF's blocks multiplied in place and the steps
+    """The engine on a lower ISA path's kernels (RTP_CPU_ISA, as on a CPU without AVX-512 BF16; avx512 runs its
+    lane-order linears where the CPU has VNNI, the avx2 variants for the other ops): in its default dtype, the
+    GGUF's blocks multiplied in place and the steps
     replayed from CPU graphs, greedy output matches the fp32 reference at least as often as transformers'
     bf16 does, and a request gets the same tokens alone as in a batch of eight."""
     import copy
@@ -234,6 +236,7 @@ def test_a_lower_isa_path_is_as_faithful_as_transformers_bf16(path, default_gguf
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["isa"] == path and got["blocks"] and got["graphs"] > 0, got
+    assert got["lanes"] == (path == "avx512" and cpu_kernels._k.vnni_supported()), got
     assert got["alone"] == got["batched"]
     hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
     eos = llm_bf16.engine.eos_token_ids

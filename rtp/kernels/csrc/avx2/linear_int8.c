@@ -21,6 +21,7 @@
 #include "avx2.h"
 #include "cpu_kernels.h"
 #include "scratch.h"
+#include "avx2/int8_rows.h"
 
 #include <math.h>
 #include <omp.h>
@@ -41,45 +42,6 @@ typedef struct {
     const int8_t *h, *l;
     const float *d, *s;
 } int8_rows;
-
-#define X_STEPS 16256.0f /* 127 * 128: h = round(q / 128) stays in int8 */
-
-/* 8 int32 lanes of 4 vectors as 32 int8 in order. */
-AVX2_TARGET static inline __m256i pack_bytes(const __m256i v[4]) {
-    /* packs work within 128-bit lanes: (0 1 | 2 3) -> the 8-value groups in the order 0 2 1 3 */
-    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-/* Row x (fp32 or bf16, K values) as integer blocks. */
-AVX2_TARGET static void quantize_row(const void *x, int x_fp32, int64_t K, int8_t *h, int8_t *l, float *d, float *s) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i half = _mm256_set1_epi32(64);
-    for (int64_t b = 0; b < K / 32; b++) {
-        __m256 v[4];
-        for (int t = 0; t < 4; t++)
-            v[t] = x_fp32 ? _mm256_loadu_ps((const float *)x + 32 * b + 8 * t)
-                          : avx2_load_bf16x8((const uint16_t *)x + 32 * b + 8 * t);
-        __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        float top = avx2_hmax(amax);
-        __m256 inv = _mm256_set1_ps(top > 0.0f ? X_STEPS / top : 0.0f);
-        __m256i hi[4], lo[4], sum = _mm256_setzero_si256();
-        for (int t = 0; t < 4; t++) {
-            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv)); /* nearest even, |q| <= 16256 */
-            hi[t] = _mm256_srai_epi32(_mm256_add_epi32(q, half), 7);   /* round(q / 128), ties up */
-            lo[t] = _mm256_sub_epi32(q, _mm256_slli_epi32(hi[t], 7)); /* in [-64, 63] */
-            sum = _mm256_add_epi32(sum, q);
-        }
-        _mm256_storeu_si256((__m256i *)(h + 32 * b), pack_bytes(hi));
-        _mm256_storeu_si256((__m256i *)(l + 32 * b), pack_bytes(lo));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        d[b] = top / X_STEPS;
-        s[b] = d[b] * (float)_mm_cvtsi128_si32(s4); /* the block's sum of q: exact in int32 */
-    }
-}
 
 /* Block b of a weight row as 32 bytes: Q4_1's nibbles widened to bytes, the int8 kinds' q as stored (callers
  * take |q| and q's sign for vpmaddubsw). */
@@ -176,7 +138,7 @@ AVX2_TARGET static int linear_int8(const int8_weights *w, const void *x, int64_t
     if (!q || !ds) return 0;
     for (int64_t i = 0; i < M; i++)
         quantize_row(x_fp32 ? (const void *)((const float *)x + i * ldx) : (const void *)((const uint16_t *)x + i * ldx),
-                     x_fp32, K, q + i * K, q + (M + i) * K, ds + i * nb, ds + (M + i) * nb);
+                     x_fp32, K, q + i * K, q + (M + i) * K, ds + i * nb, ds + (M + i) * nb, NULL);
     int8_rows rows = {q, q + M * K, ds, ds + M * nb};
     const int8_tile *tile = TILE_FOR[w->kind];
     int64_t tiles = (N + 3) / 4;
