@@ -85,3 +85,26 @@ def test_avx2_linear_reads_a_strided_row_slice():
     wide = torch.randn(5, 160).bfloat16()
     x = wide[:, 32:128]  # rows strided past the width
     assert torch.equal(run(w, x, None, torch.float32), run(w, x.contiguous(), None, torch.float32))
+
+
+def test_avx2_linear_keeps_its_speed_on_rows_of_tiny_values():
+    """A block of x whose values all lie below 2e-34 has a denormal scale: with denormals not flushed, every
+    vector operation on it took a microcode assist (a 1024 x 2816 Q4_1 product: 3.4 ms against 69 us). The
+    kernel flushes them (FTZ and DAZ, in each thread), so such rows cost what others do; their products are 0."""
+    import time
+
+    w = random_blocks("q4_1", 1024, 2816)
+    normal = torch.randn(1, 2816).bfloat16()
+    tiny = (torch.randn(1, 2816) * 1e-36).bfloat16()
+
+    def best(x):
+        run(w, x, None, torch.float32)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            run(w, x, None, torch.float32)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    assert best(tiny) < 5 * best(normal)
+    assert run(w, tiny, None, torch.float32).abs().max().item() < 1e-30

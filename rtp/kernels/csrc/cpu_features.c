@@ -4,7 +4,8 @@
  * through target attributes, so one build carries every path and imports on any x86. The paths, lowest
  * first (RTP_ISA_* in cpu_kernels.h):
  *   avx2        AVX2, FMA and F16C: AMD Zen 1-3, Intel Haswell to Alder Lake (csrc/avx2/)
- *   avx512      AVX-512 F/BW/VL/DQ without BF16 (Intel Skylake-SP to Ice Lake): the avx2 kernels for now
+ *   avx512      AVX-512 F/BW/VL/DQ without BF16 (Intel Skylake-SP to Ice Lake): its linears in lane order on
+ *               VNNI where the CPU has it (Cascade Lake on: csrc/avx512/), the avx2 kernels for the rest
  *   avx512bf16  AVX-512 BF16: AMD Zen 4 and later, Intel Cooper Lake and Sapphire Rapids on (the rest of csrc/)
  *   amx         avx512bf16 and the AMX tile unit (Intel Sapphire Rapids on): its linears on AMX
  * An op runs its variant for the highest path at or below the selected one (the op table, rtp/kernels/ops.py,

@@ -136,6 +136,7 @@ AVX2_TARGET static int linear_int8(const int8_weights *w, const void *x, int64_t
     int8_t *q = rtp_scratch_get(&q_scratch, (size_t)(2 * M * K));
     float *ds = rtp_scratch_get(&scale_scratch, (size_t)(2 * M * nb) * sizeof(float));
     if (!q || !ds) return 0;
+    unsigned csr = avx2_flush_denormals(); /* each thread's own, below: a row's bits do not depend on the thread */
     for (int64_t i = 0; i < M; i++)
         quantize_row(x_fp32 ? (const void *)((const float *)x + i * ldx) : (const void *)((const uint16_t *)x + i * ldx),
                      x_fp32, K, q + i * K, q + (M + i) * K, ds + i * nb, ds + (M + i) * nb, NULL);
@@ -144,16 +145,22 @@ AVX2_TARGET static int linear_int8(const int8_weights *w, const void *x, int64_t
     int64_t tiles = (N + 3) / 4;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t j0 = 4 * t, nr = N - j0 < 4 ? N - j0 : 4;
-            for (int64_t i = m0; i < m1; i += 4) {
-                int r = m1 - i < 4 ? (int)(m1 - i) : 4, step = TILE_NR[r - 1];
-                for (int64_t j = 0; j < nr; j += step)
-                    tile[r - 1](w, rows, i, j0 + j, nr - j < step ? nr - j : step, bias, out, ldo, out_bf16);
+#pragma omp parallel
+        {
+            unsigned thread_csr = avx2_flush_denormals();
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t j0 = 4 * t, nr = N - j0 < 4 ? N - j0 : 4;
+                for (int64_t i = m0; i < m1; i += 4) {
+                    int r = m1 - i < 4 ? (int)(m1 - i) : 4, step = TILE_NR[r - 1];
+                    for (int64_t j = 0; j < nr; j += step)
+                        tile[r - 1](w, rows, i, j0 + j, nr - j < step ? nr - j : step, bias, out, ldo, out_bf16);
+                }
             }
+            avx2_restore_csr(thread_csr);
         }
     }
+    avx2_restore_csr(csr);
     return 1;
 }
 

@@ -49,15 +49,6 @@ typedef struct {
     int64_t tokens, G;    /* tokens * G <= ATTN_ROWS */
 } query_run;
 
-/* Denormals flushed (FTZ and DAZ) from here until avx2_restore_csr: a probability far below its row's max
- * times a small value is denormal, and each vector operation on one takes a microcode assist. */
-static inline unsigned avx2_flush_denormals(void) {
-    unsigned old = _mm_getcsr();
-    _mm_setcsr(old | 0x8040u);
-    return old;
-}
-static inline void avx2_restore_csr(unsigned old) { _mm_setcsr(old); }
-
 /* cap * tanh(s / cap) (Gemma 2's logit softcapping), tanh as the final logits' softcap takes it. */
 AVX2_TARGET static inline __m256 avx2_softcap(__m256 s, __m256 inv_cap, __m256 cap) {
     return _mm256_mul_ps(cap, avx2_tanh(_mm256_mul_ps(s, inv_cap)));

@@ -125,6 +125,7 @@ LANES_TARGET int rtp_linear_lanes(const void *x, int64_t ldx, int x_fp32, int ki
     float *ds = rtp_scratch_get(&scale_scratch, (size_t)(2 * M * nb) * sizeof(float));
     int32_t *qsum = rtp_scratch_get(&sum_scratch, (size_t)(2 * M * nb) * sizeof(int32_t));
     if (!q || !ds || !qsum) return 0;
+    unsigned csr = avx2_flush_denormals(); /* as the avx2 linears (avx2.h), in each thread */
     for (int64_t i = 0; i < M; i++)
         quantize_row(x_fp32 ? (const void *)((const float *)x + i * ldx) : (const void *)((const uint16_t *)x + i * ldx),
                      x_fp32, K, q + i * K, q + (M + i) * K, ds + i * nb, ds + (M + i) * nb, qsum + i * 2 * nb);
@@ -132,12 +133,18 @@ LANES_TARGET int rtp_linear_lanes(const void *x, int64_t ldx, int x_fp32, int ki
     int64_t units = N / 16, rb = lane_record_bytes(kind);
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
-#pragma omp parallel for schedule(static)
-        for (int64_t u = 0; u < units; u++)
-            for (int64_t i = m0; i < m1; i += MR)
-                column_rows(kind, weights + u * nb * rb, nb, rows, i, m1 - i < MR ? (int)(m1 - i) : MR, 16 * u, bias,
-                            out, ldo, out_bf16);
+#pragma omp parallel
+        {
+            unsigned thread_csr = avx2_flush_denormals();
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < units; u++)
+                for (int64_t i = m0; i < m1; i += MR)
+                    column_rows(kind, weights + u * nb * rb, nb, rows, i, m1 - i < MR ? (int)(m1 - i) : MR, 16 * u,
+                                bias, out, ldo, out_bf16);
+            avx2_restore_csr(thread_csr);
+        }
     }
+    avx2_restore_csr(csr);
     return 1;
 }
 #endif
