@@ -91,21 +91,6 @@ def lanes_available() -> bool:
     return _HAS["linear_lanes"] and not _BF16_PATH and _k.vnni_supported()
 
 
-def linear_lanes_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
-                      out: torch.Tensor) -> torch.Tensor:
-    """out [M, N] = x [M, K] (bf16 or fp32) @ W.T (+ bias fp32) for W's records in lane order (uint8 [N/16, K/32,
-    record], BlockQuantized.lane_layout, `kind` its TILE_KIND); returns out."""
-    fp32 = x.dtype == torch.float32
-    if x.stride(1) != 1 or (not fp32 and x.stride(0) % 2):
-        x = x.contiguous()
-    rows, k = x.shape
-    n = weights.shape[0] * 16
-    _checked_out(out, rows, n)
-    _k.linear_lanes(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(),
-                    out.stride(0), out.dtype == torch.bfloat16, rows, n, k)
-    return out
-
-
 def tiles_available() -> bool:
     """Whether the tile-order linears run here (avx512bf16 and amx): layers then keep their blocks in tile order."""
     return _HAS["linear_tiles"]
@@ -302,6 +287,32 @@ def linear_tiles_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: t
     _k.linear_tiles(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(),
                     out.stride(0), out.dtype == torch.bfloat16, rows, n, k, glu, _AMX if amx is None else amx and _AMX,
                     bf16_rows, bf16_rows_decode)
+    return out
+
+
+# -- linear over lane-order records (csrc/avx512/linear_lanes.c: the avx512 path) ---------------------
+
+@_op("linear_lanes", (), lambda x, kind, weights, bias, out_dtype: x.new_empty(x.shape[0], weights.shape[0] * 16,
+                                                                             dtype=out_dtype))
+def linear_lanes(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] bf16 or fp32 @ W.T (+ bias fp32) -> [M, N] in out_dtype, W's records in lane order (linear_lanes_into;
+    a torch custom op, so compiled graphs call it as one node)."""
+    return linear_lanes_into(x, kind, weights, bias, torch.empty(x.shape[0], weights.shape[0] * 16, dtype=out_dtype))
+
+
+def linear_lanes_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: torch.Tensor | None,
+                      out: torch.Tensor) -> torch.Tensor:
+    """out [M, N] = x [M, K] (bf16 or fp32) @ W.T (+ bias fp32) for W's records in lane order (uint8 [N/16, K/32,
+    record], BlockQuantized.lane_layout, `kind` its TILE_KIND); returns out."""
+    fp32 = x.dtype == torch.float32
+    if x.stride(1) != 1 or (not fp32 and x.stride(0) % 2):
+        x = x.contiguous()
+    rows, k = x.shape
+    n = weights.shape[0] * 16
+    _checked_out(out, rows, n)
+    _k.linear_lanes(x.data_ptr(), x.stride(0), fp32, kind, weights.data_ptr(), _ptr(bias), out.data_ptr(),
+                    out.stride(0), out.dtype == torch.bfloat16, rows, n, k)
     return out
 
 

@@ -528,7 +528,8 @@ class BlockQuantized:
         so compiled graphs call it as one node)."""
         b = None if bias is None else bias.float()
         if self.lanes is not None:
-            return self.linear_into(x, b, torch.empty(x.shape[0], self.shape[0], dtype=out_dtype))
+            return cpu_kernels.linear_lanes(x if x.dtype == torch.float32 else x.to(torch.bfloat16),
+                                            TILE_KIND[self.kind], self.lanes, b, out_dtype)
         if self.tiles is not None and self._tiles_take(x.shape[0]):
             if x.dtype != torch.float32:  # fp32 (the LM head's input) is rounded inside the kernel
                 x = x.to(torch.bfloat16)
