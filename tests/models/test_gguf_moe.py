@@ -491,6 +491,31 @@ def test_one_kernel_call_routes_and_multiplies_a_moe_layer(qtype, override, top_
     assert torch.equal(served.routed(x[:0], logits[:0], router), got[:0])
 
 
+def test_a_row_of_nan_logits_stays_in_its_own_row(tmp_path):
+    """A token whose router logits are NaN (a broken model, an overflow) still picks k experts inside the table
+    (no index past it), gets NaN output itself, and leaves every other row's bits as they are."""
+    from rtp.kernels import cpu_kernels
+    from rtp.models.moe import TopKRouter
+
+    _, model, _ = _blocks_model("qwen3_moe", Q.Q8_0, tmp_path)
+    (served,) = _sparse(model)
+    if not served.blocks.one_call:
+        pytest.skip(f"no one-call MoE op on the {cpu_kernels.isa()} path")
+    router = TopKRouter(2, renormalize=True)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, served.blocks.w13[0].shape[1], generator=g).bfloat16()
+    logits = torch.randn(6, served.num_experts, generator=g).bfloat16()
+    clean = served.routed(x, logits, router)
+    logits[2] = float("nan")
+    logits[4, :3] = float("nan")
+    served.expert_load.zero_()
+    dirty = served.routed(x, logits, router)
+    assert served.expert_load.sum().item() == 6 * 2  # every pair counted, each against an expert that exists
+    assert torch.isnan(dirty[2]).all()
+    rest = [0, 1, 3, 5]
+    assert torch.equal(dirty[rest], clean[rest])
+
+
 @pytest.mark.parametrize("kind, override", [
     ("qwen3_moe", {}),
     ("qwen2_moe", {"shared_expert_intermediate_size": 64, "hidden_size": 128}),  # head_dim 32: the RoPE kernel's

@@ -42,7 +42,7 @@ def test_cli_help_and_info():
         low = json.loads(subprocess.run([sys.executable, "-m", "rtp", "info"], capture_output=True, text=True,
                                         check=True, env={**os.environ, "RTP_CPU_ISA": "avx2"}).stdout)
         assert low["cpu_kernels"]["isa"] == "avx2" and low["cpu_kernels"]["ops_without_a_variant"] == [
-            "linear_tiles", "linear_q4_k"]
+            "linear_tiles", "linear_q4_k", "moe_experts", "linear_lanes"]
 
 
 def test_bench_eplb_small_trace_prints_a_json_last_line():
@@ -136,14 +136,14 @@ def test_bench_quant_times_each_type_and_prints_a_json_last_line(tmp_path, defau
     assert not list(tmp_path.glob("*.gguf"))  # each model removed once measured
 
 
-def test_bench_moe_measures_blocks_and_dense_experts_and_prints_a_json_last_line(tmp_path, default_gguf):
+def test_bench_moe_measures_blocks_eager_and_dense_experts_and_prints_a_json_last_line(tmp_path, default_gguf):
     out = subprocess.run([sys.executable, "tools/bench_moe.py", "--layers", "1", "--experts", "8", "--streams", "1,2",
                           "--tokens", "3", "--prefill", "16", "--dir", str(tmp_path)], capture_output=True, text=True,
                          timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     rows = {r["engine"]: r for r in figures["rows"]}
-    assert set(rows) == {"rtp blocks", "rtp dense"}
+    assert set(rows) == {"rtp blocks", "rtp eager", "rtp dense"}
     assert all(r["decode_1_tok_s"] > 0 and r["decode_2_tok_s"] > 0 and r["pp16_tok_s"] > 0 for r in rows.values())
     assert figures["one_stream_bytes"] > 0 and (figures["stream_gbps"] is not None) == cpu_kernels.tiles_available()
     assert "one stream reads" in out.stdout

@@ -51,14 +51,14 @@ static void route_token(const void *logits, int logits_bf16, int64_t experts, in
     }
     for (int64_t e = 0; e < experts; e++) p[e] /= sum;
     float chosen = 0.f;
-    for (int64_t j = 0; j < top_k; j++) {
+    for (int64_t j = 0; j < top_k; j++) { /* top_k <= experts: some expert is always left, NaN logits too */
         int64_t best = -1;
         for (int64_t e = 0; e < experts; e++)
-            if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+            if (p[e] != -1.f && (best < 0 || p[e] > p[best])) best = e;
         ids[j] = (int32_t)best;
         weights[j] = p[best];
         chosen += p[best];
-        p[best] = -1.f; /* taken */
+        p[best] = -1.f; /* taken (probabilities are never negative) */
     }
     if (renormalize)
         for (int64_t j = 0; j < top_k; j++) weights[j] /= chosen;
@@ -68,13 +68,14 @@ static void route_token(const void *logits, int logits_bf16, int64_t experts, in
  * [experts, max_replicas]: the slots holding each logical expert, the first replica_count[e] of row e;
  * expert_load [experts] += pairs routed (NULL: not counted); w13 / w2 [slots]: each slot's [gate | up]
  * records (glu tile order, kind kind13, [2 inter, hidden]) and down records (kind kind2, [hidden, inter]),
- * 0 for an empty slot; out fp32 [t, hidden] (row stride ldo). Returns 0 when scratch memory ran out, a
- * pair was placed in an empty slot, or a tile kernel failed. */
+ * 0 for an empty slot; out fp32 [t, hidden] (row stride ldo). Returns 0 for top_k outside 1..experts, when
+ * scratch memory ran out, a pair was placed in an empty slot, or a tile kernel failed. */
 int rtp_moe_experts(const uint16_t *x, int64_t ldx, const void *logits, int64_t ldl, int logits_bf16, int64_t t,
                     int64_t hidden, int64_t inter, int64_t experts, int64_t top_k, int renormalize,
                     const int64_t *expert_slots, int64_t max_replicas, const int64_t *replica_count,
                     int64_t *expert_load, int64_t slots, const int64_t *w13, const int64_t *w2, int kind13, int kind2,
                     int amx, float *out, int64_t ldo) {
+    if (top_k <= 0 || top_k > experts || slots <= 0) return 0;
     if (t <= 0) return 1;
     int64_t pairs = t * top_k;
     /* route: ids, weights [pairs]; p [experts]; counts and cursors [experts + slots + 1]; pair -> row */
