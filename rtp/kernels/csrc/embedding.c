@@ -30,7 +30,7 @@ TARGET static void scale_row(float *o, int64_t H, float scale, int round_bf16) {
     for (; c < H; c++) {
         float v = o[c] * scale;
         if (round_bf16) {
-            uint32_t u = (uint32_t)f32_to_bf16(v) << 16;
+            uint32_t u = (uint32_t)rtp_f32_to_bf16(v) << 16;
             memcpy(&v, &u, 4);
         }
         o[c] = v;

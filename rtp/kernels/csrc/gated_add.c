@@ -6,28 +6,18 @@
 #include "cpu_kernels.h"
 
 #include <math.h>
-#include <string.h>
+
+#include "bf16.h"
 
 /* out fp32 [t, h] (row stride ldo) += sigmoid(gate[i]) * y bf16 [t, h] (row stride ldy), the gate one
  * value a row (row stride ldg), bf16 or fp32; the sigmoid in fp32. */
 void rtp_add_sigmoid_gated(float *out, int64_t ldo, const void *gate, int gate_bf16, int64_t ldg, const uint16_t *y,
                            int64_t ldy, int64_t t, int64_t h) {
     for (int64_t i = 0; i < t; i++) {
-        float g;
-        if (gate_bf16) {
-            uint32_t u = (uint32_t)((const uint16_t *)gate)[i * ldg] << 16;
-            memcpy(&g, &u, 4);
-        } else {
-            g = ((const float *)gate)[i * ldg];
-        }
+        float g = gate_bf16 ? rtp_bf16_to_f32(((const uint16_t *)gate)[i * ldg]) : ((const float *)gate)[i * ldg];
         float s = 1.f / (1.f + expf(-g));
         float *o = out + i * ldo;
         const uint16_t *yr = y + i * ldy;
-        for (int64_t c = 0; c < h; c++) {
-            uint32_t u = (uint32_t)yr[c] << 16;
-            float v;
-            memcpy(&v, &u, 4);
-            o[c] += s * v;
-        }
+        for (int64_t c = 0; c < h; c++) o[c] += s * rtp_bf16_to_f32(yr[c]);
     }
 }

@@ -25,23 +25,17 @@
 #include <math.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "scratch.h"
 
 static __thread rtp_scratch route_scratch, rows_scratch, hidden_scratch, out_scratch;
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* The top k experts of one token's logits [experts] and their weights. */
 static void route_token(const void *logits, int logits_bf16, int64_t experts, int64_t top_k, int renormalize,
                         float *p, int32_t *ids, float *weights) {
     float max = -INFINITY;
     for (int64_t e = 0; e < experts; e++) {
-        p[e] = logits_bf16 ? bf16_to_f32(((const uint16_t *)logits)[e]) : ((const float *)logits)[e];
+        p[e] = logits_bf16 ? rtp_bf16_to_f32(((const uint16_t *)logits)[e]) : ((const float *)logits)[e];
         if (p[e] > max) max = p[e];
     }
     float sum = 0.f;
@@ -135,7 +129,7 @@ int rtp_moe_experts(const uint16_t *x, int64_t ldx, const void *logits, int64_t 
         for (int64_t j = 0; j < top_k; j++) {
             float w = weights[i * top_k + j];
             const uint16_t *yr = y + row_of[i * top_k + j] * hidden;
-            for (int64_t c = 0; c < hidden; c++) o[c] += w * bf16_to_f32(yr[c]);
+            for (int64_t c = 0; c < hidden; c++) o[c] += w * rtp_bf16_to_f32(yr[c]);
         }
     }
     return 1;

@@ -9,21 +9,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "denormals.h"
+
 #define RTP_VEC_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
-/* Denormals flushed to zero (FTZ) and read as zero (DAZ) in this thread, from rtp_flush_denormals()
- * until rtp_restore_denormals(its result). The attention kernels run so: a probability far below its
- * row's max (a peaked softmax, a long context) times a small value is denormal, and every vector
- * operation on a denormal takes a microcode assist (measured: queries 100x larger made decode
- * attention 6.5x slower, 0.10 -> 0.66 ms for 16 rows of 256 keys). Below 1e-38 nothing shows in a
- * bf16 output. */
-static inline unsigned rtp_flush_denormals(void) {
-    unsigned old = _mm_getcsr();
-    _mm_setcsr(old | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
-    return old;
-}
-
-static inline void rtp_restore_denormals(unsigned old) { _mm_setcsr(old); }
 
 /* 16 bf16 at p as fp32 (exact). */
 RTP_VEC_TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
@@ -31,14 +20,6 @@ RTP_VEC_TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Round-to-nearest-even fp32 -> bf16, as torch does. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* The lanes of a vector that lie within the `left` values still to go. */
 RTP_VEC_TARGET static inline __mmask16 lanes(int64_t left) {

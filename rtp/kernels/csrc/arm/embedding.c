@@ -16,7 +16,7 @@ static void scale_row(float *o, int64_t H, float scale, int round_bf16) {
     }
     for (; c < H; c++) {
         float v = o[c] * scale;
-        o[c] = round_bf16 ? neon_bf16_to_f32(neon_f32_to_bf16(v)) : v;
+        o[c] = round_bf16 ? rtp_bf16_to_f32(rtp_f32_to_bf16(v)) : v;
     }
 }
 
@@ -33,7 +33,7 @@ void rtp_embed_rows_neon(const void *table, int table_bf16, int64_t ldt, const i
                 vst1q_f32(o + c, lo);
                 vst1q_f32(o + c + 4, hi);
             }
-            for (; c < H; c++) o[c] = neon_bf16_to_f32(row[c]);
+            for (; c < H; c++) o[c] = rtp_bf16_to_f32(row[c]);
         } else {
             memcpy(o, (const float *)table + (int64_t)ids[t] * ldt, (size_t)H * sizeof(float));
         }

@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
         for (int j = 0; j < NR; j++) {
             if (j >= nr) continue; /* constant bounds: acc stays in registers */
             float y = neon_hsum2(acc[i][j][0], acc[i][j][1]) + (bias ? bias[j0 + j] : 0.0f);
-            if (out_bf16) ((uint16_t *)out)[i * ldo + j0 + j] = neon_f32_to_bf16(y);
+            if (out_bf16) ((uint16_t *)out)[i * ldo + j0 + j] = rtp_f32_to_bf16(y);
             else ((float *)out)[i * ldo + j0 + j] = y;
         }
 }
@@ -101,8 +101,8 @@ void rtp_linear_bf16_neon(const void *x, int64_t ldx, int x_fp32, const uint16_t
     if (!xf) return; /* the op returns nothing, as its other variants */
     for (int64_t i = 0; i < M; i++)
         for (int64_t k = 0; k < K; k++) {
-            float v = x_fp32 ? ((const float *)x)[i * ldx + k] : neon_bf16_to_f32(((const uint16_t *)x)[i * ldx + k]);
-            xf[i * K + k] = x_fp32 ? neon_bf16_to_f32(neon_f32_to_bf16(v)) : v;
+            float v = x_fp32 ? ((const float *)x)[i * ldx + k] : rtp_bf16_to_f32(((const uint16_t *)x)[i * ldx + k]);
+            xf[i * K + k] = x_fp32 ? rtp_bf16_to_f32(rtp_f32_to_bf16(v)) : v;
         }
     size_t esize = out_bf16 ? 2 : 4;
     int64_t tiles = (N + 3) / 4;

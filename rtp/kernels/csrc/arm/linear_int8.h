@@ -21,27 +21,10 @@
 #include <math.h>
 #include <omp.h>
 
+#include "int8_blocks.h"
 #include "neon.h"
 #include "scratch.h"
 
-/* Q_SIGNED16: int8 with a scale per 16 (q8_16); a kind per copy of the tiles, so no branch on it in their loop */
-enum { Q_NIBBLES, Q_SIGNED, Q_SIGNED16 };
-
-typedef struct {
-    int kind;
-    const uint8_t *q; /* Q_NIBBLES: [N, K / 2] (byte t of a block: weight t low, t + 16 high); else [N, K] */
-    const float *d;   /* [N, K / 32], or [N, K / 16] for Q_SIGNED16 */
-    const float *m;   /* [N, K / 32] or NULL */
-    int64_t K;
-} int8_weights;
-
-/* x's rows as integer blocks: q = 128 h + l, h and l [M, K] int8; d and s [M, K / 32]. */
-typedef struct {
-    const int8_t *h, *l;
-    const float *d, *s;
-} int8_rows;
-
-#define X_STEPS 16256.0f /* 127 * 128: h = round(q / 128) stays in int8 */
 
 /* acc + the signed byte products of a and b, lane l adding products 4 l .. 4 l + 3 (SDOT's lanes). Without
  * SDOT: the products as int16 (|a b| <= 2^14), pairs added to int32 (SADDLP), then pairs of those (ADDP):
@@ -167,7 +150,7 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
                 y += neon_hsum(t) + tail;
             }
             y += bias ? bias[j0 + j] : 0.0f;
-            if (out_bf16) ((uint16_t *)out)[(i0 + i) * ldo + j0 + j] = neon_f32_to_bf16(y);
+            if (out_bf16) ((uint16_t *)out)[(i0 + i) * ldo + j0 + j] = rtp_f32_to_bf16(y);
             else ((float *)out)[(i0 + i) * ldo + j0 + j] = y;
         }
 }

@@ -25,20 +25,8 @@
 #include <string.h>
 
 #include "arm_kernels.h"
+#include "bf16.h"
 
-/* bf16 <-> fp32 for one value: the widening is exact, the narrowing rounds to nearest even (NaN kept NaN). */
-static inline float neon_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint16_t neon_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
 
 /* Four bf16 at p as fp32 (exact: a bf16 is the top half of its fp32). */
 static inline float32x4_t neon_load_bf16x4(const uint16_t *p) {

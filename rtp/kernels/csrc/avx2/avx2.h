@@ -11,22 +11,11 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "bf16.h"
+#include "denormals.h"
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-/* bf16 <-> fp32 for one value: the widening is exact, the narrowing rounds to nearest even (NaN kept NaN). */
-static inline float avx2_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint16_t avx2_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
 
 /* Eight bf16 at p as fp32 (exact). */
 AVX2_TARGET static inline __m256 avx2_load_bf16x8(const uint16_t *p) {
@@ -51,17 +40,6 @@ AVX2_TARGET static inline float avx2_hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-
-/* Denormals flushed (FTZ and DAZ) in this thread from here until avx2_restore_csr: every vector operation on a
- * denormal takes a microcode assist. Attention: a probability far below its row's max times a small value is
- * denormal. The int8 linears: a block of x whose values are all below 2e-34 has a denormal scale (measured: a
- * down projection of such rows took 3.4 ms where normal ones took 69 us, 50x). */
-static inline unsigned avx2_flush_denormals(void) {
-    unsigned old = _mm_getcsr();
-    _mm_setcsr(old | 0x8040u);
-    return old;
-}
-static inline void avx2_restore_csr(unsigned old) { _mm_setcsr(old); }
 
 /* The largest of v's eight lanes (exact, so its order does not matter). */
 AVX2_TARGET static inline float avx2_hmax(__m256 v) {

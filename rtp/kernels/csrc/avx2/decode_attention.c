@@ -25,7 +25,7 @@ AVX2_TARGET void rtp_paged_decode_attention_bf16_avx2(
                          k_scales, v_scales, Hkv, block_size, D, scale, softcap, window};
 #pragma omp parallel
     {
-        unsigned csr = avx2_flush_denormals();
+        unsigned csr = rtp_flush_denormals();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hkv; task++) {
             int64_t b = task / Hkv, h = task % Hkv, len = seq_lens[b];
@@ -37,7 +37,7 @@ AVX2_TARGET void rtp_paged_decode_attention_bf16_avx2(
             const query_run run = {q + (b * H + h * G) * D, o, H * D, len - 1, 1, G};
             attend_query_run(&kv, block_tables + b * ldt, h, &run);
         }
-        avx2_restore_csr(csr);
+        rtp_restore_denormals(csr);
     }
 }
 #endif

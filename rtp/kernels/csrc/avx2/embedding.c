@@ -19,7 +19,7 @@ AVX2_TARGET static void scale_row(float *o, int64_t H, float scale, int round_bf
     }
     for (; c < H; c++) {
         float v = o[c] * scale;
-        o[c] = round_bf16 ? avx2_bf16_to_f32(avx2_f32_to_bf16(v)) : v;
+        o[c] = round_bf16 ? rtp_bf16_to_f32(rtp_f32_to_bf16(v)) : v;
     }
 }
 
@@ -31,7 +31,7 @@ AVX2_TARGET void rtp_embed_rows_avx2(const void *table, int table_bf16, int64_t 
             const uint16_t *row = (const uint16_t *)table + (int64_t)ids[t] * ldt;
             int64_t c = 0;
             for (; c + 8 <= H; c += 8) _mm256_storeu_ps(o + c, avx2_load_bf16x8(row + c));
-            for (; c < H; c++) o[c] = avx2_bf16_to_f32(row[c]);
+            for (; c < H; c++) o[c] = rtp_bf16_to_f32(row[c]);
         } else {
             memcpy(o, (const float *)table + (int64_t)ids[t] * ldt, (size_t)H * sizeof(float));
         }

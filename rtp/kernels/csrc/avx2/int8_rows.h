@@ -1,13 +1,10 @@
-/* x's rows as integer blocks, the form the avx2 path's linears (linear_int8.c) and the avx512 path's
- * (avx512/linear_lanes.c) multiply: each 32 values of a row get a scale (their largest magnitude / 16256) and
- * are rounded (nearest even) to 15-bit q = 128 h + l, kept as two int8 halves h in [-127, 127] and l in
- * [-64, 63]. */
+/* x's rows as integer blocks (int8_blocks.h) with AVX2: what the avx2 path's linears (linear_int8.c) and the
+ * avx512 path's (avx512/linear_lanes.c) multiply. */
 #ifndef RTP_INT8_ROWS_H
 #define RTP_INT8_ROWS_H
 
 #include "avx2/avx2.h"
-
-#define X_STEPS 16256.0f /* 127 * 128: h = round(q / 128) stays in int8 */
+#include "int8_blocks.h"
 
 /* 8 int32 lanes of 4 vectors as 32 int8 in order. */
 AVX2_TARGET static inline __m256i pack_bytes(const __m256i v[4]) {

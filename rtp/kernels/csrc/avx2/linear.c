@@ -54,7 +54,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) void weight_block(int k
             _Pragma("GCC unroll 16") for (int j = 0; j < NR_; j++) {                                              \
                 if (j >= nr) continue; /* constant bounds: acc stays in registers */                              \
                 float y = avx2_hsum(acc[i][j]) + (bias ? bias[j0 + j] : 0.0f);                                    \
-                if (out_bf16) ((uint16_t *)out)[i * ldo + j0 + j] = avx2_f32_to_bf16(y);                          \
+                if (out_bf16) ((uint16_t *)out)[i * ldo + j0 + j] = rtp_f32_to_bf16(y);                          \
                 else ((float *)out)[i * ldo + j0 + j] = y;                                                        \
             }                                                                                                     \
     }
@@ -83,8 +83,8 @@ AVX2_TARGET void rtp_linear_bf16_avx2(const void *x, int64_t ldx, int x_fp32, co
     if (!xf) return; /* the op returns nothing, as its other variant */
     for (int64_t i = 0; i < M; i++)
         for (int64_t k = 0; k < K; k++) {
-            float v = x_fp32 ? ((const float *)x)[i * ldx + k] : avx2_bf16_to_f32(((const uint16_t *)x)[i * ldx + k]);
-            xf[i * K + k] = x_fp32 ? avx2_bf16_to_f32(avx2_f32_to_bf16(v)) : v;
+            float v = x_fp32 ? ((const float *)x)[i * ldx + k] : rtp_bf16_to_f32(((const uint16_t *)x)[i * ldx + k]);
+            xf[i * K + k] = x_fp32 ? rtp_bf16_to_f32(rtp_f32_to_bf16(v)) : v;
         }
     size_t esize = out_bf16 ? 2 : 4;
     int64_t tiles = (N + 3) / 4;

@@ -26,23 +26,6 @@
 #include <math.h>
 #include <omp.h>
 
-/* Q_SIGNED16: int8 with a scale per 16 (q8_16); a kind per copy of the tiles, so no branch on it in their loop */
-enum { Q_NIBBLES, Q_SIGNED, Q_SIGNED16 };
-
-typedef struct {
-    int kind;
-    const uint8_t *q; /* Q_NIBBLES: [N, K / 2] (byte t of a block: weight t low, t + 16 high); else [N, K] */
-    const float *d;   /* [N, K / 32], or [N, K / 16] for Q_SIGNED16 */
-    const float *m;   /* [N, K / 32] or NULL */
-    int64_t K;
-} int8_weights;
-
-/* x's rows as integer blocks: q = 128 h + l, h and l [M, K] int8; d and s [M, K / 32]. */
-typedef struct {
-    const int8_t *h, *l;
-    const float *d, *s;
-} int8_rows;
-
 /* Block b of a weight row as 32 bytes: Q4_1's nibbles widened to bytes, the int8 kinds' q as stored (callers
  * take |q| and q's sign for vpmaddubsw). */
 AVX2_TARGET static inline __attribute__((always_inline)) __m256i weight_bytes(int kind, const uint8_t *row, int64_t b) {
@@ -107,7 +90,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256 block_dot(__m256
                     y += avx2_hsum(t) + tail;                                                                     \
                 }                                                                                                 \
                 y += bias ? bias[j0 + j] : 0.0f;                                                                  \
-                if (out_bf16) ((uint16_t *)out)[(i0 + i) * ldo + j0 + j] = avx2_f32_to_bf16(y);                   \
+                if (out_bf16) ((uint16_t *)out)[(i0 + i) * ldo + j0 + j] = rtp_f32_to_bf16(y);                   \
                 else ((float *)out)[(i0 + i) * ldo + j0 + j] = y;                                                 \
             }                                                                                                     \
     }
@@ -136,7 +119,7 @@ AVX2_TARGET static int linear_int8(const int8_weights *w, const void *x, int64_t
     int8_t *q = rtp_scratch_get(&q_scratch, (size_t)(2 * M * K));
     float *ds = rtp_scratch_get(&scale_scratch, (size_t)(2 * M * nb) * sizeof(float));
     if (!q || !ds) return 0;
-    unsigned csr = avx2_flush_denormals(); /* each thread's own, below: a row's bits do not depend on the thread */
+    unsigned csr = rtp_flush_denormals(); /* each thread's own, below: a row's bits do not depend on the thread */
     for (int64_t i = 0; i < M; i++)
         quantize_row(x_fp32 ? (const void *)((const float *)x + i * ldx) : (const void *)((const uint16_t *)x + i * ldx),
                      x_fp32, K, q + i * K, q + (M + i) * K, ds + i * nb, ds + (M + i) * nb, NULL);
@@ -147,7 +130,7 @@ AVX2_TARGET static int linear_int8(const int8_weights *w, const void *x, int64_t
         int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
 #pragma omp parallel
         {
-            unsigned thread_csr = avx2_flush_denormals();
+            unsigned thread_csr = rtp_flush_denormals();
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; t++) {
                 int64_t j0 = 4 * t, nr = N - j0 < 4 ? N - j0 : 4;
@@ -157,10 +140,10 @@ AVX2_TARGET static int linear_int8(const int8_weights *w, const void *x, int64_t
                         tile[r - 1](w, rows, i, j0 + j, nr - j < step ? nr - j : step, bias, out, ldo, out_bf16);
                 }
             }
-            avx2_restore_csr(thread_csr);
+            rtp_restore_denormals(thread_csr);
         }
     }
-    avx2_restore_csr(csr);
+    rtp_restore_denormals(csr);
     return 1;
 }
 

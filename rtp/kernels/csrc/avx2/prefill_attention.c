@@ -38,7 +38,7 @@ AVX2_TARGET int rtp_prefill_attention_bf16_avx2(const uint16_t *q, const void *k
     }
 #pragma omp parallel
     {
-        unsigned csr = avx2_flush_denormals();
+        unsigned csr = rtp_flush_denormals();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < ntasks; u++) {
             /* the row holding task u: rows are few, a walk costs nothing beside a task's attention */
@@ -56,7 +56,7 @@ AVX2_TARGET int rtp_prefill_attention_bf16_avx2(const uint16_t *q, const void *k
                                    seq_lens[r] - n + t0, tokens, G};
             attend_query_run(&kv, tables + r * ldt, h, &run);
         }
-        avx2_restore_csr(csr);
+        rtp_restore_denormals(csr);
     }
     return 1;
 }

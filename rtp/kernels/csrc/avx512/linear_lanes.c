@@ -20,7 +20,9 @@
 #if defined(__x86_64__) /* x86-64 only */
 #include "avx2/int8_rows.h"
 #include "cpu_kernels.h"
+#include "int8_blocks.h"
 #include "scratch.h"
+#include "tile_blocks.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -32,22 +34,15 @@
 /* Records: per 16 output rows and block of 32, kind 0 (Q4_1 and its repacks): 4 x 64 bytes, vector v lane n
  * the bytes 4v..4v+3 of row n's 16 nibble bytes (low nibble: value 4v + t, high: 16 + 4v + t), then d and m
  * (16 fp32 each); kinds 1 (q8_0), 2 (q8_1), 3 (q8_16): 8 x 64 bytes, vector g lane n row n's values
- * 4g..4g+3 plus 128, then d (q8_16: the first halves' 16, then the second halves' 16), then m (q8_1). */
-static inline int64_t lane_record_bytes(int kind) { return kind == 0 ? 384 : kind == 1 ? 576 : 640; }
-
-typedef struct {
-    const int8_t *h, *l;   /* [M, K] */
-    const float *d, *s;    /* [M, K / 32] */
-    const int32_t *qsum;   /* [M, K / 16]: the integer sums of q per 16 values */
-    int64_t K;
-} int_rows;
+ * 4g..4g+3 plus 128, then d (q8_16: the first halves' 16, then the second halves' 16), then m (q8_1): a tile
+ * record's bytes in another order, so its size is record_bytes (tile_blocks.h). */
 
 LANES_TARGET static inline __m512i bcast4(const int8_t *p) { return _mm512_set1_epi32(*(const int32_t *)p); }
 
 /* Rows [i0, i0 + mr) (mr <= MR) times one record column (outputs n0..n0+15), into out. */
-LANES_TARGET static void column_rows(int kind, const uint8_t *col, int64_t nb, int_rows x, int64_t i0, int mr,
+LANES_TARGET static void column_rows(int kind, const uint8_t *col, int64_t K, int8_rows x, int64_t i0, int mr,
                                      int64_t n0, const float *bias, void *out, int64_t ldo, int out_bf16) {
-    const int64_t rb = lane_record_bytes(kind), K = x.K;
+    const int64_t rb = record_bytes(kind), nb = K / 32;
     __m512 acc[MR], off[MR];
     for (int i = 0; i < MR; i++) acc[i] = off[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -98,7 +93,7 @@ LANES_TARGET static void column_rows(int kind, const uint8_t *col, int64_t nb, i
     __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
     for (int i = 0; i < mr; i++) {
         __m512 y = _mm512_add_ps(_mm512_add_ps(acc[i], off[i]), bv);
-        if (out_bf16) { /* nearest even, NaN kept NaN (avx2_f32_to_bf16, 16 at once) */
+        if (out_bf16) { /* nearest even, NaN kept NaN (rtp_f32_to_bf16, 16 at once) */
             __m512i u = _mm512_castps_si512(y);
             __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
             __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
@@ -125,26 +120,26 @@ LANES_TARGET int rtp_linear_lanes(const void *x, int64_t ldx, int x_fp32, int ki
     float *ds = rtp_scratch_get(&scale_scratch, (size_t)(2 * M * nb) * sizeof(float));
     int32_t *qsum = rtp_scratch_get(&sum_scratch, (size_t)(2 * M * nb) * sizeof(int32_t));
     if (!q || !ds || !qsum) return 0;
-    unsigned csr = avx2_flush_denormals(); /* as the avx2 linears (avx2.h), in each thread */
+    unsigned csr = rtp_flush_denormals(); /* as the avx2 linears (denormals.h), in each thread */
     for (int64_t i = 0; i < M; i++)
         quantize_row(x_fp32 ? (const void *)((const float *)x + i * ldx) : (const void *)((const uint16_t *)x + i * ldx),
                      x_fp32, K, q + i * K, q + (M + i) * K, ds + i * nb, ds + (M + i) * nb, qsum + i * 2 * nb);
-    int_rows rows = {q, q + M * K, ds, ds + M * nb, qsum, K};
-    int64_t units = N / 16, rb = lane_record_bytes(kind);
+    int8_rows rows = {q, q + M * K, ds, ds + M * nb, qsum};
+    int64_t units = N / 16, rb = record_bytes(kind);
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
 #pragma omp parallel
         {
-            unsigned thread_csr = avx2_flush_denormals();
+            unsigned thread_csr = rtp_flush_denormals();
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < units; u++)
                 for (int64_t i = m0; i < m1; i += MR)
-                    column_rows(kind, weights + u * nb * rb, nb, rows, i, m1 - i < MR ? (int)(m1 - i) : MR, 16 * u,
+                    column_rows(kind, weights + u * nb * rb, K, rows, i, m1 - i < MR ? (int)(m1 - i) : MR, 16 * u,
                                 bias, out, ldo, out_bf16);
-            avx2_restore_csr(thread_csr);
+            rtp_restore_denormals(thread_csr);
         }
     }
-    avx2_restore_csr(csr);
+    rtp_restore_denormals(csr);
     return 1;
 }
 #endif

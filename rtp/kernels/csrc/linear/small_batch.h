@@ -20,7 +20,7 @@
 
 /* One output element of a linear, in its dtype. */
 static inline void store_out(void *out, int64_t at, int out_bf16, float v) {
-    if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
+    if (out_bf16) ((uint16_t *)out)[at] = rtp_f32_to_bf16(v);
     else ((float *)out)[at] = v;
 }
 
