@@ -51,8 +51,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rtp.gguf")
 
-# the GGUF types whose blocks rtp's kernels multiply (repacked exactly: GGUFCheckpoint.quantized)
-PACKED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"})
+# the GGUF types whose blocks rtp's kernels multiply, and how each is repacked exactly (GGUFCheckpoint.quantized):
+# a BlockQuantized constructor, with its arguments before the raw blocks
+_REPACK = {"Q4_1": ("from_gguf", "q4_1"), "Q8_0": ("from_gguf", "q8_0"), "Q4_K": ("from_q4_k",),
+           "Q4_0": ("from_q4_0",), "Q5_0": ("from_q5_0",), "Q5_1": ("from_q5_1",), "Q5_K": ("from_q5_k",),
+           "Q6_K": ("from_q6_k",), "IQ4_NL": ("from_iq4_nl",), "IQ4_XS": ("from_iq4_xs",)}
+# the types records() reads without a log line: the packed ones and the plain floats
+_QUIET_TYPES = frozenset(_REPACK) | {"F32", "F16", "BF16", "F64"}
 
 # GGUF general.architecture -> (HF model_type, HF architectures[0])
 _ARCHITECTURES = {
@@ -326,7 +331,7 @@ class GGUFCheckpoint(GGUFFile):
         records = []
         unpacked: dict[str, int] = {}  # quantized types no packed layout takes: tensors of each
         for path, t in self.all_tensors():
-            if t.tensor_type.name not in PACKED_TYPES | {"F32", "F16", "BF16", "F64"}:
+            if t.tensor_type.name not in _QUIET_TYPES:
                 unpacked[t.tensor_type.name] = unpacked.get(t.tensor_type.name, 0) + 1
             if t.name in _SKIPPED:
                 log.warning("%s: skipping %s (no HF parameter; rope scaling from it is not applied)",
@@ -379,11 +384,7 @@ class GGUFCheckpoint(GGUFFile):
 
         from rtp.kernels.quant import BlockQuantized
 
-        kinds = {Q.Q4_1: partial(BlockQuantized.from_gguf, "q4_1"), Q.Q8_0: partial(BlockQuantized.from_gguf, "q8_0"),
-                 Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0,
-                 Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k,
-                 Q.IQ4_NL: BlockQuantized.from_iq4_nl, Q.IQ4_XS: BlockQuantized.from_iq4_xs}
-        assert {q.name for q in kinds} == PACKED_TYPES
+        kinds = {Q[name]: partial(getattr(BlockQuantized, method), *args) for name, (method, *args) in _REPACK.items()}
         permute = self.architecture in _PERMUTED_QK
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         for _, t in self.all_tensors():
