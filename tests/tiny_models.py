@@ -125,6 +125,23 @@ def write_word_tokenizer(path, vocab_size: int) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
+# where each GGUF block type keeps its fp16 scale fields (d, and dmin where it has one); block sizes are gguf's
+GGUF_SCALE_OFFSETS = {"Q4_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                      "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,)}
+
+
+def random_gguf_blocks(qtype, rows: int, cols: int, scales: tuple[float, float], rng) -> np.ndarray:
+    """[rows, bytes] of random blocks of GGUF type qtype, cols weights a row: random bytes, but for the fp16
+    scale fields, drawn uniformly from `scales` (small positive numbers, so the weights stay sane)."""
+    import gguf
+
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+    for off in GGUF_SCALE_OFFSETS[qtype.name]:
+        raw[:, :, off:off + 2] = rng.uniform(*scales, (rows, cols // per)).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
 def prompts_of(lengths, seed):
     rng = np.random.default_rng(seed)
     return [rng.integers(1, 160, n).tolist() for n in lengths]

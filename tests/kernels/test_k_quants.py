@@ -11,16 +11,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.quants import dequantize
+from tiny_models import random_gguf_blocks
 
 from rtp.checkpoint.gguf import GGUFCheckpoint
 from rtp.checkpoint.loader import load_model
 from rtp.kernels import cpu_kernels, quant
 from rtp.kernels.quant import BlockQuantized
 
-# bytes per block, weights per block, offsets of the fp16 scale fields
-LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q4_0: (18, 32, (0,)), Q.Q5_0: (22, 32, (0,)), Q.Q5_1: (24, 32, (0, 2)),
-           Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,)), Q.Q8_0: (34, 32, (0,)),
-           Q.IQ4_NL: (18, 32, (0,)), Q.IQ4_XS: (136, 256, (0,))}
 REPACK = {Q.Q4_K: BlockQuantized.from_q4_k, Q.Q4_0: BlockQuantized.from_q4_0, Q.Q5_0: BlockQuantized.from_q5_0,
           Q.Q5_1: BlockQuantized.from_q5_1, Q.Q5_K: BlockQuantized.from_q5_k, Q.Q6_K: BlockQuantized.from_q6_k,
           Q.Q8_0: lambda raw, rows: BlockQuantized.from_gguf("q8_0", raw, rows),
@@ -33,12 +30,7 @@ IDS = [t.name.lower() for t in TYPES]
 
 def random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """[rows, bytes] of random blocks whose fp16 scales are small positive numbers."""
-    size, per, scales = LAYOUTS[qtype]
-    g = np.random.default_rng(seed)
-    raw = g.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
-    for off in scales:
-        raw[:, :, off:off + 2] = g.uniform(1e-3, 2e-2, (rows, cols // per)).astype(np.float16)[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
+    return random_gguf_blocks(qtype, rows, cols, (1e-3, 2e-2), np.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)

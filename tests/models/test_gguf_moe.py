@@ -20,7 +20,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from tiny_models import MOE_CONFIGS, hf_reference, make_moe, prompts_of, run_rtp
+from tiny_models import MOE_CONFIGS, hf_reference, make_moe, prompts_of, random_gguf_blocks, run_rtp
 
 from rtp.checkpoint.gguf import GGUFCheckpoint, GGUFError
 
@@ -93,7 +93,7 @@ def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edi
     blocks (hf's own weights then replaced by what the file holds). `edit(writer, tensors)` may
     change the metadata and the tensor list first."""
     arch, cfg = ARCH[kind], hf.config
-    raw = _random_k_blocks(hf, qtype) if qtype in K_LAYOUTS else {}  # gguf.quants cannot make these
+    raw = _random_k_blocks(hf, qtype) if qtype in UNWRITABLE else {}  # gguf.quants cannot make these
     tensors = _gguf_tensors(hf, arch, stacked)
     raw_tensors = dict(_gguf_tensors(hf, arch, stacked, raw)) if raw else {}
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)  # writes general.architecture
@@ -140,16 +140,14 @@ def write_moe_gguf(path, hf, kind: str, qtype=None, *, stacked: bool = True, edi
     return path
 
 
-# types gguf.quants cannot write (K-quants, IQ4): bytes per block, weights per block, offsets of the fp16
-# scales (d, dmin); the other bytes random
-K_LAYOUTS = {Q.Q4_K: (144, 256, (0, 2)), Q.Q5_K: (176, 256, (0, 2)), Q.Q6_K: (210, 256, (208,)),
-             Q.IQ4_NL: (18, 32, (0,)), Q.IQ4_XS: (136, 256, (0,)), Q.IQ2_XXS: (66, 256, (0,))}
+# types gguf.quants cannot write: their blocks are random bytes with sane scale fields (random_gguf_blocks)
+UNWRITABLE = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS}
 
 
 def _random_k_blocks(hf, qtype) -> dict[str, np.ndarray]:
     """Random K-quant blocks (small fp16 scales) for each of hf's matrices whose rows split into
     them, hf's weights replaced by their dequantization; {name: raw [..., bytes per row]}."""
-    size, per, scales = K_LAYOUTS[qtype]
+    per = gguf.GGML_QUANT_SIZES[qtype][0]
     g = np.random.default_rng(0)
     raw = {}
     with torch.no_grad():
@@ -157,11 +155,7 @@ def _random_k_blocks(hf, qtype) -> dict[str, np.ndarray]:
             if "norm" in name or "shared_expert_gate" in name or p.dim() < 2 or p.shape[-1] % per:
                 continue
             rows = int(np.prod(p.shape[:-1]))
-            blocks = g.integers(0, 256, size=(rows, p.shape[-1] // per, size), dtype=np.uint8)
-            for off in scales:
-                d = g.uniform(2e-5, 2e-4, (rows, p.shape[-1] // per)).astype(np.float16)
-                blocks[:, :, off:off + 2] = d[..., None].view(np.uint8)
-            blocks = blocks.reshape(*p.shape[:-1], -1)
+            blocks = random_gguf_blocks(qtype, rows, p.shape[-1], (2e-5, 2e-4), g).reshape(*p.shape[:-1], -1)
             p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).reshape(p.shape))
             raw[name] = blocks
     return raw
