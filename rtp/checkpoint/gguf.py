@@ -20,9 +20,9 @@ Three things llama.cpp's converter did are undone here:
   q/k rows for llama-arch models the converter permuted q_proj/k_proj rows from HF's
            rotate-half layout to interleaved pairs (llama.cpp's "normal" rope); see `_unpermute_qk`
 
-Mixture-of-experts files (qwen2moe, qwen3moe, Mixtral as llama with experts) stack a layer's
-experts per projection; rtp/checkpoint/gguf_moe.py reads their config and gives each expert a
-record of its own.
+Mixture-of-experts files (qwen2moe, qwen3moe, olmoe, deepseek2, Mixtral as llama with experts) stack
+a layer's experts per projection; rtp/checkpoint/gguf_moe.py reads their config and gives each expert a
+record of its own; rtp/checkpoint/gguf_deepseek.py what DeepSeek's MLA and routing add.
 
 `GGUFFile` (rtp/checkpoint/gguf_header.py, no torch) is the architecture-agnostic part (metadata,
 tokenizer fields) that the tokenizer uses; `GGUFCheckpoint` adds the architecture check, the
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rtp.checkpoint import gguf_deepseek
 from rtp.checkpoint.gguf_header import GGUFError, GGUFFile
 from rtp.checkpoint.gguf_moe import MOE_ARCHITECTURES, expert_records, is_expert_tensor, moe_layout
 from rtp.checkpoint.records import CheckpointError, TensorRecord
@@ -71,6 +72,7 @@ _ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
+    "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),  # V3's when its experts are sigmoid-routed
 }
 # the config.json key each GGUF count becomes (_build_config), whose limit it is held to
 _CONFIG_KEYS = {"embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
@@ -116,7 +118,7 @@ _ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 # FFN_PRE_NORM written as ffn_norm, FFN_POST_NORM)
 _GEMMA_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
-_ARCH_LAYER_NAMES.update(gemma2=_GEMMA_LAYER_NAMES, gemma3=_GEMMA_LAYER_NAMES)
+_ARCH_LAYER_NAMES.update(gemma2=_GEMMA_LAYER_NAMES, gemma3=_GEMMA_LAYER_NAMES, deepseek2=gguf_deepseek.LAYER_NAMES)
 # llama.cpp's converter stores Gemma's RMSNorm weights w (applied as x * (1 + w)) as 1 + w, in
 # fp32: every *norm.weight of these architectures. Read back as w, less 1 in fp32, so the model loads
 # GGUF and HF checkpoints alike: rtp/models/gemma.py adds the 1 back in fp32, which gives the file's
@@ -140,7 +142,12 @@ def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str:
     m = _LAYER_TENSOR.fullmatch(gguf_name)
     names = _ARCH_LAYER_NAMES.get(arch, {})
     if m and (m.group(2) in names or m.group(2) in _LAYER_NAMES):
-        return f"model.layers.{m.group(1)}.{names.get(m.group(2)) or _LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        hf = names.get(m.group(2)) or _LAYER_NAMES[m.group(2)]
+        if isinstance(hf, dict):  # a parameter of its own per suffix (DeepSeek's exp_probs_b.bias)
+            if m.group(3) in hf:
+                return f"model.layers.{m.group(1)}.{hf[m.group(3)]}"
+        else:
+            return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
     raise GGUFError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
 
 
@@ -252,7 +259,7 @@ class GGUFCheckpoint(GGUFFile):
         if model_type in ("llama", "mistral"):
             cfg["attention_bias"] = "blk.0.attn_q.bias" in names
             cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
-        if moe is not None:
+        if moe is not None and arch != "deepseek2":
             renormalize = key("expert_weights_norm", MOE_ARCHITECTURES[arch])
             cfg.update(moe.hf_config(arch, cfg["num_hidden_layers"], bool(renormalize),
                                      count("feed_forward_length")))
@@ -270,6 +277,8 @@ class GGUFCheckpoint(GGUFFile):
             cfg["rope_scaling"] = rope_scaling
         if arch in _NORM_PLUS_ONE:
             cfg.update(_gemma_config(arch, key, cfg))
+        if arch == "deepseek2":
+            cfg = gguf_deepseek.deepseek2_config(self.path, cfg, moe, names, key, count, positive)
         for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                                  ("padding_token_id", "pad_token_id")):
             value = self.get(f"tokenizer.ggml.{gguf_key}")
@@ -395,7 +404,8 @@ class GGUFCheckpoint(GGUFFile):
                     yield name, kinds[t.tensor_type](raw[lo:lo + end - begin], shape[0])
                 continue
             if (t.tensor_type not in kinds or t.name in _SKIPPED or t.name in _ROPE_FACTORS
-                    or not t.name.endswith(".weight") or is_expert_tensor(t.name)):
+                    or not t.name.endswith(".weight") or is_expert_tensor(t.name)
+                    or t.name.split(".")[-2] in gguf_deepseek.UNPACKED):
                 continue
             name = hf_tensor_name(t.name, self.architecture)
             rows = int(t.shape[-1]) if len(t.shape) > 1 else 1

@@ -16,7 +16,8 @@ under its Hugging Face name (model.layers.N.mlp.experts.E.gate_proj.weight, Mixt
 and the model's loader fills its stacked expert slots from them as from a safetensors
 checkpoint. The architectures are llama.cpp's: `qwen2moe` (top-k weights as the softmax gives
 them, a shared expert), `qwen3moe` (renormalised top-k, q/k norm), `olmoe` (top-k as given, q/k
-norm over all heads) and `llama` with experts (Mixtral, renormalised). The counts come from the metadata as llama.cpp's loader reads them
+norm over all heads), `llama` with experts (Mixtral, renormalised) and `deepseek2` (whose routing and
+shared experts rtp/checkpoint/gguf_deepseek.py reads). The counts come from the metadata as llama.cpp's loader reads them
 (expert_count, expert_used_count, expert_feed_forward_length,
 expert_shared_feed_forward_length), checked against the tensors, which decide where the two
 disagree in what llama.cpp would also refuse to load: each mismatch is one error naming the
@@ -34,7 +35,9 @@ from rtp.checkpoint.gguf_header import GGUFError
 
 # GGUF architectures whose layers may be sparse -> whether the top-k weights are renormalised
 # (llama.cpp's build_moe_ffn norm_w for each; a file's {arch}.expert_weights_norm overrides it)
-MOE_ARCHITECTURES = {"qwen2moe": False, "qwen3moe": True, "llama": True, "olmoe": False}
+MOE_ARCHITECTURES = {"qwen2moe": False, "qwen3moe": True, "llama": True, "olmoe": False, "deepseek2": False}
+# architectures whose scaling, gating and shared experts their own config reads (rtp/checkpoint/gguf_deepseek.py)
+_OWN_ROUTING = {"deepseek2"}
 # the part of an expert each stacked tensor holds -> its projection's name in each family
 _PARTS = ("gate", "up", "down")
 _HF_PARTS = {"llama": {"gate": "w1", "up": "w3", "down": "w2"},
@@ -99,11 +102,11 @@ def moe_layout(path: Path, arch: str, tensors: list, key, count) -> MoELayout | 
         raise GGUFError(f"{path}: metadata {arch}.expert_count = {num_experts}, but no layer has a router "
                         "(blk.N.ffn_gate_inp.weight)")
     scale = key("expert_weights_scale")
-    if scale not in (None, 0, 0.0, 1, 1.0):
+    if scale not in (None, 0, 0.0, 1, 1.0) and arch not in _OWN_ROUTING:
         raise GGUFError(f"{path}: metadata {arch}.expert_weights_scale = {scale!r}: scaled expert weights are "
                         f"not supported for {arch}")
     gating = key("expert_gating_func")
-    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    if gating not in (None, 1) and arch not in _OWN_ROUTING:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise GGUFError(f"{path}: metadata {arch}.expert_gating_func = {gating!r}: only softmax (1) routes "
                         f"{arch} experts")
     stacked = any(_STACKED.fullmatch(n) for n in by_name)
@@ -187,8 +190,8 @@ def _shared_width(path: Path, by_name: dict, routers: dict, arch: str, count) ->
         raise GGUFError(f"{path}: metadata {arch}.expert_shared_feed_forward_length = {said}, but "
                         f"blk.N.ffn_gate_shexp.weight is {width} wide")
     for layer in widths:
-        for name in (f"blk.{layer}.ffn_up_shexp.weight", f"blk.{layer}.ffn_down_shexp.weight",
-                     f"blk.{layer}.ffn_gate_inp_shexp.weight"):
+        gate = () if arch in _OWN_ROUTING else (f"blk.{layer}.ffn_gate_inp_shexp.weight",)  # DeepSeek's: no gate
+        for name in (f"blk.{layer}.ffn_up_shexp.weight", f"blk.{layer}.ffn_down_shexp.weight", *gate):
             if name not in by_name:
                 raise GGUFError(f"{path}: layer {layer} has a shared expert but no {name}")
     return width

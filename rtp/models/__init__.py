@@ -16,6 +16,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("rtp.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("rtp.models.llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("rtp.models.mixtral", "MixtralForCausalLM"),
+    "DeepseekV2ForCausalLM": ("rtp.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV3ForCausalLM": ("rtp.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("rtp.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("rtp.models.qwen2_moe", "Qwen2MoeForCausalLM"),

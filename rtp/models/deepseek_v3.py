@@ -1,4 +1,4 @@
-"""DeepSeek-V3: multi-head latent attention and a sigmoid-routed mixture of experts.
+"""DeepSeek-V3 (and V2): multi-head latent attention and a routed mixture of experts.
 
 The Llama topology (fp32 residual stream, pre-norm layers) with two blocks of its own:
 
@@ -13,7 +13,9 @@ The Llama topology (fp32 residual stream, pre-norm layers) with two blocks of it
   are dense MLPs; the others route each token to top-k of n_routed_experts experts
   (`DeepseekV3Router`: sigmoid scores, a correction bias used only to choose, top-k
   within the best topk_group of n_group groups, routed_scaling_factor) computed by
-  FusedMoE, plus n_shared_experts shared experts every token goes through.
+  FusedMoE, plus n_shared_experts shared experts every token goes through. DeepSeek-V2
+  (`DeepseekV2Router`, scoring_func softmax) scores by a softmax instead, with no bias,
+  and limits the choice to the groups whose best score is highest.
 
 DeepSeek's checkpoints lay each head's rope dims out as interleaved pairs (x0, x1),
 (x2, x3), ... (config `rope_interleave`, on by default). The loader reorders those rows
@@ -153,14 +155,15 @@ class DeepseekV3Attention(nn.Module):
 
 
 class DeepseekV3Router(TopKRouter):
-    """hidden [T, H] -> (weights [T, k] fp32, expert ids [T, k]), DeepSeek-V3's noaux_tc routing.
+    """logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]), DeepSeek-V3's noaux_tc routing.
 
     Scores are sigmoid(logits) (the gate's logits in fp32, as DeepSeek keeps the gate in
     fp32). Experts are *chosen* by score + e_score_correction_bias (the bias balances load
     without an auxiliary loss) within the topk_group groups whose two best biased scores sum
     highest, and *weighted* by their unbiased scores, renormalised to 1 when norm_topk_prob,
     then scaled by routed_scaling_factor. Holds the gate's weight itself, so checkpoint
-    names (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`) map as they are."""
+    names (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`) map as they are; called on
+    the logits (`logits`), as every router is."""
 
     softmax_top_k = False
 
@@ -199,8 +202,56 @@ class DeepseekV3Router(TopKRouter):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.routed_scaling_factor, ids
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.select(self.scores(F.linear(x.float(), self.weight)))
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate's logits [T, E], in fp32 as DeepSeek keeps the gate."""
+        return F.linear(x.float(), self.weight)
+
+
+class DeepseekV2Router(TopKRouter):
+    """logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]), DeepSeek-V2's routing (scoring_func softmax).
+
+    Scores are the softmax of the gate's fp32 logits; topk_method "greedy" takes the top k of all experts,
+    "group_limited_greedy" the top k within the topk_group of n_group groups whose best score is highest.
+    The weights are the chosen scores, renormalised to 1 when norm_topk_prob (DeepSeek's own code does;
+    the released V2 models say False), times routed_scaling_factor. Holds the gate's weight itself, as
+    DeepseekV3Router does."""
+
+    def __init__(self, config: ModelConfig):
+        raw = config.raw
+        super().__init__(config.num_experts_per_tok, bool(config.norm_topk_prob))
+        experts = config.num_experts
+        method = raw.get("topk_method") or "greedy"
+        self.n_group = (raw.get("n_group") or 1) if method == "group_limited_greedy" else 1
+        self.topk_group = (raw.get("topk_group") or self.n_group) if self.n_group > 1 else 1
+        self.routed_scaling_factor = float(raw.get("routed_scaling_factor") or 1.0)
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"DeepSeek-V2 routing is topk_method greedy or group_limited_greedy, got {method!r}")
+        if experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"{experts} experts in n_group {self.n_group} (topk_group {self.topk_group}): groups "
+                             "must split the experts evenly")
+        if self.top_k > self.topk_group * (experts // self.n_group):
+            raise ValueError(f"top-{self.top_k} does not fit in {self.topk_group} groups of {experts // self.n_group}")
+        # the plain softmax top k, unscaled: what the one-call MoE kernel routes with itself
+        self.softmax_top_k = self.n_group == 1 and self.routed_scaling_factor == 1.0
+        self.weight = nn.Parameter(torch.empty(experts, config.hidden_size, dtype=torch.float32))
+
+    def select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.n_group > 1:
+            tokens, experts = scores.shape
+            grouped = scores.view(tokens, self.n_group, experts // self.n_group)
+            best_groups = grouped.amax(dim=-1).topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros(tokens, self.n_group, dtype=torch.bool, device=scores.device).scatter_(1, best_groups, True)
+            scores = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(tokens, experts)
+        weights, ids = super().select(scores)
+        return weights * self.routed_scaling_factor, ids
+
+    logits = DeepseekV3Router.logits
+
+
+def _v2_routing(config: ModelConfig) -> bool:
+    """Whether the experts are routed as DeepSeek-V2's (softmax scores), not V3's (sigmoid, noaux_tc)."""
+    return config.raw.get("scoring_func", "softmax" if config.raw.get("model_type") == "deepseek_v2" else "sigmoid") \
+        == "softmax"
 
 
 class DeepseekV3MoE(nn.Module):
@@ -208,7 +259,7 @@ class DeepseekV3MoE(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate = DeepseekV3Router(config)
+        self.gate = DeepseekV2Router(config) if _v2_routing(config) else DeepseekV3Router(config)
         self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                 num_slots=config.num_experts + config.num_redundant_experts)
         shared = config.raw.get("n_shared_experts") or 0
@@ -216,11 +267,39 @@ class DeepseekV3MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] fp32."""
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        # one kernel call where the experts are GGUF blocks and the router is V2's plain top k (FusedMoE.routed)
+        out = self.experts.routed(x, self.gate.logits(x), self.gate)
         if self.shared_experts is not None:
             out = out.add_(self.shared_experts(x).float())
         return out
+
+
+def _joined_kv_b(weights: Iterable[tuple[str, torch.Tensor]], nope: int, v_head_dim: int):
+    """weights with each layer's k_b_proj [H, C, N] and v_b_proj [H, V, C] (llama.cpp's split of kv_b_proj,
+    rtp/checkpoint/gguf_deepseek.py) replaced by kv_b_proj [H * (N + V), C], the checkpoint's rows: per
+    head its N key rows (k_b transposed back), then its V value rows. Either half waits for the other."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        stem, _, part = name.rpartition(".self_attn.")
+        if part not in ("k_b_proj.weight", "v_b_proj.weight"):
+            yield name, tensor
+            continue
+        pair = halves.setdefault(stem, {})
+        pair[part] = tensor
+        if len(pair) < 2:
+            continue
+        pair = halves.pop(stem)
+        k_b, v_b = pair["k_b_proj.weight"], pair["v_b_proj.weight"]
+        if (k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]
+                or k_b.shape[2] != nope or v_b.shape[1] != v_head_dim):
+            raise ValueError(f"{stem}.self_attn: k_b_proj {tuple(k_b.shape)} and v_b_proj {tuple(v_b.shape)} are not "
+                             f"[heads, kv_lora_rank, {nope}] and [heads, {v_head_dim}, kv_lora_rank]")
+        yield f"{stem}.self_attn.kv_b_proj.weight", torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1)
+    if halves:
+        stem, pair = next(iter(halves.items()))
+        other = "v_b_proj" if "k_b_proj.weight" in pair else "k_b_proj"
+        raise ValueError(f"{stem}.self_attn.{next(iter(pair)).removesuffix('.weight')} has no {other} to join into "
+                         "kv_b_proj")
 
 
 class DeepseekV3ForCausalLM(MixtralForCausalLM):
@@ -246,8 +325,9 @@ class DeepseekV3ForCausalLM(MixtralForCausalLM):
 
     def _without_extra_layers(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """The released checkpoints append multi-token-prediction layers (model.layers.61 of 61):
-        a speculative-decoding head rtp does not run, skipped as transformers skips it."""
-        for name, tensor in weights:
+        a speculative-decoding head rtp does not run, skipped as transformers skips it. A GGUF's
+        split kv_b_proj (k_b_proj, v_b_proj) is joined back (_joined_kv_b)."""
+        for name, tensor in _joined_kv_b(weights, self.config.raw["qk_nope_head_dim"], self.config.raw["v_head_dim"]):
             if name.endswith("_scale_inv"):
                 raise ValueError(f"{name}: FP8 block-quantized checkpoints are not supported; "
                                  f"dequantize to bf16 first")

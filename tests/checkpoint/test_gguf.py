@@ -421,7 +421,7 @@ def test_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GGUFError, match=r"'gpt2' is not supported; supported: gemma2, gemma3, llama, mistral, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
+    with pytest.raises(GGUFError, match=r"'gpt2' is not supported; supported: deepseek2, gemma2, gemma3, llama, mistral, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
         GGUFCheckpoint(path)
 
 

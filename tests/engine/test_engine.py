@@ -49,6 +49,16 @@ def reference(hf_model, llm_fp32):
     return {q: hf_greedy(hf_model, chat_ids(llm_fp32, q), eos) for q in QUESTIONS}
 
 
+@pytest.fixture(scope="module")
+def hf_bf16_matches(hf_model, llm_fp32, reference):
+    """How many QUESTIONS transformers' bf16 answers as the fp32 reference does: the bar for rtp's default dtype."""
+    import copy
+
+    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    eos = llm_fp32.engine.eos_token_ids
+    return sum(hf_greedy(hf_bf16, chat_ids(llm_fp32, q), eos) == reference[q] for q in QUESTIONS)
+
+
 def test_capital_of_france(llm_fp32):
     out = llm_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
                         SamplingParams(temperature=0, max_tokens=32))
@@ -172,27 +182,22 @@ def _cpu_has_bf16():
     return _cpu_has_native_bf16()
 
 
-def test_bf16_greedy_is_as_faithful_as_transformers_bf16(llm_bf16, hf_model, reference):
+def test_bf16_greedy_is_as_faithful_as_transformers_bf16(llm_bf16, reference, hf_bf16_matches):
     """Greedy output in the default dtype matches the fp32 reference at least as often as
     transformers' own bf16 does (small models have top-2 margins of a few bf16 steps)."""
-    import copy
-
     from rtp.kernels import cpu_kernels
 
     if cpu_kernels.tiles_available():  # the GGUF's own blocks serve small-batch decode
         assert llm_bf16.engine.model.model.layers[0].mlp.gate_up_proj.quant is not None
-    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
-    eos = llm_bf16.engine.eos_token_ids
     prompts = [chat_ids(llm_bf16, q) for q in QUESTIONS]
     outs = llm_bf16.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     ours = sum(o.outputs[0].token_ids[: len(reference[q])] == reference[q] for q, o in zip(QUESTIONS, outs))
-    theirs = sum(hf_greedy(hf_bf16, p, eos) == reference[q] for q, p in zip(QUESTIONS, prompts))
-    assert ours >= theirs, (ours, theirs)
+    assert ours >= hf_bf16_matches, (ours, hf_bf16_matches)
     # 16 rows: past the quantized kernels' batch limit, oneDNN's bf16 GEMM on dequantized weights
     outs = llm_bf16.generate(prompts * 2, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs[:8]] == [o.outputs[0].token_ids for o in outs[8:]]
     ours = sum(o.outputs[0].token_ids[: len(reference[q])] == reference[q] for q, o in zip(QUESTIONS, outs))
-    assert ours >= theirs, (ours, theirs)
+    assert ours >= hf_bf16_matches, (ours, hf_bf16_matches)
     france = llm_bf16.chat([{"role": "user", "content": "What is the capital of France?"}],
                            SamplingParams(temperature=0, max_tokens=32))
     assert france[0].outputs[0].text == "The capital of France is Paris."
@@ -216,13 +221,12 @@ print(json.dumps({"isa": cpu_kernels.isa(), "graphs": llm.engine.runner.graph_st
 
 
 @pytest.mark.parametrize("path", ["avx2", "avx512"])
-def test_a_lower_isa_path_is_as_faithful_as_transformers_bf16(path, default_gguf, llm_bf16, hf_model, reference):
+def test_a_lower_isa_path_is_as_faithful_as_transformers_bf16(path, default_gguf, reference, hf_bf16_matches):
     """The engine on a lower ISA path's kernels (RTP_CPU_ISA, as on a CPU without AVX-512 BF16; avx512 runs its
     lane-order linears where the CPU has VNNI, the avx2 variants for the other ops): in its default dtype, the
     GGUF's blocks multiplied in place and the steps
     replayed from CPU graphs, greedy output matches the fp32 reference at least as often as transformers'
     bf16 does, and a request gets the same tokens alone as in a batch of eight."""
-    import copy
     import json
     import os
     import subprocess
@@ -238,11 +242,8 @@ def test_a_lower_isa_path_is_as_faithful_as_transformers_bf16(path, default_gguf
     assert got["isa"] == path and got["blocks"] and got["graphs"] > 0, got
     assert got["lanes"] == (path == "avx512" and cpu_kernels._k.vnni_supported()), got
     assert got["alone"] == got["batched"]
-    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
-    eos = llm_bf16.engine.eos_token_ids
     ours = sum(ids[: len(reference[q])] == reference[q] for q, ids in zip(QUESTIONS, got["alone"]))
-    theirs = sum(hf_greedy(hf_bf16, chat_ids(llm_bf16, q), eos) == reference[q] for q in QUESTIONS)
-    assert ours >= theirs, (ours, theirs)
+    assert ours >= hf_bf16_matches, (ours, hf_bf16_matches)
 
 
 def test_cpu_graphs_give_the_eager_tokens(llm_bf16):

@@ -176,7 +176,7 @@ def test_aborts_and_preemption_while_blocks_load_leak_nothing(reference, tmp_pat
     _drop_host(tiers)
     from rtp import SamplingParams
 
-    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)  # 3 x 550 tokens: past the pool's 1280
     for i, f in enumerate(FILLERS):
         engine.add_request(f"long{i}", f[:400], long)
     engine.add_request("loads", TURNS[1], PARAMS)

@@ -40,6 +40,22 @@ def test_logits_match_transformers(kind, tmp_path):
     assert worst < 1e-4, f"{kind}: max abs logit difference {worst}"
 
 
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_from_safetensors_matches_transformers(method, tmp_path):
+    """DeepSeek-V2's softmax routing (no correction bias; greedy as V2-Lite, or within the groups whose best
+    expert scores highest, scaled by routed_scaling_factor) on the same MLA model."""
+    from tiny_models import random_hf_model
+
+    keys = {**DEEPSEEK, "q_lora_rank": None, "topk_method": method, "norm_topk_prob": False,
+            "n_group": 4 if method != "greedy" else 1, "topk_group": 2 if method != "greedy" else 1,
+            "routed_scaling_factor": 2.5 if method != "greedy" else 1.0}
+    hf = random_hf_model(transformers.DeepseekV2Config(**keys))
+    hf.save_pretrained(tmp_path)
+    prompts = prompts_of((5, 23, 40), seed=2)
+    worst, _ = run_rtp(tmp_path, prompts, hf_reference(hf, prompts), max_batched=32)
+    assert worst < 1e-4, f"{method}: max abs logit difference {worst}"
+
+
 def drive(model, prompts, refs, *, between_steps=None, new_tokens=NEW_TOKENS, max_batched=32):
     """run_rtp over an already loaded model: the worst difference from transformers' logits,
     every sampled row's logits in step order, and the prompt tokens found in the prefix cache.

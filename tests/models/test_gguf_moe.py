@@ -554,3 +554,27 @@ def test_moe_steps_replay_cpu_graphs_and_follow_an_eplb_placement(kind, override
     steps = runner.graph_steps
     assert run() == replayed
     assert runner.graph_steps - steps >= 2 * 15
+
+
+# -- expert parallelism ----------------------------------------------------------------------------------
+
+
+def _ep2_rank(rank: int, init: str, path, prompts, refs) -> float:
+    import rtp.distributed as dist
+
+    dist.init_parallel(tp=1, ep=2, rank=rank, backend="gloo", init_method=init, timeout_s=60)
+    worst, _ = run_rtp(path, prompts, refs)
+    return worst
+
+
+def test_a_moe_gguf_at_ep2_gives_transformers_logits(tmp_path):
+    """--ep 2 on Qwen2-MoE (shared expert, a dense layer): each of two gloo ranks reads its half of every
+    layer's expert records from the Q8_0 file (the pairs routed to the other half over all-to-all):
+    transformers' logits on the file's weights."""
+    from ranks import run_ranks
+
+    _, hf = make_moe("qwen2_moe", tmp_path / "hf")
+    path = write_moe_gguf(tmp_path / "moe.gguf", hf, "qwen2_moe", Q.Q8_0)
+    prompts = prompts_of((5, 23, 40), seed=6)
+    worst = run_ranks(_ep2_rank, path, prompts, hf_reference(hf, prompts), tmp_path=tmp_path)
+    assert max(worst) < 1e-4, worst

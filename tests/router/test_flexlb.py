@@ -300,7 +300,7 @@ def test_killing_a_prefill_worker(cluster):
         try:
             text = ""
             for i, chunk in enumerate(client.completions.create(
-                    model=MODEL, prompt=f"Count slowly from {k}:", max_tokens=200, temperature=0,
+                    model=MODEL, prompt=f"Count slowly from {k}:", max_tokens=100, temperature=0,
                     stream=True, extra_body={"ignore_eos": True})):
                 if i == 0:
                     started.append(k)
