@@ -524,6 +524,9 @@ def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
         if set(parts) != set(order):
             continue
         blocks = BlockQuantized.cat([parts[s] for s in order])
+        reorder = getattr(layer.weight, "row_order", None)
+        if blocks is not None and reorder is not None:  # a loader that reorders rows (DeepSeek's rope pairs)
+            blocks = blocks.rows(reorder(blocks.shape[0]))
         if blocks is None and not getattr(layer, "silu_mul_after", False):
             blocks = BlockParts([parts[s] for s in order])  # each part its own layout and kernels
         if blocks is not None and blocks.shape == tuple(layer.weight.shape) and blocks.runs_here:

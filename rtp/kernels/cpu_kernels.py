@@ -320,13 +320,14 @@ def linear_lanes_into(x: torch.Tensor, kind: int, weights: torch.Tensor, bias: t
 
 def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, expert_slots: torch.Tensor,
                 replica_count: torch.Tensor, expert_load: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
-                kind13: int, kind2: int, inter: int) -> torch.Tensor:
+                kind13: int, kind2: int, inter: int, lanes: bool) -> torch.Tensor:
     """A MoE layer's routed experts in one call -> fp32 [T, hidden]: x bf16 [T, hidden]; logits bf16 or fp32
     [T, experts] (softmax, top_k, renormalised where asked); expert_slots int64 [experts, max_replicas] and
     replica_count int64 [experts] (EPLB's tables: an expert's pairs dealt round-robin over its slots);
     expert_load int64 [experts] += pairs per expert (None: not counted); w13, w2 int64 [slots]: each slot's
-    [gate | up] glu tile records (kind13, [2 inter, hidden]) and down tile records (kind2) by address, 0 for
-    an empty slot. The tables are read when the call runs, so a CPU graph replays a placement EPLB changed."""
+    [gate | up] records (kind13, [2 inter, hidden]) and down records (kind2) by address, 0 for an empty slot,
+    glu tiles and tiles, or with lanes both in lane order. The tables are read when the call runs, so a CPU
+    graph replays a placement EPLB changed."""
     if x.stride(1) != 1 or x.stride(0) % 2:
         x = x.contiguous()
     if logits.stride(1) != 1:
@@ -336,7 +337,7 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: 
     _k.moe_experts(x.data_ptr(), x.stride(0), logits.data_ptr(), logits.stride(0), logits.dtype == torch.bfloat16, t,
                    hidden, inter, logits.shape[1], top_k, renormalize, expert_slots.data_ptr(), expert_slots.shape[1],
                    replica_count.data_ptr(), _ptr(expert_load), w13.shape[0], w13.data_ptr(), w2.data_ptr(), kind13,
-                   kind2, _AMX, out.data_ptr(), hidden)
+                   kind2, 2 if lanes else int(bool(_AMX)), out.data_ptr(), hidden)  # csrc/moe.c's RTP_MOE_*
     return out
 
 

@@ -277,17 +277,18 @@ OPS = _ops(
     dict(name="softcap", variants={"avx2": "rtp_softcap_avx2", "neon": "rtp_softcap_neon"}, rows="t",
          c="void rtp_softcap(float *x, int64_t ldx, float cap, int64_t t, int64_t n)",
          doc="In place: x fp32 [t, n] = cap * tanh(x / cap)."),
-    dict(name="moe_experts", rows="t",
+    dict(name="moe_experts", rows="t", isa="avx512",  # its tile orders only where the tile linears run
          c="""int rtp_moe_experts(const uint16_t *x, int64_t ldx, const void *logits, int64_t ldl, bool logits_bf16,
               int64_t t, int64_t hidden, int64_t inter, int64_t experts, int64_t top_k, bool renormalize,
               const int64_t *expert_slots, int64_t max_replicas, const int64_t *replica_count, int64_t *expert_load,
-              int64_t slots, const int64_t *w13, const int64_t *w2, int kind13, int kind2, bool amx, float *out,
-              int64_t ldo)""",
+              int64_t slots, const int64_t *w13, const int64_t *w2, int kind13, int kind2, int order,
+              float *out, int64_t ldo)""",
          doc="""A MoE layer's routed experts for x bf16 [t, hidden] from its router logits [t, experts]: softmax,
     top_k (renormalised where asked), each pair dealt to a replica slot (expert_slots [experts, max_replicas],
-    replica_count; expert_load += pairs per expert unless 0), each slot's rows through its [gate | up] glu
-    tiles and down tiles (w13, w2: [slots] record addresses), out fp32 [t, hidden] = the weighted sum over k
-    in k order (csrc/moe.c)."""),
+    replica_count; expert_load += pairs per expert unless 0), each slot's rows through its [gate | up] and
+    down records (w13, w2: [slots] record addresses; order 0: glu tiles and tiles, 1: the same on AMX, 2: both
+    in lane order),
+    out fp32 [t, hidden] = the weighted sum over k in k order (csrc/moe.c)."""),
     dict(name="linear_lanes", rows="rows", isa="avx512",
          c="""int rtp_linear_lanes(const void *x, int64_t ldx, bool x_fp32, int kind, const uint8_t *weights,
               const float *bias, void *out, int64_t ldo, bool out_bf16, int64_t rows, int64_t n, int64_t k)""",

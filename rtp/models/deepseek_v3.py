@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -67,19 +68,24 @@ def softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
-def _deinterleaving(loader: Callable, row_group: int, rope: int) -> Callable:
-    """A weight loader that first reorders the last `rope` rows of every `row_group` rows
-    from interleaved pairs to evens then odds (see the module docstring)."""
+def _group_order(rows: int, row_group: int, rope: int) -> torch.Tensor:
+    """The row order that moves the last `rope` rows of every `row_group` rows from interleaved pairs to
+    evens then odds (see the module docstring): index i of the result is the source row of row i."""
     # built on the CPU whatever the default device (models are built under torch.device(...))
     first = row_group - rope
     order = torch.cat([torch.arange(a, b, step, device="cpu")
                        for a, b, step in ((0, first, 1), (first, row_group, 2), (first + 1, row_group, 2))])
+    return (torch.arange(0, rows, row_group, device="cpu")[:, None] + order).reshape(-1)
+
+
+def _deinterleaving(loader: Callable, row_group: int, rope: int) -> Callable:
+    """A weight loader that first reorders the rows in `_group_order`."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[0] % row_group:
             raise ValueError(f"{loaded.shape[0]} rows are not groups of {row_group}")
-        grouped = loaded.reshape(-1, row_group, *loaded.shape[1:])
-        loader(param, grouped.index_select(1, order.to(loaded.device)).reshape(loaded.shape), shard_id)
+        order = _group_order(loaded.shape[0], row_group, rope).to(loaded.device)
+        loader(param, loaded.index_select(0, order), shard_id)
 
     return load
 
@@ -88,6 +94,8 @@ def _deinterleave_rope_rows(linear: nn.Module, row_group: int, rope: int) -> Non
     for param in (linear.weight, linear.bias):
         if param is not None:
             param.weight_loader = _deinterleaving(param.weight_loader, row_group, rope)
+            # the loader's general hook for weights kept in another form (a GGUF's blocks): the same order
+            param.row_order = partial(_group_order, row_group=row_group, rope=rope)
 
 
 def _kv_b_loader(nope: int, v_head_dim: int) -> Callable:

@@ -5,13 +5,16 @@ which the experts' bf16 copy alone would be 57 GB): FusedMoE's stacked dense w13
 hold them on a CPU host. ExpertBlocks keeps each expert as the file's blocks (rtp/kernels/quant.py:
 BlockQuantized, the layouts the dense layers' GGUF blocks take), per local slot a [gate | up]
 block matrix laid out for the fused SiLU-and-mul and a down block matrix, and computes
-FusedMoE.grouped's rows group by group through the block kernels. Where the CPU has the tile
-kernels (AVX-512 BF16, AMX) an expert holds its tiles alone (BlockQuantized.keep_only_tiles: 0.75
-bytes a Q4_K weight, where blocks, super-blocks and tiles together were 2.1), which take every
-batch; on the avx2 path, its blocks.
+FusedMoE.grouped's rows group by group through the block kernels. An expert holds the one layout
+the dense layers take every batch in (0.75 bytes a Q4_K weight, where blocks, super-blocks and a
+layout together were 2.1): tiles alone (BlockQuantized.keep_only_tiles) where the CPU has the tile
+kernels (AVX-512 BF16, AMX), lane order on the avx512 path (AVX-512 VNNI without BF16), the blocks on
+the avx2 path. (Lane order on AMX too, where an expert's product at one row is the lane kernel's
+strength, measured 12 % faster at one stream but 34 %, 60 % and 66 % slower at 16 and 64 streams and
+on prompts on a Qwen3-30B-A3B-shaped file: docs/benchmarks.md, MoE.)
 
-Where the kernels have the one-call MoE op (rtp/kernels/csrc/moe.c: the tile path), `routed` runs
-the whole layer -- softmax top-k routing, EPLB's replica dealing, each slot's two tile products, the
+Where the kernels have the one-call MoE op (rtp/kernels/csrc/moe.c), `routed` runs
+the whole layer -- softmax top-k routing, EPLB's replica dealing, each slot's two products, the
 weighted combine -- in one kernel call over two tables of the slots' record addresses, so a MoE step
 is kernel calls only and replays from a CPU graph like a dense one (its work follows the step's
 routing, read at replay). `grouped` is FusedMoE's generic path from the blocks (a router the op does
@@ -27,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from rtp.kernels import cpu_kernels
-from rtp.kernels.quant import BlockQuantized
+from rtp.kernels.quant import TILE_KIND, BlockQuantized
 
 
 class ExpertBlocks:
@@ -37,24 +40,25 @@ class ExpertBlocks:
     def __init__(self, w13: list[BlockQuantized | None], w2: list[BlockQuantized | None]):
         self.w13 = w13
         self.w2 = w2
-        # each slot's tile records by address (0: empty), what the one-call op reads; rewritten in place
+        placed = [(a, b) for a, b in zip(w13, w2) if a is not None]
+        # the op multiplies every slot alike: records of one order, and of one kind each for [gate | up] and down
+        # (glu tiles; an int8-prefill split of decode and prompt rows stays on the generic path)
+        self.lanes = bool(placed) and all(a.lanes is not None and b.lanes is not None for a, b in placed)
+        tiles = all(a.tiles is not None and a.glu and b.tiles is not None and "prefill" not in (a.int8_rows, b.int8_rows)
+                    for a, b in placed)
+        kinds = {(TILE_KIND[a.kind], TILE_KIND[b.kind]) if self.lanes else (a.tile_kind, b.tile_kind) for a, b in placed}
+        self.one_call = cpu_kernels.has_op("moe_experts") and len(kinds) == 1 and (self.lanes or tiles)
+        self.kinds = next(iter(kinds)) if len(kinds) == 1 else None
+        self.inter = placed[0][1].shape[1] if placed else 0
+        # each slot's records by address (0: empty), what the one-call op reads; rewritten in place
         self.w13_records = torch.zeros(len(w13), dtype=torch.int64)
         self.w2_records = torch.zeros(len(w2), dtype=torch.int64)
         self._write_records()
-        placed = [(a, b) for a, b in zip(w13, w2) if a is not None]
-        kinds = {(a.tile_kind, b.tile_kind) for a, b in placed}
-        # the op multiplies every slot alike: tile records of one kind each for [gate | up] and down
-        # (an int8-prefill split of decode and prompt rows stays on the generic path)
-        self.one_call = (cpu_kernels.has_op("moe_experts") and len(kinds) == 1
-                         and all(a.tiles is not None and a.glu and b.tiles is not None and "prefill" not in
-                                 (a.int8_rows, b.int8_rows) for a, b in placed))
-        self.kinds = next(iter(kinds)) if len(kinds) == 1 else None
-        self.inter = placed[0][1].shape[1] if placed else 0
 
     def _write_records(self) -> None:
         for table, blocks in ((self.w13_records, self.w13), (self.w2_records, self.w2)):
-            table.copy_(torch.tensor([0 if b is None or b.tiles is None else b.tiles.data_ptr() for b in blocks],
-                                     dtype=torch.int64))
+            records = [None if b is None else b.lanes if self.lanes else b.tiles for b in blocks]
+            table.copy_(torch.tensor([0 if r is None else r.data_ptr() for r in records], dtype=torch.int64))
 
     @classmethod
     def build(cls, gate: Sequence[BlockQuantized], up: Sequence[BlockQuantized], down: Sequence[BlockQuantized],
@@ -67,8 +71,7 @@ class ExpertBlocks:
             fused = BlockQuantized.cat([g, u])
             if fused is None:
                 return None
-            # tiles alone where the CPU takes them (they serve every batch; nothing else reads an expert),
-            # the blocks on the avx2 path
+            # one layout alone (the module docstring): nothing but the expert's own products reads them
             fused = fused.with_tile_layout(glu=True).keep_only_tiles().on_huge_pages()
             d = d.with_tile_layout().keep_only_tiles().on_huge_pages()
             if not (fused.runs_here and d.runs_here and fused.serves_every_batch and d.serves_every_batch):
@@ -84,7 +87,7 @@ class ExpertBlocks:
         """The layer's routed experts for x bf16 [T, hidden] from the router's logits, in one kernel call
         (one_call must hold): softmax top-k, EPLB's tables as FusedMoE keeps them -> fp32 [T, hidden]."""
         return cpu_kernels.moe_experts(x, logits, top_k, renormalize, expert_slots, replica_count, expert_load,
-                                       self.w13_records, self.w2_records, *self.kinds, self.inter)
+                                       self.w13_records, self.w2_records, *self.kinds, self.inter, self.lanes)
 
     def grouped(self, x: torch.Tensor, row_source: torch.Tensor, group_end: torch.Tensor,
                 act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -111,3 +114,4 @@ class ExpertBlocks:
         w2 = [self.w2[s] if u else None for s, u in zip(source.tolist(), used.tolist())]
         self.w13, self.w2 = w13, w2
         self._write_records()
+
