@@ -538,8 +538,8 @@ def _attach_quantized(model: torch.nn.Module, gguf: GGUFCheckpoint) -> None:
 
 def _attach_expert_blocks(model: torch.nn.Module, fused: dict[str, dict], file: str) -> None:
     """Serve each MoE layer's routed experts from the GGUF's blocks (rtp/models/expert_blocks.py), where
-    every expert of the layer came packed and its blocks serve every batch here; one rank only (expert
-    parallelism moves dense slots between ranks)."""
+    every expert of the layer came packed and its blocks serve every batch here: this rank's slots'
+    experts (expert parallelism: where each is one records tensor, which a placement sends between ranks)."""
     from rtp.distributed import ep_size
     from rtp.models.expert_blocks import ExpertBlocks
     from rtp.models.moe import ExpertShard, FusedMoE
@@ -551,12 +551,18 @@ def _attach_expert_blocks(model: torch.nn.Module, fused: dict[str, dict], file: 
         if not isinstance(module, FusedMoE):
             continue
         w13, w2 = fused.get(f"{name}.w13", {}), fused.get(f"{name}.w2", {})
-        experts = range(module.num_experts)
+        if len(w2) != module.num_experts or len(w13) != 2 * module.num_experts:  # some expert not packed
+            dense += 1
+            continue
+        # the identity placement: this rank's slot i holds expert slot_offset + i, the slots past the experts empty
+        experts = range(module.slot_offset, min(module.slot_offset + module.local_slots, module.num_experts))
         parts = [[w13.get(ExpertShard(e, "gate")) for e in experts], [w13.get(ExpertShard(e, "up")) for e in experts],
                  [w2.get(ExpertShard(e, "down")) for e in experts]]
         blocks = None
-        if ep_size() == 1 and all(b is not None for part in parts for b in part):
-            blocks = ExpertBlocks.build(*parts, module.num_slots)
+        if len(experts) and all(b is not None for part in parts for b in part):
+            blocks = ExpertBlocks.build(*parts, module.local_slots)
+        if blocks is not None and ep_size() > 1 and not blocks.movable:
+            blocks = None  # the avx2 path's blocks are several tensors an expert: its slots stay dense
         if blocks is None:
             dense += 1
             continue

@@ -20,11 +20,15 @@ is kernel calls only and replays from a CPU graph like a dense one (its work fol
 routing, read at replay). `grouped` is FusedMoE's generic path from the blocks (a router the op does
 not know, expert parallelism): its groups are walked on the host, eagerly. EPLB's placements move
 slot references (replicas share one expert's blocks) and rewrite the address tables in place, so
-captured graphs see the new placement.
+captured graphs see the new placement. With expert parallelism each rank holds its own slots' experts,
+and a placement sends an expert's records tensor to the rank whose slot takes it (`move`, over the
+all-to-all the dense slots use).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -41,6 +45,8 @@ class ExpertBlocks:
         self.w13 = w13
         self.w2 = w2
         placed = [(a, b) for a, b in zip(w13, w2) if a is not None]
+        # what an expert that arrives from another rank is made from (move): its layout, kind and shape
+        self.templates = placed[0] if placed else (None, None)
         # the op multiplies every slot alike: records of one order, and of one kind each for [gate | up] and down
         # (glu tiles; an int8-prefill split of decode and prompt rows stays on the generic path)
         self.lanes = bool(placed) and all(a.lanes is not None and b.lanes is not None for a, b in placed)
@@ -107,6 +113,41 @@ class ExpertBlocks:
             start = end
         return out
 
+    @property
+    def movable(self) -> bool:
+        """Whether every placed expert is one records tensor (its tiles or lane order alone), which `move`
+        sends to another rank as it is."""
+        return all(b is None or b.only_tiles is not None for b in self.w13 + self.w2)
+
+    def move(self, source: torch.Tensor, used: torch.Tensor, outgoing: list[list[int]], incoming: list[list[int]],
+             slot_offset: int) -> None:
+        """Expert parallelism's placement change (FusedMoE._cross_rank_plan): local slot i takes the expert in
+        local slot source[i] where that is on this rank, else the records that arrive for global slot
+        slot_offset + i from the rank holding its expert; outgoing[r] are the local slots sent to rank r.
+        Every rank calls this with the same placement."""
+        from rtp.distributed import all_to_all
+
+        layouts = []
+        for part, template in zip((self.w13, self.w2), self.templates):
+            records = [_records(part[s]) for s in itertools.chain(*outgoing)]
+            shape = _records(template).shape
+            sent = torch.stack(records) if records else torch.empty(0, *shape, dtype=torch.uint8)
+            received = torch.empty(sum(map(len, incoming)), *shape, dtype=torch.uint8)
+            all_to_all(received, sent, [len(i) for i in incoming], [len(o) for o in outgoing])
+            arrived = {d - slot_offset: received[k] for k, d in enumerate(itertools.chain(*incoming))}
+            new = []
+            for slot, (src, on) in enumerate(zip(source.tolist(), used.tolist())):
+                if not on:
+                    new.append(None)
+                elif slot in arrived:
+                    field = "lanes" if template.lanes is not None else "tiles"
+                    new.append(dataclasses.replace(template, **{field: arrived[slot].clone()}))
+                else:
+                    new.append(part[src])
+            layouts.append(new)
+        self.w13, self.w2 = layouts
+        self._write_records()
+
     def place(self, source: torch.Tensor, used: torch.Tensor) -> None:
         """Slot i takes the expert now in slot source[i] (where used[i]; else it empties): references
         moved, all read before any is written."""
@@ -115,3 +156,8 @@ class ExpertBlocks:
         self.w13, self.w2 = w13, w2
         self._write_records()
 
+
+
+def _records(blocks: BlockQuantized) -> torch.Tensor:
+    """The one records tensor an expert holds (ExpertBlocks.movable)."""
+    return blocks.lanes if blocks.lanes is not None else blocks.tiles

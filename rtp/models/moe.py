@@ -228,7 +228,7 @@ class FusedMoE(nn.Module):
         # where each new slot's weights are now (an empty slot keeps slot 0's, never read)
         table_now = self.logical_to_physical.cpu()
         source = table_now[target.clamp_min(0), 0]
-        if self.blocks is not None:  # one rank (the loader serves blocks only then): references move
+        if self.blocks is not None and self.local_slots == self.num_slots:  # one rank: references move
             self.blocks.place(source, target >= 0)
         elif self.local_slots == self.num_slots:  # one rank holds every slot
             # only slots that change expert are written (an emptied slot keeps its stale weights,
@@ -272,27 +272,36 @@ class FusedMoE(nn.Module):
     def _move_across_ranks(self, source: torch.Tensor, used: torch.Tensor) -> None:
         """Slot i's weights from global slot source[i]: local copies, the rest over all_to_all.
         Rows travel in increasing destination-slot order, which both ends derive alike."""
-        ranks, local, me = ep_size(), self.local_slots, ep_rank()
-        owner = source // local
-        mine = torch.arange(me * local, (me + 1) * local)
-        # rows this rank sends: slots of other ranks whose source is here, by destination rank
-        outgoing = [[int(source[d]) - self.slot_offset for d in range(r * local, (r + 1) * local)
-                     if used[d] and owner[d] == me] if r != me else [] for r in range(ranks)]
-        incoming = [[d for d in mine.tolist() if used[d] and owner[d] == r] if r != me else []
-                    for r in range(ranks)]
+        outgoing, incoming = self._cross_rank_plan(source, used)
+        if self.blocks is not None:  # each slot's records, sent as they are (ExpertBlocks.move)
+            here = slice(self.slot_offset, self.slot_offset + self.local_slots)
+            self.blocks.move(source[here] - self.slot_offset, used[here], outgoing, incoming, self.slot_offset)
+            return
+        mine = range(self.slot_offset, self.slot_offset + self.local_slots)
         for param in (self.w13, self.w2):
             w = param.data
             sent = w.index_select(0, torch.tensor(list(itertools.chain(*outgoing)), dtype=torch.int64, device=w.device))
             received = w.new_empty(sum(map(len, incoming)), *w.shape[1:])
             all_to_all(received, sent, [len(i) for i in incoming], [len(o) for o in outgoing])
             new = w.clone()
-            for d in mine.tolist():
-                if used[d] and owner[d] == me:
+            for d in mine:
+                if used[d] and self.slot_offset <= source[d] < self.slot_offset + self.local_slots:
                     new[d - self.slot_offset] = w[int(source[d]) - self.slot_offset]
             arrived = list(itertools.chain(*incoming))
             if arrived:
                 new.index_copy_(0, torch.tensor(arrived, device=w.device) - self.slot_offset, received)
             w.copy_(new)
+
+    def _cross_rank_plan(self, source: torch.Tensor, used: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+        """What a placement sends between ranks: for each rank, the local slots whose expert this rank sends
+        it (in its destination slots' order), and the global slots here that rank's experts arrive in."""
+        ranks, local, me = ep_size(), self.local_slots, ep_rank()
+        owner = source // local
+        outgoing = [[int(source[d]) - self.slot_offset for d in range(r * local, (r + 1) * local)
+                     if used[d] and owner[d] == me] if r != me else [] for r in range(ranks)]
+        incoming = [[d for d in range(me * local, (me + 1) * local) if used[d] and owner[d] == r] if r != me else []
+                    for r in range(ranks)]
+        return outgoing, incoming
 
     def grouped(self, x: torch.Tensor, row_source: torch.Tensor, group_end: torch.Tensor) -> torch.Tensor:
         """The expert math of an exchange: row r is this rank's slot g's expert applied to
@@ -307,6 +316,7 @@ class FusedMoE(nn.Module):
         kernel call where the experts are GGUF blocks the MoE op serves and the router is its softmax top-k
         (ExpertBlocks.routed; then a CPU graph can replay the layer), else router, then forward."""
         if (self.blocks is not None and self.blocks.one_call and router.softmax_top_k
+                and self.local_slots == self.num_slots
                 and x.dtype == torch.bfloat16 and logits.dtype in (torch.bfloat16, torch.float32)):
             return self.blocks.routed(x, logits, router.top_k, router.renormalize, self.logical_to_physical,
                                       self.replica_count, self.expert_load if self.count_load else None)

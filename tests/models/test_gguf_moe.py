@@ -582,3 +582,56 @@ def test_a_moe_gguf_at_ep2_gives_transformers_logits(tmp_path):
     prompts = prompts_of((5, 23, 40), seed=6)
     worst = run_ranks(_ep2_rank, path, prompts, hf_reference(hf, prompts), tmp_path=tmp_path)
     assert max(worst) < 1e-4, worst
+
+
+def _ep2_blocks_rank(rank: int, init: str, path, prompts, refs) -> tuple:
+    import rtp.distributed as dist
+    from rtp.checkpoint.loader import load_model
+    from tiny_models import teacher_force
+
+    dist.init_parallel(tp=1, ep=2, rank=rank, backend="gloo", init_method=init, timeout_s=60)
+    model, _ = load_model(path, torch.bfloat16, torch.device("cpu"), redundant_experts=2)
+    (served,) = _sparse(model)
+    assert served.blocks is not None and served.blocks.movable and served.local_slots == 5
+    assert served.w13.device.type == "meta"
+
+    def logits():
+        rows, *_ = teacher_force(model, prompts, refs, kv_dtype=torch.bfloat16, num_blocks=256, max_num_seqs=4,
+                                 max_batched=128, prefix_cache=False, warmup=False)
+        return [diff for diff, _ in rows]
+
+    before = logits()
+    # every expert to another slot, most to the other rank; expert 2 in three slots (one a replica on each rank)
+    served.place([7, 6, 2, 5, 4, 3, 2, 1, 0, 2])
+    assert [b is None for b in served.blocks.w13] == [False] * 5
+    after = logits()
+    return before, after
+
+
+def test_block_experts_at_ep2_move_between_ranks_with_a_placement(tmp_path):
+    """--ep 2 in bf16: each rank serves its half of the experts from their records (no dense copy), and a
+    placement that moves experts between ranks (and replicates one on both) sends the records over the
+    all-to-all: every row's logits are the same bits after it as before, and as near transformers' as
+    transformers' own bf16 is."""
+    import copy
+
+    from ranks import run_ranks
+
+    from rtp.kernels import cpu_kernels
+
+    if not (cpu_kernels.tiles_available() or cpu_kernels.lanes_available()):
+        pytest.skip("the experts' records are one tensor each only on the tile and lane paths")
+    _, hf = make_moe("qwen3_moe", tmp_path / "hf")
+    path = write_moe_gguf(tmp_path / "moe.gguf", hf, "qwen3_moe", Q.Q8_0)
+    prompts = prompts_of((5, 23, 40), seed=7)
+    refs = hf_reference(hf, prompts)
+    results = run_ranks(_ep2_blocks_rank, path, prompts, refs, tmp_path=tmp_path)
+    for before, after in results:
+        assert before == after
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs = max((hf16(torch.tensor([tokens])).logits[0].float() - logits).abs().max().item()
+                     for tokens, logits in refs)
+    scale = max(logits.abs().max().item() for _, logits in refs)
+    second_worst = sorted(results[0][0])[-2]
+    assert second_worst <= max(2 * theirs, 0.03 * scale), (second_worst, theirs, scale)
