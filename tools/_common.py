@@ -256,18 +256,18 @@ def make_workload(ids, n: int, prompt_lens: tuple[int, int], output_lens: tuple[
 PROMPT = 32  # tokens of each decode measurement's prompts
 
 
-def engine_figures(model: str, streams: list[int], tokens: int, prefill: int) -> dict:
+def engine_figures(model: str, streams: list[int], tokens: int, prefill: int, deterministic: bool = True) -> dict:
     """rtp's decode tok/s of each number of streams (`PROMPT`-token prompts; a step's time is
     t(tokens) - t(1 token) over tokens - 1) and its prompt tok/s of one `prefill`-token prompt
     (warm; a fresh prompt each run, no prefix-cache hit), both cores; the ISA path and the
-    kernels are what the process's environment selects."""
+    kernels are what the process's environment selects (deterministic=False: --no-deterministic)."""
     import numpy as np
 
     from rtp import LLM, SamplingParams
     from rtp.kernels import cpu_kernels
 
     llm = LLM(model=model, compile=False, max_model_len=max(prefill + 8, PROMPT + tokens + 8),
-              max_num_seqs=max(streams))
+              max_num_seqs=max(streams), deterministic=deterministic)
     g = np.random.default_rng(0)
     prompts = [g.integers(100, 40000, size=PROMPT).tolist() for _ in range(max(streams))]
 

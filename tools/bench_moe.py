@@ -12,6 +12,7 @@ step is t(N tokens) - t(1 token) over N - 1) and prompt tok/s of one 512-token p
   rtp blocks   the experts multiplied from their blocks (rtp/models/expert_blocks.py), each MoE
                layer one kernel call (rtp/kernels/csrc/moe.c), every step replayed from a CPU graph
   rtp eager    the same, every step run eagerly (RTP_CPU_GRAPHS=0): what the graphs save
+  rtp nondet   rtp blocks with --no-deterministic (a lone stream's dense layers on the one-row kernels)
   rtp dense    the experts dequantized to bf16 at load and computed by torch's grouped GEMM
                (RTP_EXPERT_BLOCKS=0), eagerly
   llama.cpp    with --llama-bench / --llama-batched-bench: llama-bench pp512 and tg, and
@@ -119,16 +120,19 @@ def main() -> int:
     ap.add_argument("--streams", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=33, help="tokens generated per measured run (default 33)")
     ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--configs", default="blocks,eager,dense", help="rtp configurations: blocks, eager, dense")
+    ap.add_argument("--configs", default="blocks,eager,dense",
+                    help="rtp configurations: blocks, eager, dense, nondet (blocks with --no-deterministic)")
     ap.add_argument("--dir", default=None, help="where the GGUF goes (default: a temporary directory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-bench", metavar="PATH")
     ap.add_argument("--llama-batched-bench", metavar="PATH")
     ap.add_argument("--child", metavar="GGUF", help=argparse.SUPPRESS)
+    ap.add_argument("--child-nondeterministic", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     if args.child:
-        print(json.dumps(_common.engine_figures(args.child, streams, args.tokens, args.prefill)))
+        print(json.dumps(_common.engine_figures(args.child, streams, args.tokens, args.prefill,
+                                                deterministic=not args.child_nondeterministic)))
         return 0
 
     SHAPE["experts"] = args.experts
@@ -143,7 +147,8 @@ def main() -> int:
                    RTP_CPU_GRAPHS="0" if config == "eager" else os.environ.get("RTP_CPU_GRAPHS", "1"))
         _common.note(f"rtp {config}")
         figures = _common.child_figures([__file__, "--child", str(path), "--streams", args.streams,
-                                         "--tokens", str(args.tokens), "--prefill", str(args.prefill)],
+                                         "--tokens", str(args.tokens), "--prefill", str(args.prefill),
+                                         *(["--child-nondeterministic"] if config == "nondet" else [])],
                                         env, f"rtp {config}", timeout=5400)
         if figures is not None:
             rows.append({"engine": f"rtp {config}", **figures})
