@@ -240,3 +240,14 @@ def test_bench_kv_tiers_runs_every_tier_and_a_restart_and_prints_a_json_last_lin
     assert restart["disk_tokens"] > 0 and restart["loads"] == 3 and restart["cold_ttft_p50_s"] > 0
     assert all(r["alone_p50_s"] > 0 for r in rows.values())
     assert figures["drive_read_gbps"] > 0 and "restart:" in out.stdout
+
+
+@pytest.mark.skipif(cpu_kernels.isa() != "amx" or not cpu_kernels.has_op("linear_lanes"),
+                    reason="needs AMX (the tool's AMX-INT8 kernel beside rtp's AMX and lane kernels)")
+def test_bench_amx_int8_gives_the_lane_kernels_bits_and_prints_a_json_last_line():
+    out = subprocess.run([sys.executable, "tools/bench_amx_int8.py", "--n", "64", "--k", "96", "--rows", "16,48",
+                          "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["rows"] for r in figures["rows"]] == [16, 48]
+    assert all(r["bits_equal_lanes"] and r["us"]["amx_int8"] > 0 for r in figures["rows"])
