@@ -258,8 +258,8 @@ class DeepseekV2Router(TopKRouter):
 
 def _v2_routing(config: ModelConfig) -> bool:
     """Whether the experts are routed as DeepSeek-V2's (softmax scores), not V3's (sigmoid, noaux_tc)."""
-    return config.raw.get("scoring_func", "softmax" if config.raw.get("model_type") == "deepseek_v2" else "sigmoid") \
-        == "softmax"
+    default = "softmax" if config.raw.get("model_type") == "deepseek_v2" else "sigmoid"  # V2 configs may not say
+    return config.raw.get("scoring_func", default) == "softmax"
 
 
 class DeepseekV3MoE(nn.Module):

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rtp.kernels import cpu_kernels
+from rtp.kernels import cpu_kernels, hugepages
 from rtp.kernels.quant import TILE_KIND, BlockQuantized
 
 
@@ -141,7 +141,8 @@ class ExpertBlocks:
                     new.append(None)
                 elif slot in arrived:
                     field = "lanes" if template.lanes is not None else "tiles"
-                    new.append(dataclasses.replace(template, **{field: arrived[slot].clone()}))
+                    # on huge pages, as the loader put every expert's records (BlockQuantized.tile_layout)
+                    new.append(dataclasses.replace(template, **{field: hugepages.copy(arrived[slot])}))
                 else:
                     new.append(part[src])
             layouts.append(new)
