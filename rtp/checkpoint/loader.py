@@ -558,9 +558,7 @@ def _attach_expert_blocks(model: torch.nn.Module, fused: dict[str, dict], file: 
         experts = range(module.slot_offset, min(module.slot_offset + module.local_slots, module.num_experts))
         parts = [[w13.get(ExpertShard(e, "gate")) for e in experts], [w13.get(ExpertShard(e, "up")) for e in experts],
                  [w2.get(ExpertShard(e, "down")) for e in experts]]
-        blocks = None
-        if len(experts) and all(b is not None for part in parts for b in part):
-            blocks = ExpertBlocks.build(*parts, module.local_slots)
+        blocks = ExpertBlocks.build(*parts, module.local_slots) if len(experts) else None
         if blocks is not None and ep_size() > 1 and not blocks.movable:
             blocks = None  # the avx2 path's blocks are several tensors an expert: its slots stay dense
         if blocks is None:

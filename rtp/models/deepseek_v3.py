@@ -201,9 +201,7 @@ class DeepseekV3Router(TopKRouter):
         biased = scores + self.e_score_correction_bias
         grouped = biased.view(tokens, self.n_group, experts // self.n_group)
         group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)                 # [T, G]
-        best_groups = group_score.topk(self.topk_group, dim=-1).indices
-        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
-        biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
+        biased = _in_best_groups(grouped, group_score, self.topk_group, float("-inf"))
         ids = biased.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.renormalize:
@@ -247,13 +245,19 @@ class DeepseekV2Router(TopKRouter):
         if self.n_group > 1:
             tokens, experts = scores.shape
             grouped = scores.view(tokens, self.n_group, experts // self.n_group)
-            best_groups = grouped.amax(dim=-1).topk(self.topk_group, dim=-1).indices
-            keep = torch.zeros(tokens, self.n_group, dtype=torch.bool, device=scores.device).scatter_(1, best_groups, True)
-            scores = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(tokens, experts)
+            scores = _in_best_groups(grouped, grouped.amax(dim=-1), self.topk_group, 0.0)
         weights, ids = super().select(scores)
         return weights * self.routed_scaling_factor, ids
 
     logits = DeepseekV3Router.logits
+
+
+def _in_best_groups(grouped: torch.Tensor, group_score: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
+    """grouped [T, G, E/G] as [T, E], `fill` where an expert is outside the topk_group groups of the highest
+    group_score [T, G]: group-limited routing's choice, V3's and V2's alike."""
+    best_groups = group_score.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), fill).flatten(1)
 
 
 def _v2_routing(config: ModelConfig) -> bool:

@@ -63,7 +63,7 @@ class ExpertBlocks:
 
     def _write_records(self) -> None:
         for table, blocks in ((self.w13_records, self.w13), (self.w2_records, self.w2)):
-            records = [None if b is None else b.lanes if self.lanes else b.tiles for b in blocks]
+            records = [None if b is None else _records(b) for b in blocks]
             table.copy_(torch.tensor([0 if r is None else r.data_ptr() for r in records], dtype=torch.int64))
 
     @classmethod
@@ -119,12 +119,12 @@ class ExpertBlocks:
         sends to another rank as it is."""
         return all(b is None or b.only_tiles is not None for b in self.w13 + self.w2)
 
-    def move(self, source: torch.Tensor, used: torch.Tensor, outgoing: list[list[int]], incoming: list[list[int]],
+    def move(self, outgoing: list[list[int]], incoming: list[list[int]], local: list[tuple[int, int]],
              slot_offset: int) -> None:
-        """Expert parallelism's placement change (FusedMoE._cross_rank_plan): local slot i takes the expert in
-        local slot source[i] where that is on this rank, else the records that arrive for global slot
-        slot_offset + i from the rank holding its expert; outgoing[r] are the local slots sent to rank r.
-        Every rank calls this with the same placement."""
+        """Expert parallelism's placement change (FusedMoE._cross_rank_plan): outgoing[r] are the local slots
+        whose records go to rank r, incoming[r] the global slots here that rank r's records arrive in, local
+        the (destination, source) local slots whose expert is already here; every other slot empties. Every
+        rank calls this with the same placement."""
         from rtp.distributed import all_to_all
 
         layouts = []
@@ -134,17 +134,13 @@ class ExpertBlocks:
             sent = torch.stack(records) if records else torch.empty(0, *shape, dtype=torch.uint8)
             received = torch.empty(sum(map(len, incoming)), *shape, dtype=torch.uint8)
             all_to_all(received, sent, [len(i) for i in incoming], [len(o) for o in outgoing])
-            arrived = {d - slot_offset: received[k] for k, d in enumerate(itertools.chain(*incoming))}
-            new = []
-            for slot, (src, on) in enumerate(zip(source.tolist(), used.tolist())):
-                if not on:
-                    new.append(None)
-                elif slot in arrived:
-                    field = "lanes" if template.lanes is not None else "tiles"
-                    # on huge pages, as the loader put every expert's records (BlockQuantized.tile_layout)
-                    new.append(dataclasses.replace(template, **{field: hugepages.copy(arrived[slot])}))
-                else:
-                    new.append(part[src])
+            new: list[BlockQuantized | None] = [None] * len(part)
+            for dest, src in local:
+                new[dest] = part[src]
+            field = "lanes" if template.lanes is not None else "tiles"
+            for k, d in enumerate(itertools.chain(*incoming)):
+                # on huge pages, as the loader put every expert's records (BlockQuantized.tile_layout)
+                new[d - slot_offset] = dataclasses.replace(template, **{field: hugepages.copy(received[k])})
             layouts.append(new)
         self.w13, self.w2 = layouts
         self._write_records()
@@ -158,7 +154,6 @@ class ExpertBlocks:
         self._write_records()
 
 
-
 def _records(blocks: BlockQuantized) -> torch.Tensor:
-    """The one records tensor an expert holds (ExpertBlocks.movable)."""
+    """The records tensor the kernels read for an expert: its lane order, else its tiles (None on the avx2 path)."""
     return blocks.lanes if blocks.lanes is not None else blocks.tiles

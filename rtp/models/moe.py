@@ -228,9 +228,11 @@ class FusedMoE(nn.Module):
         # where each new slot's weights are now (an empty slot keeps slot 0's, never read)
         table_now = self.logical_to_physical.cpu()
         source = table_now[target.clamp_min(0), 0]
-        if self.blocks is not None and self.local_slots == self.num_slots:  # one rank: references move
+        if self.local_slots < self.num_slots:
+            self._move_across_ranks(source, target >= 0)
+        elif self.blocks is not None:  # one rank: references move
             self.blocks.place(source, target >= 0)
-        elif self.local_slots == self.num_slots:  # one rank holds every slot
+        else:  # one rank holds every slot
             # only slots that change expert are written (an emptied slot keeps its stale weights,
             # never read): rows gathered before any is overwritten, so sources may be moving too
             held = torch.full((self.num_slots,), -1, dtype=torch.int64)
@@ -241,8 +243,6 @@ class FusedMoE(nn.Module):
                 for param in (self.w13, self.w2):
                     rows = param.data.index_select(0, source[moving].to(param.device))
                     param.data.index_copy_(0, moving.to(param.device), rows)
-        else:
-            self._move_across_ranks(source, target >= 0)
         # built on the host, copied once: per-element writes into a device tensor would each launch
         table = torch.full(self.logical_to_physical.shape, -1, dtype=torch.int64)
         filled = torch.zeros(self.num_experts, dtype=torch.int64)
@@ -272,36 +272,37 @@ class FusedMoE(nn.Module):
     def _move_across_ranks(self, source: torch.Tensor, used: torch.Tensor) -> None:
         """Slot i's weights from global slot source[i]: local copies, the rest over all_to_all.
         Rows travel in increasing destination-slot order, which both ends derive alike."""
-        outgoing, incoming = self._cross_rank_plan(source, used)
+        outgoing, incoming, local = self._cross_rank_plan(source, used)
         if self.blocks is not None:  # each slot's records, sent as they are (ExpertBlocks.move)
-            here = slice(self.slot_offset, self.slot_offset + self.local_slots)
-            self.blocks.move(source[here] - self.slot_offset, used[here], outgoing, incoming, self.slot_offset)
+            self.blocks.move(outgoing, incoming, local, self.slot_offset)
             return
-        mine = range(self.slot_offset, self.slot_offset + self.local_slots)
         for param in (self.w13, self.w2):
             w = param.data
             sent = w.index_select(0, torch.tensor(list(itertools.chain(*outgoing)), dtype=torch.int64, device=w.device))
             received = w.new_empty(sum(map(len, incoming)), *w.shape[1:])
             all_to_all(received, sent, [len(i) for i in incoming], [len(o) for o in outgoing])
             new = w.clone()
-            for d in mine:
-                if used[d] and self.slot_offset <= source[d] < self.slot_offset + self.local_slots:
-                    new[d - self.slot_offset] = w[int(source[d]) - self.slot_offset]
+            for dest, src in local:
+                new[dest] = w[src]
             arrived = list(itertools.chain(*incoming))
             if arrived:
                 new.index_copy_(0, torch.tensor(arrived, device=w.device) - self.slot_offset, received)
             w.copy_(new)
 
-    def _cross_rank_plan(self, source: torch.Tensor, used: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
-        """What a placement sends between ranks: for each rank, the local slots whose expert this rank sends
-        it (in its destination slots' order), and the global slots here that rank's experts arrive in."""
+    def _cross_rank_plan(self, source: torch.Tensor, used: torch.Tensor
+                         ) -> tuple[list[list[int]], list[list[int]], list[tuple[int, int]]]:
+        """What a placement moves, on this rank: for each rank, the local slots whose expert this rank sends it
+        (in its destination slots' order); for each rank, the global slots here that rank's experts arrive in;
+        and the (destination, source) local slots whose expert is already here."""
         ranks, local, me = ep_size(), self.local_slots, ep_rank()
         owner = source // local
         outgoing = [[int(source[d]) - self.slot_offset for d in range(r * local, (r + 1) * local)
                      if used[d] and owner[d] == me] if r != me else [] for r in range(ranks)]
         incoming = [[d for d in range(me * local, (me + 1) * local) if used[d] and owner[d] == r] if r != me else []
                     for r in range(ranks)]
-        return outgoing, incoming
+        here = [(d - self.slot_offset, int(source[d]) - self.slot_offset)
+                for d in range(me * local, (me + 1) * local) if used[d] and owner[d] == me]
+        return outgoing, incoming, here
 
     def grouped(self, x: torch.Tensor, row_source: torch.Tensor, group_end: torch.Tensor) -> torch.Tensor:
         """The expert math of an exchange: row r is this rank's slot g's expert applied to
